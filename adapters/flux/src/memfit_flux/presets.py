@@ -1,0 +1,77 @@
+"""Model sizes and dummy inputs for Flux (random weights; nothing is downloaded)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+from diffusers import FluxTransformer2DModel
+
+TINY = dict(
+    patch_size=1, in_channels=8, num_layers=3, num_single_layers=4, attention_head_dim=8,
+    num_attention_heads=4, joint_attention_dim=16, pooled_projection_dim=16, guidance_embeds=True,
+    axes_dims_rope=(2, 2, 4),
+)
+# FLUX.1-dev as published (black-forest-labs/FLUX.1-dev transformer/config.json).
+FULL = dict(
+    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
+    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+    axes_dims_rope=(16, 56, 56),
+)
+
+
+def _build(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device) -> FluxTransformer2DModel:
+    with torch.device(device):
+        model = FluxTransformer2DModel(**config)
+    return model.to(dtype=dtype)
+
+
+def build_tiny(*, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+               seed: int = 0) -> FluxTransformer2DModel:
+    torch.manual_seed(seed)
+    return _build(TINY, dtype, device)
+
+
+def build_full(*, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
+               seed: int = 0) -> FluxTransformer2DModel:
+    torch.manual_seed(seed)
+    return _build(FULL, dtype, device)
+
+
+def latent_grid(tokens: int) -> tuple[int, int]:
+    """A near-square (h, w) packed-latent grid with h*w == tokens (tokens is rounded to a product)."""
+    h = max(1, int(math.isqrt(tokens)))
+    while tokens % h:
+        h -= 1
+    return h, tokens // h
+
+
+def make_inputs(model: FluxTransformer2DModel, *, tokens: int | None = None, batch: int = 1,
+                text_tokens: int | None = None, generator: torch.Generator | None = None) -> dict[str, Any]:
+    """Forward kwargs: packed image latents of ``tokens`` tokens, text context, timestep, guidance."""
+    cfg = model.config
+    p = next(model.parameters())
+    device, dtype = p.device, p.dtype
+    tokens = tokens or 64
+    text_tokens = text_tokens or (512 if cfg.joint_attention_dim >= 1024 else 8)
+    h, w = latent_grid(tokens)
+
+    def randn(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
+
+    img_ids = torch.zeros(h, w, 3)
+    img_ids[..., 1] = torch.arange(h)[:, None]
+    img_ids[..., 2] = torch.arange(w)[None, :]
+    inputs = dict(
+        hidden_states=randn(batch, h * w, cfg.in_channels),
+        encoder_hidden_states=randn(batch, text_tokens, cfg.joint_attention_dim),
+        pooled_projections=randn(batch, cfg.pooled_projection_dim),
+        timestep=torch.rand(batch, generator=generator).to(device=device, dtype=dtype),
+        img_ids=img_ids.reshape(h * w, 3).to(device),
+        txt_ids=torch.zeros(text_tokens, 3, device=device),
+        return_dict=False,
+    )
+    if cfg.guidance_embeds:
+        inputs["guidance"] = torch.full((batch,), 3.5, device=device, dtype=dtype)
+    return inputs

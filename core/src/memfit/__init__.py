@@ -1,0 +1,37 @@
+"""memfit: make diffusion-transformer training that almost fits in GPU memory fit.
+
+Public API::
+
+    import memfit
+    handle = memfit.apply(model, {"gradient_checkpointing": True,
+                                  "gradient_checkpointing_backend": "torch-ffn"})
+    handle.remove()
+"""
+
+from memfit.accounting import SavedBytesMeter
+from memfit.adapters import BlockSpec, FamilyAdapter, Preset, available_adapters, find_adapter, get_adapter
+from memfit.apply import apply
+from memfit.config import Backend, MemfitConfig
+from memfit.errors import ConfigError, MemfitError, MemfitWarning, NotAvailableError, UnsupportedBoundaryError
+from memfit.handle import MemfitHandle
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "Backend",
+    "BlockSpec",
+    "ConfigError",
+    "FamilyAdapter",
+    "MemfitConfig",
+    "MemfitError",
+    "MemfitHandle",
+    "MemfitWarning",
+    "NotAvailableError",
+    "Preset",
+    "SavedBytesMeter",
+    "UnsupportedBoundaryError",
+    "apply",
+    "available_adapters",
+    "find_adapter",
+    "get_adapter",
+]

@@ -1,0 +1,131 @@
+"""The adapter protocol: a family *declares* its boundaries, the core executes.
+
+An adapter never runs model code of its own and never edits the model.  It says:
+
+* which ``nn.ModuleList`` attributes hold the repeated blocks, in call order;
+* for each block class, the FFN region(s) and the attention region(s), each a chain
+  of consecutive sub-module calls given by attribute path (``("proj_mlp", "act_mlp")``);
+* whether whole-block interval chunks are safe for the family;
+* which diffusers versions it was verified against;
+* presets: factories for a model and matching dummy inputs (a tiny one for tests and
+  the CLI, the published full size for benchmarks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+# A region is a chain of consecutive sub-module calls inside a block, by attribute path.
+Region = tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class BlockSpec:
+    """Boundaries of one block class.
+
+    Args:
+        ffn: FFN regions. Each region is a chain of sub-module paths called one after the
+            other with nothing in between that needs their activations, e.g. ``("ff",)`` or
+            ``("proj_mlp", "act_mlp")``. Empty: this block has no safe FFN boundary.
+        attention: attention regions (for attention offload), same form.
+    """
+
+    ffn: tuple[Region, ...] = ()
+    attention: tuple[Region, ...] = ()
+
+
+@dataclass(frozen=True)
+class Preset:
+    """A model size users train at, with inputs that drive one forward.
+
+    Args:
+        build: ``build(dtype=..., device=...) -> nn.Module`` with random weights (nothing is downloaded).
+        inputs: ``inputs(model, *, tokens, batch, generator) -> dict`` of forward kwargs. ``tokens`` is
+            the image-token count the family packs latents into (the family rounds it to a valid shape).
+        default_tokens: the token count used when the caller does not choose one.
+        description: a short human label (``"Flux.1-dev, 12B"``).
+    """
+
+    build: Callable[..., nn.Module]
+    inputs: Callable[..., dict[str, Any]]
+    default_tokens: int = 256
+    description: str = ""
+
+
+def default_loss(output: Any) -> torch.Tensor:
+    """A scalar to backpropagate from a model output (diffusers output object, tuple or tensor)."""
+    if hasattr(output, "sample"):
+        output = output.sample
+    if isinstance(output, (tuple, list)):
+        output = output[0]
+    return output.float().pow(2).mean()
+
+
+@dataclass(frozen=True)
+class FamilyAdapter:
+    """Everything the core needs to know about one model family.
+
+    Args:
+        name: the family's name as users type it (``"flux"``).
+        model_classes: class names this adapter serves; matched against the model's MRO, so
+            user subclasses match too.
+        block_lists: attribute paths of the ``nn.ModuleList`` s holding the repeated blocks,
+            in the order the model calls them.
+        blocks: block class name -> its :class:`BlockSpec`.
+        supports_interval: whether consecutive blocks may be checkpointed as one chunk.
+        verified_diffusers: diffusers versions the declarations were verified against.
+        block_count_config: block list path -> the model-config key holding its length, so the
+            kit can check that the declared lists match the configuration.
+        presets: named :class:`Preset` s; ``"tiny"`` is required (tests and CLI default).
+        loss: maps a forward's output to a scalar loss.
+        notes: free text shown by ``memfit list`` (what was verified, what is missing and why).
+    """
+
+    name: str
+    model_classes: tuple[str, ...]
+    block_lists: tuple[str, ...]
+    blocks: Mapping[str, BlockSpec]
+    supports_interval: bool = True
+    verified_diffusers: tuple[str, ...] = ()
+    block_count_config: Mapping[str, str] = field(default_factory=dict)
+    presets: Mapping[str, Preset] = field(default_factory=dict)
+    loss: Callable[[Any], torch.Tensor] = default_loss
+    notes: str = ""
+
+    # -- queries -----------------------------------------------------------------------------------------------
+
+    def matches(self, model: nn.Module) -> bool:
+        names = {cls.__name__ for cls in type(model).__mro__}
+        return any(name in names for name in self.model_classes)
+
+    @property
+    def has_ffn(self) -> bool:
+        return any(spec.ffn for spec in self.blocks.values())
+
+    @property
+    def has_attention(self) -> bool:
+        return any(spec.attention for spec in self.blocks.values())
+
+    def scopes(self) -> list[str]:
+        """Human-readable list of what this family supports, for ``memfit list``."""
+        out = ["torch", "unsloth"]
+        if self.has_ffn:
+            out += ["torch-ffn", "unsloth-ffn"]
+        if self.supports_interval:
+            out.append("interval")
+        out.append("stride")
+        if self.has_attention:
+            out.append("offload_attention")
+        return out
+
+    def iter_blocks(self, model: nn.Module):
+        """Yield ``(list_path, index, block)`` for every declared block, in call order."""
+        for path in self.block_lists:
+            container = model.get_submodule(path)
+            for index, block in enumerate(container):
+                yield path, index, block

@@ -1,0 +1,193 @@
+"""``memfit.apply(model, config)``: resolve the family, validate the request, install the engine."""
+
+from __future__ import annotations
+
+import warnings
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from memfit.adapters.discovery import find_adapter
+from memfit.adapters.spec import FamilyAdapter
+from memfit.config import Backend, MemfitConfig, as_config
+from memfit.engine.install import RegionEngine, RegionSite, chain_sites
+from memfit.engine.schedule import plan_blocks
+from memfit.errors import MemfitError, MemfitWarning, NotAvailableError, UnsupportedBoundaryError
+from memfit.handle import MemfitHandle
+
+_applied: weakref.WeakKeyDictionary[nn.Module, MemfitHandle] = weakref.WeakKeyDictionary()
+
+
+def apply(model: nn.Module, config: MemfitConfig | Mapping[str, Any] | str | None = None, /, *,
+          adapter: FamilyAdapter | None = None, strict: bool = True, **overrides: Any) -> MemfitHandle:
+    """Install checkpointing/offload on ``model`` as ``config`` asks.
+
+    Args:
+        model: the transformer (a diffusers model, or any model an installed adapter serves).
+        config: a dict of SPEC §1 keys (a trainer's JSON pasted as is), a :class:`MemfitConfig`,
+            or a path to a JSON file. Keyword arguments override single keys.
+        adapter: use this adapter instead of looking one up from the model's class.
+        strict: reject unknown keys (default). ``strict=False`` ignores keys that do not start
+            with ``gradient_checkpointing`` (a full trainer config).
+
+    Returns:
+        A :class:`MemfitHandle`; ``handle.remove()`` restores the model exactly.
+
+    Raises:
+        ConfigError: a key or value is invalid.
+        UnsupportedBoundaryError: the family has not declared the requested scope.
+        NotAvailableError: the backend cannot run here.
+        MemfitError: the model already has memfit applied, or cannot be checkpointed at all.
+
+    Example:
+        >>> handle = memfit.apply(transformer, {"gradient_checkpointing": True,
+        ...                                     "gradient_checkpointing_backend": "torch-ffn"})
+        >>> ...  # train
+        >>> handle.remove()
+    """
+    cfg = as_config(config, strict=strict, **overrides)
+    if model in _applied:
+        raise MemfitError(
+            f"memfit is already applied to this {type(model).__name__}; call handle.remove() on the "
+            f"first handle before applying a new configuration."
+        )
+    adapter = adapter if adapter is not None else find_adapter(model)
+    family = adapter.name if adapter is not None else None
+    cfg = _effective_config(model, cfg, adapter)
+    engine = RegionEngine(model)
+    if cfg.enabled:
+        _plan(engine, model, cfg, adapter)
+    if cfg.offload_attention:
+        raise NotAvailableError(
+            "gradient_checkpointing_offload_attention is not available in this memfit version yet "
+            "(it arrives with the offload engine). Set it to false."
+        )
+    engine.install()
+    handle = MemfitHandle(model, cfg, family, engine, on_remove=lambda: _applied.pop(model, None))
+    _applied[model] = handle
+    return handle
+
+
+def _effective_config(model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapter | None) -> MemfitConfig:
+    """Apply the SPEC §1 interaction rules that turn settings off (each with one warning)."""
+    if not cfg.enabled:
+        return cfg
+    if _fsdp_checkpointing_applied(model):
+        warnings.warn(
+            "FSDP activation checkpointing is already applied to this model; memfit's model-level "
+            "checkpointing is disabled to avoid checkpointing twice (remove FSDP's checkpoint wrapper to use "
+            "memfit's backends).",
+            MemfitWarning,
+            stacklevel=3,
+        )
+        return _replace(cfg, enabled=False)
+    if cfg.backend.offloads_inputs:
+        raise NotAvailableError(
+            f"gradient_checkpointing_backend={cfg.backend.value!r} is not available in this memfit version yet "
+            f"(it arrives with the offload engine). Use 'torch' or 'torch-ffn' for now."
+        )
+    if cfg.backend.ffn_only:
+        _require_ffn(model, adapter, cfg.backend)
+    if cfg.interval > 1 and not cfg.backend.ffn_only and (adapter is None or not adapter.supports_interval):
+        who = f"family {adapter.name!r}" if adapter else f"{type(model).__name__} (no memfit adapter)"
+        warnings.warn(
+            f"gradient_checkpointing_interval={cfg.interval} is ignored: {who} does not support interval "
+            f"chunks; every checkpointed block is its own region (interval 1).",
+            MemfitWarning,
+            stacklevel=3,
+        )
+        stride = cfg.segment_stride
+        return _replace(cfg, interval=1, segment_stride=stride)
+    return cfg
+
+
+def _require_ffn(model: nn.Module, adapter: FamilyAdapter | None, backend: Backend) -> None:
+    if adapter is None:
+        raise UnsupportedBoundaryError(
+            f"gradient_checkpointing_backend={backend.value!r} needs a declared FFN boundary, but "
+            f"{type(model).__name__} has no memfit adapter. Install the adapter for its family, or use the "
+            f"whole-block backend 'torch'."
+        )
+    if not adapter.has_ffn:
+        raise UnsupportedBoundaryError(
+            f"gradient_checkpointing_backend={backend.value!r}: family {adapter.name!r} declares no safe FFN "
+            f"boundary. Use the whole-block backend 'torch' instead."
+        )
+    for path, _, block in adapter.iter_blocks(model):
+        if type(block).__name__ not in adapter.blocks:
+            raise UnsupportedBoundaryError(
+                f"gradient_checkpointing_backend={backend.value!r}: block class {type(block).__name__} in "
+                f"{path!r} is not declared by family {adapter.name!r}, so it has no known FFN boundary."
+            )
+
+
+def _plan(engine: RegionEngine, model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapter | None) -> None:
+    diffusers_entry = bool(getattr(model, "_supports_gradient_checkpointing", False)) and hasattr(
+        model, "enable_gradient_checkpointing"
+    )
+    if adapter is None:
+        if not diffusers_entry:
+            raise MemfitError(
+                f"{type(model).__name__} has no memfit adapter and does not support diffusers gradient "
+                f"checkpointing, so memfit does not know its blocks. Install the adapter for its family "
+                f"(see `memfit list`) or write one (README: 'Write an adapter for a new family')."
+            )
+        lists = _discover_block_lists(model)
+    else:
+        lists = {path: model.get_submodule(path) for path in adapter.block_lists}
+    plan = plan_blocks({p: len(m) for p, m in lists.items()}, interval=cfg.interval, stride=cfg.segment_stride)
+    if cfg.backend.ffn_only:
+        assert adapter is not None
+        for (path, index), _slot in plan.items():
+            block = lists[path][index]
+            spec = adapter.blocks[type(block).__name__]
+            for r, region in enumerate(spec.ffn):
+                chain = [block.get_submodule(p) for p in region]
+                for module, site in chain_sites(("ffn", path, index, r), chain, "ffn"):
+                    _add_site(engine.hook_sites, module, site)
+        return
+    engine.known_blocks = {block for blocks in lists.values() for block in blocks}
+    for (path, index), slot in plan.items():
+        chunk = tuple(lists[path][slot.chunk_start + i] for i in range(slot.length))
+        _add_site(engine.block_sites, lists[path][index], RegionSite(slot.chunk_key, chunk, slot.position, "block"))
+    engine.block_entry = "diffusers" if diffusers_entry else "hooks"
+    if adapter is None and cfg.segment_stride is None:
+        # generic path: every block diffusers routes to us is its own region
+        engine.block_sites.clear()
+        engine.known_blocks.clear()
+
+
+def _add_site(sites: dict, module: nn.Module, site: RegionSite) -> None:
+    if module in sites:
+        raise MemfitError(
+            f"module {type(module).__name__} belongs to two declared regions ({sites[module].key} and "
+            f"{site.key}); an adapter must declare each module in one region only."
+        )
+    sites[module] = site
+
+
+def _discover_block_lists(model: nn.Module) -> dict[str, nn.ModuleList]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)}
+
+
+def _fsdp_checkpointing_applied(model: nn.Module) -> bool:
+    try:
+        from torch.distributed._composable.contract import _get_registry
+    except ImportError:  # pragma: no cover - torch without distributed
+        _get_registry = None
+    for module in model.modules():
+        if type(module).__name__ == "CheckpointWrapper":
+            return True
+        if _get_registry is not None:
+            registry = _get_registry(module)
+            if registry and "checkpoint" in registry:
+                return True
+    return False
+
+
+def _replace(cfg: MemfitConfig, **changes: Any) -> MemfitConfig:
+    import dataclasses
+
+    return dataclasses.replace(cfg, **changes)

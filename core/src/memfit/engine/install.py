@@ -1,0 +1,215 @@
+"""Put the region engine on a model, and take it off again.
+
+Two entry points feed the same :class:`~memfit.engine.frame.Frame` machinery:
+
+* **block calls** — diffusers models route each block through
+  ``self._gradient_checkpointing_func(block, *args)``; we install our own function with
+  ``enable_gradient_checkpointing(gradient_checkpointing_func=...)``. Models without that
+  hook get removable forward hooks on the declared blocks instead.
+* **sub-module regions** (FFN chains) — removable forward pre/post hooks on the region's
+  modules.
+
+``remove()`` restores every attribute it touched exactly (present/absent and value) and
+removes every hook, so the model's state_dict and forward are as before.
+"""
+
+from __future__ import annotations
+
+import sys
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.engine import state
+from memfit.engine.frame import Frame, FrameStats
+from memfit.engine.stash import DeviceStash, Stash
+
+
+@dataclass(frozen=True)
+class RegionSite:
+    """One module's place in a region: the region's key, its chain of modules, and where this one sits."""
+
+    key: Any
+    modules: tuple[nn.Module, ...]
+    position: int
+    scope: str
+
+
+@dataclass
+class _AttrSnapshot:
+    module: nn.Module
+    saved: dict[str, tuple[bool, Any]] = field(default_factory=dict)
+
+    _NAMES = ("gradient_checkpointing", "_gradient_checkpointing_func")
+
+    @classmethod
+    def take(cls, module: nn.Module) -> _AttrSnapshot:
+        snap = cls(module)
+        for name in cls._NAMES:
+            snap.saved[name] = (name in module.__dict__, module.__dict__.get(name))
+        return snap
+
+    def restore(self) -> None:
+        for name, (present, value) in self.saved.items():
+            if present:
+                self.module.__dict__[name] = value
+            else:
+                self.module.__dict__.pop(name, None)
+
+
+class RegionEngine:
+    """Runs frames for one model: decides, per call, whether it opens, continues or closes a frame.
+
+    Args:
+        model: the top-level model (its forward end closes any open frame).
+        stash_factory: makes the :class:`Stash` a new frame keeps its entries in.
+    """
+
+    def __init__(self, model: nn.Module, *, stash_factory: Callable[[], Stash] = DeviceStash) -> None:
+        self.model = model
+        self.stash_factory = stash_factory
+        self.stats = FrameStats()
+        self.block_sites: dict[nn.Module, RegionSite] = {}
+        self.hook_sites: dict[nn.Module, RegionSite] = {}
+        # every block the plan knows about; a known block without a site runs normally (stride gap)
+        self.known_blocks: set[nn.Module] = set()
+        self._open: Frame | None = None
+        self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._snapshots: list[_AttrSnapshot] = []
+        self._local = threading.local()  # stack of (module, frame) begun by pre-hooks
+        self.block_entry: str = "none"  # "diffusers" | "hooks" | "none"
+        self.undeclared_block_calls = 0
+
+    # -- installation -------------------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook))
+        self._handles.append(self.model.register_forward_hook(self._model_post_hook, always_call=True))
+        if self.block_sites or self.block_entry == "diffusers":
+            self._install_block_entry()
+        for module in self.hook_sites:
+            self._install_region_hooks(module)
+
+    def _install_block_entry(self) -> None:
+        if self.block_entry == "diffusers":
+            self._snapshots = [_AttrSnapshot.take(m) for m in self.model.modules()]
+            self.model.enable_gradient_checkpointing(gradient_checkpointing_func=self.checkpoint_block)
+        else:
+            for module in self.block_sites:
+                self._install_region_hooks(module)
+
+    def _install_region_hooks(self, module: nn.Module) -> None:
+        self._handles.append(module.register_forward_pre_hook(self._region_pre_hook, with_kwargs=True))
+        self._handles.append(
+            module.register_forward_hook(self._region_post_hook, with_kwargs=True, always_call=True)
+        )
+
+    def remove(self) -> None:
+        self._close_open()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for snap in self._snapshots:
+            snap.restore()
+        self._snapshots.clear()
+
+    # -- block entry through diffusers' gradient checkpointing hook ------------------------------------------------
+
+    def checkpoint_block(self, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        """The ``gradient_checkpointing_func`` diffusers calls for every block."""
+        if not state.regions_may_open():
+            return block(*args, **kwargs)
+        site = self.block_sites.get(block)
+        if site is None:
+            if block in self.known_blocks:
+                return block(*args, **kwargs)  # outside every segment: runs normally
+            if self.block_sites:
+                # A block the adapter did not declare, routed to us by the model: checkpoint it alone
+                # (what diffusers would do) rather than silently running it unsaved.
+                self.undeclared_block_calls += 1
+            site = RegionSite(("block", "undeclared", id(block)), (block,), 0, "block")
+        frame = self._frame_for(site, block)
+        if frame is None:
+            return block(*args, **kwargs)
+        frame.begin_call(block, args, kwargs)
+        try:
+            out = block(*args, **kwargs)
+        except BaseException:
+            frame.abort_call()
+            self._forget(frame)
+            raise
+        frame.end_call(out)
+        self._forget_if_closed(frame)
+        return out
+
+    # -- hook entry -------------------------------------------------------------------------------------------------
+
+    def _stack(self) -> list[tuple[nn.Module, Frame]]:
+        stack = getattr(self._local, "stack", None)
+        if stack is None:
+            stack = self._local.stack = []
+        return stack
+
+    def _region_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if not state.regions_may_open():
+            return
+        site = self.hook_sites.get(module) or self.block_sites.get(module)
+        if site is None:
+            return
+        frame = self._frame_for(site, module)
+        if frame is None:
+            return
+        frame.begin_call(module, args, kwargs)
+        self._stack().append((module, frame))
+
+    def _region_post_hook(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        stack = self._stack()
+        if not stack or stack[-1][0] is not module:
+            return
+        _, frame = stack.pop()
+        if output is None and sys.exc_info()[0] is not None:  # forward raised; always_call hook
+            frame.abort_call()
+            self._forget(frame)
+            return
+        frame.end_call(output)
+        self._forget_if_closed(frame)
+
+    # -- frame bookkeeping ------------------------------------------------------------------------------------------
+
+    def _frame_for(self, site: RegionSite, module: nn.Module) -> Frame | None:
+        frame = self._open
+        if frame is not None and frame.key == site.key and frame.expects(module):
+            return frame
+        self._close_open()
+        frame = Frame(site.key, list(site.modules[site.position:]), site.scope, self.stash_factory(), self.stats)
+        self._open = frame
+        return frame
+
+    def _close_open(self) -> None:
+        if self._open is not None:
+            self._open.close()
+            self._open = None
+
+    def _forget(self, frame: Frame) -> None:
+        if self._open is frame:
+            self._open = None
+
+    def _forget_if_closed(self, frame: Frame) -> None:
+        if frame.closed:
+            self._forget(frame)
+
+    def _model_pre_hook(self, module: nn.Module, args: tuple) -> None:
+        self._close_open()
+
+    def _model_post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._close_open()
+
+
+def chain_sites(key_prefix: tuple, chain: Sequence[nn.Module], scope: str) -> list[tuple[nn.Module, RegionSite]]:
+    """Sites for a chain of modules that form one region."""
+    modules = tuple(chain)
+    return [(m, RegionSite(key_prefix, modules, i, scope)) for i, m in enumerate(modules)]

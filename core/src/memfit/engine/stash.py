@@ -1,0 +1,44 @@
+"""Where a frame keeps its entry tensors between the forward and the recompute.
+
+``DeviceStash`` (``torch`` backends) keeps a detached alias on the tensor's own device:
+no copy, no extra memory (the storage is the one the forward already had). The
+offload backends plug in a stash that parks entries in pinned host memory.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import torch
+
+
+class Stash(Protocol):
+    """Storage strategy for entry tensors."""
+
+    def put(self, tensor: torch.Tensor) -> Any:
+        """Keep ``tensor`` (already detached) for a later :meth:`get`; return a handle."""
+
+    def get(self, handle: Any) -> torch.Tensor:
+        """The kept tensor, on its original device."""
+
+    def version(self, handle: Any) -> int:
+        """The version counter of the kept tensor (to detect in-place edits after recording)."""
+
+    def prefetch(self, handle: Any) -> None:
+        """Hint: :meth:`get` will be called soon (offload stashes start the reload)."""
+
+
+class DeviceStash:
+    """Keep entries where they are: a detached alias shares storage and version counter."""
+
+    def put(self, tensor: torch.Tensor) -> torch.Tensor:
+        return tensor
+
+    def get(self, handle: torch.Tensor) -> torch.Tensor:
+        return handle
+
+    def version(self, handle: torch.Tensor) -> int:
+        return handle._version
+
+    def prefetch(self, handle: torch.Tensor) -> None:
+        return None

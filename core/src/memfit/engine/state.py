@@ -1,0 +1,72 @@
+"""Thread-local engine flags.
+
+Backward may run on autograd's device threads, and a recompute happens inside
+backward: so "are we recomputing?" must be answered per thread, and so must
+"is a region call running right now?" (nested region hooks must then do nothing:
+a region inside a region that is recomputed anyway is never copied twice).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Callable, Iterator
+
+import torch
+
+_local = threading.local()
+
+# Listeners told about every tensor a region keeps for backward (the held-bytes meters).
+_held_listeners: list[Callable[[torch.Tensor], None]] = []
+
+
+def recomputing() -> bool:
+    return getattr(_local, "recompute_depth", 0) > 0
+
+
+def in_region_call() -> bool:
+    return getattr(_local, "call_depth", 0) > 0
+
+
+@contextlib.contextmanager
+def recompute_scope() -> Iterator[None]:
+    _local.recompute_depth = getattr(_local, "recompute_depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.recompute_depth -= 1
+
+
+@contextlib.contextmanager
+def region_call_scope() -> Iterator[None]:
+    _local.call_depth = getattr(_local, "call_depth", 0) + 1
+    try:
+        yield
+    finally:
+        _local.call_depth -= 1
+
+
+def enter_region_call() -> None:
+    _local.call_depth = getattr(_local, "call_depth", 0) + 1
+
+
+def exit_region_call() -> None:
+    _local.call_depth -= 1
+
+
+def regions_may_open() -> bool:
+    """A new region may start: autograd records, we are not recomputing, not inside another region call."""
+    return torch.is_grad_enabled() and not recomputing() and not in_region_call()
+
+
+def add_held_listener(fn: Callable[[torch.Tensor], None]) -> None:
+    _held_listeners.append(fn)
+
+
+def remove_held_listener(fn: Callable[[torch.Tensor], None]) -> None:
+    _held_listeners.remove(fn)
+
+
+def note_held(tensor: torch.Tensor) -> None:
+    for fn in tuple(_held_listeners):
+        fn(tensor)

@@ -1,0 +1,31 @@
+"""Exceptions and warnings raised by memfit.
+
+Every error names what is wrong and how to fix it; nothing is silently ignored
+unless SPEC §1 says "warn and ignore", and then it is a :class:`MemfitWarning`
+emitted once per model.
+"""
+
+from __future__ import annotations
+
+
+class MemfitError(RuntimeError):
+    """Base class of every error memfit raises."""
+
+
+class ConfigError(MemfitError, ValueError):
+    """A configuration key has a bad value, or the key itself is unknown."""
+
+
+class UnsupportedBoundaryError(MemfitError):
+    """A scope was requested that the model family has not declared safe.
+
+    Example: ``torch-ffn`` on a family without an FFN boundary.
+    """
+
+
+class NotAvailableError(MemfitError):
+    """A feature that exists in the config schema but cannot run here."""
+
+
+class MemfitWarning(UserWarning):
+    """A setting was ignored or disabled on purpose (e.g. interval on a family without interval support)."""

@@ -1,0 +1,291 @@
+"""The base test class an adapter's test module subclasses.
+
+Capabilities are declared by the adapter (FFN regions, interval support), never guessed:
+the kit derives the combinations to check from the declarations, and checks the
+declarations themselves against the real model class.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, ClassVar
+
+import pytest
+import torch
+from torch import nn
+
+import memfit
+from memfit import Backend, FamilyAdapter, MemfitWarning, UnsupportedBoundaryError
+from memfit_conformance.harness import (
+    Combination,
+    StepResult,
+    assert_same_step,
+    claimed_combinations,
+    run_step,
+)
+from memfit_conformance.plugin import require_cuda
+
+
+class AdapterConformance:
+    """Subclass with ``adapter = <your FamilyAdapter>``; optionally override the knobs below.
+
+    Knobs:
+        preset: which adapter preset to build (default ``"tiny"``).
+        tokens: image tokens of the dummy inputs (default: the preset's).
+        grad_inputs: forward kwargs that get ``requires_grad`` (their gradients are compared too).
+        rtol, atol: tolerance for outputs/gradients on CPU fp32; 0 means bitwise (the default: the
+            recompute runs the very same kernels on the very same values, so results are identical).
+        gpu_rtol, gpu_atol: tolerance for the bf16 GPU comparison (bf16 has 8 mantissa bits; kernels
+            may pick different reduction orders between runs).
+    """
+
+    adapter: ClassVar[FamilyAdapter]
+    preset: ClassVar[str] = "tiny"
+    tokens: ClassVar[int | None] = None
+    grad_inputs: ClassVar[tuple[str, ...]] = ("hidden_states",)
+    rtol: ClassVar[float] = 0.0
+    atol: ClassVar[float] = 0.0
+    gpu_rtol: ClassVar[float] = 2e-2
+    gpu_atol: ClassVar[float] = 2e-2
+
+    # -- parametrization ---------------------------------------------------------------------------------------
+
+    def pytest_generate_tests(self, metafunc: pytest.Metafunc) -> None:
+        if "combo" in metafunc.fixturenames:
+            combos = claimed_combinations(self.adapter)
+            metafunc.parametrize("combo", combos, ids=[str(c) for c in combos])
+        if "regime" in metafunc.fixturenames:
+            metafunc.parametrize("regime", ["full", "frozen"])
+
+    # -- fixtures ----------------------------------------------------------------------------------------------
+
+    @classmethod
+    def build_model(cls, **kwargs: Any) -> nn.Module:
+        return cls.adapter.presets[cls.preset].build(**kwargs)
+
+    @classmethod
+    def make_inputs(cls, model: nn.Module, seed: int = 0) -> dict[str, Any]:
+        preset = cls.adapter.presets[cls.preset]
+        g = torch.Generator().manual_seed(seed)
+        return preset.inputs(model, tokens=cls.tokens or preset.default_tokens, generator=g)
+
+    @pytest.fixture(scope="class")
+    def model(self) -> nn.Module:
+        return self.build_model()
+
+    @pytest.fixture(scope="class")
+    def inputs(self, model: nn.Module) -> dict[str, Any]:
+        return self.make_inputs(model)
+
+    @pytest.fixture(scope="class")
+    def reference(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, StepResult]:
+        return {regime: self._step(model, inputs, regime) for regime in ("full", "frozen")}
+
+    def _step(self, model: nn.Module, inputs: dict[str, Any], regime: str) -> StepResult:
+        for p in model.parameters():
+            p.requires_grad_(regime == "full")
+        try:
+            return run_step(model, inputs, self.adapter.loss, grad_inputs=self.grad_inputs)
+        finally:
+            for p in model.parameters():
+                p.requires_grad_(True)
+
+    def _step_with(self, model: nn.Module, inputs: dict[str, Any], config: dict[str, Any],
+                   regime: str = "full") -> tuple[StepResult, dict[str, Any]]:
+        with memfit.apply(model, config, adapter=self.adapter) as handle:
+            result = self._step(model, inputs, regime)
+            result.stats = handle.stats()
+        return result, result.stats
+
+    # -- declarations resolve on the installed model class -----------------------------------------------------------
+
+    def test_adapter_matches_model_class(self, model: nn.Module) -> None:
+        assert self.adapter.matches(model), (
+            f"adapter {self.adapter.name!r} declares model classes {self.adapter.model_classes} but the "
+            f"preset builds {type(model).__name__}"
+        )
+        assert memfit.find_adapter(model) is not None, "the adapter is not discoverable through entry points"
+        assert "tiny" in self.adapter.presets, "every adapter must ship a 'tiny' preset (tests and CLI default)"
+
+    def test_block_lists_resolve(self, model: nn.Module) -> None:
+        for path in self.adapter.block_lists:
+            try:
+                container = model.get_submodule(path)
+            except AttributeError:
+                pytest.fail(f"declared block list {path!r} does not exist on {type(model).__name__}")
+            assert isinstance(container, nn.ModuleList), f"{path!r} is a {type(container).__name__}, not a ModuleList"
+            assert len(container) > 0, f"{path!r} is empty at the tiny preset: the kit would check nothing"
+
+    def test_block_counts_match_config(self, model: nn.Module) -> None:
+        config = getattr(model, "config", None)
+        for path, key in self.adapter.block_count_config.items():
+            assert config is not None and key in config, f"model config has no key {key!r} for {path!r}"
+            assert len(model.get_submodule(path)) == config[key], (
+                f"{path!r} holds {len(model.get_submodule(path))} blocks but config[{key!r}] = {config[key]}"
+            )
+
+    def test_every_block_class_declared(self, model: nn.Module) -> None:
+        for path, index, block in self.adapter.iter_blocks(model):
+            assert type(block).__name__ in self.adapter.blocks, (
+                f"{path}[{index}] is a {type(block).__name__}, which the adapter does not declare"
+            )
+
+    def test_region_paths_resolve(self, model: nn.Module) -> None:
+        for path, index, block in self.adapter.iter_blocks(model):
+            spec = self.adapter.blocks[type(block).__name__]
+            for kind, regions in (("ffn", spec.ffn), ("attention", spec.attention)):
+                for region in regions:
+                    assert region, f"empty {kind} region declared for {type(block).__name__}"
+                    for sub in region:
+                        try:
+                            block.get_submodule(sub)
+                        except AttributeError:
+                            pytest.fail(f"{kind} region {region} of {path}[{index}]: {sub!r} does not exist on "
+                                        f"{type(block).__name__}")
+
+    # -- equivalence, counting, saving: every claimed combination --------------------------------------------------
+
+    def test_outputs_and_gradients_equal(self, model: nn.Module, inputs: dict[str, Any],
+                                         reference: dict[str, StepResult], combo: Combination, regime: str) -> None:
+        result, _ = self._step_with(model, inputs, combo.config(), regime)
+        assert_same_step(reference[regime], result, what=f"{self.adapter.name} {combo} ({regime})",
+                         rtol=self.rtol, atol=self.atol)
+
+    def test_every_region_recomputed(self, model: nn.Module, inputs: dict[str, Any], combo: Combination) -> None:
+        _, stats = self._step_with(model, inputs, combo.config())
+        expected = self.expected_frames(model, combo)
+        assert stats["undeclared_block_calls"] == 0, "the model checkpointed blocks the adapter did not declare"
+        assert stats["frames"] == expected, (
+            f"{combo}: {stats['frames']} regions ran, the declarations imply {expected}: a declared region "
+            f"was not called as a chain of consecutive calls (unsafe or wrong boundary) or never ran"
+        )
+        assert stats["recomputes"] == expected, f"{combo}: {stats['recomputes']} of {expected} regions recomputed"
+        assert stats["calls"] == self.expected_calls(model, combo)
+
+    def test_held_bytes_drop(self, model: nn.Module, inputs: dict[str, Any], reference: dict[str, StepResult],
+                             combo: Combination) -> None:
+        result, _ = self._step_with(model, inputs, combo.config())
+        baseline = reference["full"].held_bytes
+        assert result.held_bytes < baseline, (
+            f"{combo} holds {result.held_bytes} bytes for backward, the unmodified model {baseline}: "
+            f"this mode saves nothing"
+        )
+
+    # -- relations between modes ------------------------------------------------------------------------------------
+
+    def test_torch_holds_less_than_torch_ffn(self, model: nn.Module, inputs: dict[str, Any]) -> None:
+        if not self.adapter.has_ffn:
+            pytest.skip("family declares no FFN boundary (checked by test_ffn_scope_fails_without_boundary)")
+        whole, _ = self._step_with(model, inputs, Combination(Backend.TORCH).config())
+        ffn, _ = self._step_with(model, inputs, Combination(Backend.TORCH_FFN).config())
+        assert whole.held_bytes < ffn.held_bytes
+
+    def test_interval_chunk_keeps_one_entry_set(self, model: nn.Module, inputs: dict[str, Any]) -> None:
+        if not self.adapter.supports_interval:
+            pytest.skip("family declares no interval support (checked by test_interval_warns_when_unsupported)")
+        one, s1 = self._step_with(model, inputs, Combination(Backend.TORCH, 1).config())
+        two, s2 = self._step_with(model, inputs, Combination(Backend.TORCH, 2).config())
+        assert s2["frames"] < s1["frames"]
+        assert s2["entries"] < s1["entries"], "an interval-2 chunk kept the entries of each of its blocks"
+        assert two.held_bytes < one.held_bytes
+
+    def test_interval_warns_when_unsupported(self, model: nn.Module) -> None:
+        if self.adapter.supports_interval:
+            pytest.skip("family supports interval")
+        with pytest.warns(MemfitWarning, match="interval"):
+            memfit.apply(model, Combination(Backend.TORCH, 2).config(), adapter=self.adapter).remove()
+
+    def test_no_grad_records_nothing(self, model: nn.Module, inputs: dict[str, Any]) -> None:
+        for combo in claimed_combinations(self.adapter, intervals=(1,)):
+            with memfit.apply(model, combo.config(), adapter=self.adapter) as handle, torch.no_grad():
+                model(**inputs)
+                assert handle.stats()["frames"] == 0, f"{combo}: regions recorded under torch.no_grad()"
+
+    # -- explicit failure for undeclared scopes ---------------------------------------------------------------------
+
+    def test_ffn_scope_fails_without_boundary(self, model: nn.Module) -> None:
+        stripped = dataclasses.replace(
+            self.adapter,
+            blocks={name: dataclasses.replace(spec, ffn=()) for name, spec in self.adapter.blocks.items()},
+        )
+        with pytest.raises(UnsupportedBoundaryError, match=self.adapter.name):
+            memfit.apply(model, Combination(Backend.TORCH_FFN).config(), adapter=stripped)
+        if not self.adapter.has_ffn:
+            with pytest.raises(UnsupportedBoundaryError, match="FFN"):
+                memfit.apply(model, Combination(Backend.TORCH_FFN).config(), adapter=self.adapter)
+
+    # -- remove() ----------------------------------------------------------------------------------------------------
+
+    def test_remove_restores_model(self, model: nn.Module, inputs: dict[str, Any]) -> None:
+        keys = list(model.state_dict().keys())
+        attrs = [(m, dict(m.__dict__)) for m in model.modules()]
+        with torch.no_grad():
+            before = model(**inputs)
+        for combo in claimed_combinations(self.adapter, intervals=(2,)):
+            handle = memfit.apply(model, combo.config(), adapter=self.adapter)
+            handle.remove()
+            assert list(model.state_dict().keys()) == keys
+            for module, snapshot in attrs:
+                assert module.__dict__.keys() == snapshot.keys(), f"{combo}: attributes of {type(module).__name__} changed"
+                for hooks in ("_forward_hooks", "_forward_pre_hooks"):
+                    assert len(module.__dict__[hooks]) == len(snapshot[hooks]), f"{combo}: a hook was left behind"
+                for name in ("gradient_checkpointing", "_gradient_checkpointing_func"):
+                    assert module.__dict__.get(name) is snapshot.get(name)
+        with torch.no_grad():
+            after = model(**inputs)
+        assert torch.equal(
+            before[0] if isinstance(before, tuple) else before.sample,
+            after[0] if isinstance(after, tuple) else after.sample,
+        )
+
+    # -- GPU: real peak memory and bf16 equivalence ---------------------------------------------------------------
+
+    @pytest.mark.gpu
+    def test_gpu_peak_memory_drops(self) -> None:
+        require_cuda()
+        model = self.build_model(device="cuda", dtype=torch.bfloat16)
+        inputs = self.make_inputs(model)
+        base = self._step(model, inputs, "full")
+        for combo in claimed_combinations(self.adapter, intervals=(1,)):
+            if combo.stride is not None:
+                continue
+            result, _ = self._step_with(model, inputs, combo.config())
+            assert result.peak_bytes is not None and base.peak_bytes is not None
+            assert result.peak_bytes < base.peak_bytes, (
+                f"{combo}: peak {result.peak_bytes} is not below the unmodified peak {base.peak_bytes}"
+            )
+            assert_same_step(base, result, what=f"{self.adapter.name} {combo} bf16 cuda",
+                             rtol=self.gpu_rtol, atol=self.gpu_atol)
+
+    # -- expectations derived from the declarations (independent of the engine) -------------------------------------
+
+    def expected_frames(self, model: nn.Module, combo: Combination) -> int:
+        interval = combo.interval if (self.adapter.supports_interval or combo.backend.ffn_only) else 1
+        step = combo.stride or interval
+        total = 0
+        for path in self.adapter.block_lists:
+            blocks = model.get_submodule(path)
+            starts = range(0, len(blocks), step)
+            if combo.backend.ffn_only:
+                for s in starts:
+                    for i in range(s, min(s + interval, len(blocks))):
+                        total += len(self.adapter.blocks[type(blocks[i]).__name__].ffn)
+            else:
+                total += len(starts)
+        return total
+
+    def expected_calls(self, model: nn.Module, combo: Combination) -> int:
+        interval = combo.interval if (self.adapter.supports_interval or combo.backend.ffn_only) else 1
+        step = combo.stride or interval
+        total = 0
+        for path in self.adapter.block_lists:
+            blocks = model.get_submodule(path)
+            for s in range(0, len(blocks), step):
+                for i in range(s, min(s + interval, len(blocks))):
+                    if combo.backend.ffn_only:
+                        total += sum(len(r) for r in self.adapter.blocks[type(blocks[i]).__name__].ffn)
+                    else:
+                        total += 1
+        return total
+
+

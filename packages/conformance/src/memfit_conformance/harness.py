@@ -1,0 +1,136 @@
+"""Run one training step on a model and capture what the kit compares: outputs, gradients, held bytes."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit import Backend, FamilyAdapter, SavedBytesMeter
+
+
+@dataclass(frozen=True)
+class Combination:
+    """One configuration the kit checks."""
+
+    backend: Backend
+    interval: int = 1
+    stride: int | None = None
+    offload_attention: bool = False
+
+    def config(self) -> dict[str, Any]:
+        cfg: dict[str, Any] = {
+            "gradient_checkpointing": True,
+            "gradient_checkpointing_backend": self.backend.value,
+            "gradient_checkpointing_interval": self.interval,
+        }
+        if self.stride is not None:
+            cfg["gradient_checkpointing_segment_stride"] = self.stride
+        if self.offload_attention:
+            cfg["gradient_checkpointing_offload_attention"] = True
+        return cfg
+
+    def __str__(self) -> str:
+        stride = f"-s{self.stride}" if self.stride is not None else ""
+        return f"{self.backend.value}-i{self.interval}{stride}"
+
+
+def claimed_combinations(adapter: FamilyAdapter, *, backends: tuple[Backend, ...] = (Backend.TORCH, Backend.TORCH_FFN),
+                         intervals: tuple[int, ...] = (1, 2, 3)) -> list[Combination]:
+    """Every backend × interval × stride {none, interval, 2×interval} the adapter claims."""
+    out = []
+    for backend in backends:
+        if backend.ffn_only and not adapter.has_ffn:
+            continue
+        for interval in intervals if adapter.supports_interval or backend.ffn_only else (1,):
+            for stride in (None, interval, 2 * interval):
+                out.append(Combination(backend, interval, stride))
+    return out
+
+
+@dataclass
+class StepResult:
+    """What one forward+backward produced."""
+
+    output: torch.Tensor
+    loss: torch.Tensor
+    param_grads: dict[str, torch.Tensor]
+    input_grads: dict[str, torch.Tensor]
+    held_bytes: int
+    peak_bytes: int | None = None
+    stats: dict[str, Any] = field(default_factory=dict)
+
+
+def output_tensor(output: Any) -> torch.Tensor:
+    if hasattr(output, "sample"):
+        output = output.sample
+    if isinstance(output, (tuple, list)):
+        output = output[0]
+    return output
+
+
+@contextlib.contextmanager
+def _peak_memory(device: torch.device) -> Iterator[list[int]]:
+    box: list[int] = []
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    yield box
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        box.append(torch.cuda.max_memory_allocated(device))
+
+
+def run_step(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], *,
+             grad_inputs: tuple[str, ...] = ("hidden_states",)) -> StepResult:
+    """One forward + backward. Named floating inputs get ``requires_grad``; parameter grads are collected."""
+    model.zero_grad(set_to_none=True)
+    inputs = dict(inputs)
+    leaves = {}
+    for name in grad_inputs:
+        if name in inputs and isinstance(inputs[name], torch.Tensor):
+            leaves[name] = inputs[name] = inputs[name].detach().clone().requires_grad_(True)
+    device = next(model.parameters()).device
+    exclude = [*model.parameters(), *model.buffers()]
+    with _peak_memory(device) as peak:
+        with SavedBytesMeter(exclude=exclude) as meter:
+            output = model(**inputs)
+            loss = loss_fn(output)
+        loss.backward()
+    return StepResult(
+        output=output_tensor(output).detach(),
+        loss=loss.detach(),
+        param_grads={n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None},
+        input_grads={n: t.grad.detach().clone() for n, t in leaves.items() if t.grad is not None},
+        held_bytes=meter.device_bytes,
+        peak_bytes=peak[0] if peak else None,
+    )
+
+
+def assert_same_step(expected: StepResult, actual: StepResult, *, what: str, rtol: float = 0.0,
+                     atol: float = 0.0) -> None:
+    """Outputs, loss and every gradient equal (bitwise when rtol == atol == 0)."""
+
+    def check(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        if rtol == 0 and atol == 0:
+            if not torch.equal(a, b):
+                diff = (a.float() - b.float()).abs().max().item()
+                raise AssertionError(f"{what}: {name} differs from the unmodified model (max abs diff {diff:.3e})")
+        else:
+            torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {name}: {m}")
+
+    check("output", expected.output, actual.output)
+    check("loss", expected.loss, actual.loss)
+    missing = set(expected.param_grads) ^ set(actual.param_grads)
+    if missing:
+        raise AssertionError(f"{what}: parameters with a gradient differ: {sorted(missing)[:5]}")
+    for name, grad in expected.param_grads.items():
+        check(f"grad of {name}", grad, actual.param_grads[name])
+    if set(expected.input_grads) != set(actual.input_grads):
+        raise AssertionError(f"{what}: inputs with a gradient differ")
+    for name, grad in expected.input_grads.items():
+        check(f"grad of input {name}", grad, actual.input_grads[name])
