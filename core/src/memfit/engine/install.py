@@ -98,9 +98,11 @@ class RegionEngine:
         if self.block_entry == "diffusers":
             self._snapshots = [_AttrSnapshot.take(m) for m in self.model.modules()]
             self.model.enable_gradient_checkpointing(gradient_checkpointing_func=self.checkpoint_block)
-        else:
-            for module in self.block_sites:
-                self._install_region_hooks(module)
+        # Hooks on the declared blocks too: a block list the model does not route through its
+        # checkpointing function is still caught. A block entered through `checkpoint_block` is
+        # already inside a region call, so its hooks then do nothing.
+        for module in self.block_sites:
+            self._install_region_hooks(module)
 
     def _install_region_hooks(self, module: nn.Module) -> None:
         self._handles.append(module.register_forward_pre_hook(self._region_pre_hook, with_kwargs=True))

@@ -70,22 +70,26 @@ class AdapterConformance:
         return preset.inputs(model, tokens=cls.tokens or preset.default_tokens, generator=g)
 
     @pytest.fixture(scope="class")
-    def model(self) -> nn.Module:
-        return self.build_model()
+    @classmethod
+    def model(cls) -> nn.Module:
+        return cls.build_model()
 
     @pytest.fixture(scope="class")
-    def inputs(self, model: nn.Module) -> dict[str, Any]:
-        return self.make_inputs(model)
+    @classmethod
+    def inputs(cls, model: nn.Module) -> dict[str, Any]:
+        return cls.make_inputs(model)
 
     @pytest.fixture(scope="class")
-    def reference(self, model: nn.Module, inputs: dict[str, Any]) -> dict[str, StepResult]:
-        return {regime: self._step(model, inputs, regime) for regime in ("full", "frozen")}
+    @classmethod
+    def reference(cls, model: nn.Module, inputs: dict[str, Any]) -> dict[str, StepResult]:
+        return {regime: cls._step(model, inputs, regime) for regime in ("full", "frozen")}
 
-    def _step(self, model: nn.Module, inputs: dict[str, Any], regime: str) -> StepResult:
+    @classmethod
+    def _step(cls, model: nn.Module, inputs: dict[str, Any], regime: str) -> StepResult:
         for p in model.parameters():
             p.requires_grad_(regime == "full")
         try:
-            return run_step(model, inputs, self.adapter.loss, grad_inputs=self.grad_inputs)
+            return run_step(model, inputs, cls.adapter.loss, grad_inputs=cls.grad_inputs)
         finally:
             for p in model.parameters():
                 p.requires_grad_(True)
