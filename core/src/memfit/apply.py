@@ -153,6 +153,8 @@ def _plan(engine: RegionEngine, model: nn.Module, cfg: MemfitConfig, adapter: Fa
         chunk = tuple(lists[path][slot.chunk_start + i] for i in range(slot.length))
         _add_site(engine.block_sites, lists[path][index], RegionSite(slot.chunk_key, chunk, slot.position, "block"))
     engine.block_entry = "diffusers" if diffusers_entry else "hooks"
+    # Hooks on blocks only where an adapter declared them; the generic path trusts diffusers' routing.
+    engine.hook_blocks = adapter is not None
     if adapter is None and cfg.segment_stride is None:
         # generic path: every block diffusers routes to us is its own region
         engine.block_sites.clear()
@@ -169,7 +171,8 @@ def _add_site(sites: dict, module: nn.Module, site: RegionSite) -> None:
 
 
 def _discover_block_lists(model: nn.Module) -> dict[str, nn.ModuleList]:
-    return {name: m for name, m in model.named_modules() if isinstance(m, nn.ModuleList) and len(m)}
+    """Generic path: the model's own (top-level) ModuleLists are its block lists."""
+    return {name: m for name, m in model.named_children() if isinstance(m, nn.ModuleList) and len(m)}
 
 
 def _fsdp_checkpointing_applied(model: nn.Module) -> bool:

@@ -18,7 +18,7 @@ from typing import Any
 from memfit.errors import ConfigError
 
 
-class Backend(str, enum.Enum):
+class Backend(enum.StrEnum):
     """What is dropped/offloaded, and at which scope."""
 
     TORCH = "torch"  # drop a whole block's activations, recompute in backward

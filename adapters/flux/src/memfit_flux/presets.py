@@ -6,7 +6,8 @@ import math
 from typing import Any
 
 import torch
-from diffusers import FluxTransformer2DModel
+
+# diffusers is imported inside the builders: adapter discovery (entry points) must stay cheap.
 
 TINY = dict(
     patch_size=1, in_channels=8, num_layers=3, num_single_layers=4, attention_head_dim=8,
@@ -21,20 +22,22 @@ FULL = dict(
 )
 
 
-def _build(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device) -> FluxTransformer2DModel:
+def _build(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device):
+    from diffusers import FluxTransformer2DModel
+
     with torch.device(device):
         model = FluxTransformer2DModel(**config)
     return model.to(dtype=dtype)
 
 
 def build_tiny(*, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               seed: int = 0) -> FluxTransformer2DModel:
+               seed: int = 0):
     torch.manual_seed(seed)
     return _build(TINY, dtype, device)
 
 
 def build_full(*, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-               seed: int = 0) -> FluxTransformer2DModel:
+               seed: int = 0):
     torch.manual_seed(seed)
     return _build(FULL, dtype, device)
 
@@ -47,7 +50,7 @@ def latent_grid(tokens: int) -> tuple[int, int]:
     return h, tokens // h
 
 
-def make_inputs(model: FluxTransformer2DModel, *, tokens: int | None = None, batch: int = 1,
+def make_inputs(model, *, tokens: int | None = None, batch: int = 1,
                 text_tokens: int | None = None, generator: torch.Generator | None = None) -> dict[str, Any]:
     """Forward kwargs: packed image latents of ``tokens`` tokens, text context, timestep, guidance."""
     cfg = model.config

@@ -82,6 +82,7 @@ class RegionEngine:
         self._snapshots: list[_AttrSnapshot] = []
         self._local = threading.local()  # stack of (module, frame) begun by pre-hooks
         self.block_entry: str = "none"  # "diffusers" | "hooks" | "none"
+        self.hook_blocks = True  # also hook declared blocks (catches lists the model does not route)
         self.undeclared_block_calls = 0
 
     # -- installation -------------------------------------------------------------------------------------------
@@ -101,8 +102,9 @@ class RegionEngine:
         # Hooks on the declared blocks too: a block list the model does not route through its
         # checkpointing function is still caught. A block entered through `checkpoint_block` is
         # already inside a region call, so its hooks then do nothing.
-        for module in self.block_sites:
-            self._install_region_hooks(module)
+        if self.hook_blocks:
+            for module in self.block_sites:
+                self._install_region_hooks(module)
 
     def _install_region_hooks(self, module: nn.Module) -> None:
         self._handles.append(module.register_forward_pre_hook(self._region_pre_hook, with_kwargs=True))

@@ -8,9 +8,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from torch import nn
-
 from memfit import Backend, FamilyAdapter, SavedBytesMeter
+from torch import nn
 
 
 @dataclass(frozen=True)
