@@ -25,9 +25,14 @@ FULL = dict(
 def _build(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device):
     from diffusers import FluxTransformer2DModel
 
-    with torch.device(device):
-        model = FluxTransformer2DModel(**config)
-    return model.to(dtype=dtype)
+    # Build directly in the target dtype/device (no fp32 copy on the host, no cast afterwards).
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        with torch.device(device):
+            return FluxTransformer2DModel(**config)
+    finally:
+        torch.set_default_dtype(previous)
 
 
 def build_tiny(*, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",

@@ -1,0 +1,158 @@
+"""The fit finder: walk SPEC §1's decision ladder on real steps and recommend a configuration.
+
+Ladder: leave checkpointing off if it fits; else ``torch-ffn``; else ``torch``; (the offload
+rungs ``unsloth-ffn`` and ``unsloth`` join when the offload engine is available); once a
+whole-block rung fits, raise the interval (2, 3, …) on families that support it to win
+speed back, keeping the fastest configuration that still fits.
+
+What "fits" means: on CUDA, the step's peak allocated memory is within the budget; on a
+CPU-only machine (no real peak to read), the activation bytes held for backward are.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.adapters.spec import FamilyAdapter
+from memfit.config import Backend
+from memfit.measure import StepMeasurement, measure_step
+
+
+@dataclass(frozen=True)
+class Rung:
+    """One configuration on the ladder."""
+
+    name: str
+    config: dict[str, Any] | None  # None: memfit off
+
+    @classmethod
+    def of(cls, backend: Backend | None, interval: int = 1) -> Rung:
+        if backend is None:
+            return cls("none", None)
+        cfg: dict[str, Any] = {"gradient_checkpointing": True, "gradient_checkpointing_backend": backend.value}
+        name = backend.value
+        if interval > 1:
+            cfg["gradient_checkpointing_interval"] = interval
+            name += f" interval {interval}"
+        return cls(name, cfg)
+
+
+@dataclass
+class RungResult:
+    rung: Rung
+    measurement: StepMeasurement
+    fits: bool
+    ratio_to_none: float | None = None
+
+    @property
+    def budget_bytes_used(self) -> int:
+        m = self.measurement
+        return m.peak_bytes if m.peak_bytes is not None else m.held_bytes
+
+
+@dataclass
+class FitReport:
+    device: str
+    budget_bytes: int | None
+    metric: str  # "peak allocated" or "held activations"
+    results: list[RungResult] = field(default_factory=list)
+    recommended: RungResult | None = None
+
+    def recommended_config(self) -> dict[str, Any]:
+        if self.recommended is None:
+            return {}
+        return self.recommended.rung.config or {"gradient_checkpointing": False}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "device": self.device,
+            "budget_bytes": self.budget_bytes,
+            "metric": self.metric,
+            "rows": [
+                {"name": r.rung.name, "config": r.rung.config, **asdict(r.measurement), "fits": r.fits,
+                 "time_ratio_to_none": r.ratio_to_none}
+                for r in self.results
+            ],
+            "recommended": self.recommended.rung.name if self.recommended else None,
+            "recommended_config": self.recommended_config() if self.recommended else None,
+        }
+
+
+def ladder(adapter: FamilyAdapter | None) -> list[Rung]:
+    """The base rungs in SPEC §1 order, limited to what the family declares and this version runs."""
+    rungs = [Rung.of(None)]
+    if adapter is not None and adapter.has_ffn:
+        rungs.append(Rung.of(Backend.TORCH_FFN))
+    rungs.append(Rung.of(Backend.TORCH))
+    return rungs
+
+
+def find_fit(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], *,
+             adapter: FamilyAdapter | None, budget_bytes: int | None, steps: int = 3,
+             max_interval: int = 4, on_rung: Callable[[RungResult], None] | None = None) -> FitReport:
+    """Measure the ladder and pick the fastest configuration within ``budget_bytes``.
+
+    Args:
+        budget_bytes: memory budget; None = everything fits (the ladder then stops at "none").
+        max_interval: the largest interval tried when winning speed back.
+        on_rung: called after each measured rung (progress display).
+    """
+    device = next(model.parameters()).device
+    report = FitReport(str(device), budget_bytes, "peak allocated" if device.type == "cuda" else "held activations")
+
+    def run(rung: Rung) -> RungResult:
+        m = measure_step(model, inputs, loss_fn, config=rung.config, adapter=adapter, steps=steps)
+        used = m.peak_bytes if m.peak_bytes is not None else m.held_bytes
+        result = RungResult(rung, m, budget_bytes is None or used <= budget_bytes)
+        base = report.results[0].measurement.step_seconds if report.results else m.step_seconds
+        result.ratio_to_none = m.step_seconds / base if base else None
+        report.results.append(result)
+        if on_rung is not None:
+            on_rung(result)
+        return result
+
+    first_fit: RungResult | None = None
+    for rung in ladder(adapter):
+        result = run(rung)
+        if result.fits:
+            first_fit = result
+            break
+    if first_fit is None:
+        return report
+    candidates = [first_fit]
+    if (first_fit.rung.config is not None and adapter is not None and adapter.supports_interval
+            and first_fit.rung.name == Backend.TORCH.value):
+        for interval in range(2, max_interval + 1):
+            result = run(Rung.of(Backend.TORCH, interval))
+            if result.fits:
+                candidates.append(result)
+    report.recommended = min(candidates, key=lambda r: r.measurement.step_seconds)
+    return report
+
+
+def parse_bytes(text: str) -> int:
+    """``"24GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"1000000"`` -> bytes."""
+    units = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+    s = text.strip().lower().removesuffix("b")
+    for suffix in sorted(units, key=len, reverse=True):
+        if s.endswith(suffix):
+            return int(float(s[: -len(suffix)]) * units[suffix])
+    return int(float(s))
+
+
+def format_bytes(n: int | None) -> str:
+    if n is None:
+        return "-"
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.2f} {unit}"
+    return f"{n} B"
+
+
+def rung_names(results: Iterable[RungResult]) -> list[str]:
+    return [r.rung.name for r in results]

@@ -1,0 +1,55 @@
+"""`memfit fit` and `memfit list` on the embedded tiny Flux default (CPU)."""
+
+import json
+
+import pytest
+
+pytest.importorskip("memfit_flux")
+
+from memfit.cli import main  # noqa: E402
+from memfit.fit import parse_bytes  # noqa: E402
+
+
+def test_fit_walks_the_ladder_and_recommends_a_fitting_config(tmp_path, capsys):
+    out = tmp_path / "fit.json"
+    code = main(["fit", "--tokens", "64", "--budget", "200KiB", "--steps", "1", "--json", str(out)])
+    assert code == 0
+    report = json.loads(out.read_text())
+    names = [row["name"] for row in report["rows"]]
+    assert names[:3] == ["none", "torch-ffn", "torch"]  # SPEC §1 order
+    assert report["metric"] == "held activations" and report["device"] == "cpu"
+    rows = {row["name"]: row for row in report["rows"]}
+    assert rows["none"]["held_bytes"] > rows["torch-ffn"]["held_bytes"] > rows["torch"]["held_bytes"]
+    chosen = rows[report["recommended"]]
+    assert chosen["fits"] and chosen["held_bytes"] <= parse_bytes("200KiB")
+    assert report["recommended_config"]["gradient_checkpointing"] is True
+    assert "paste into your trainer config" in capsys.readouterr().out
+
+
+def test_fit_without_pressure_leaves_checkpointing_off(tmp_path):
+    out = tmp_path / "fit.json"
+    assert main(["fit", "--tokens", "16", "--budget", "1GiB", "--steps", "1", "--json", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert [r["name"] for r in report["rows"]] == ["none"]
+    assert report["recommended_config"] == {"gradient_checkpointing": False}
+
+
+def test_fit_reports_an_unreachable_budget(capsys):
+    assert main(["fit", "--tokens", "16", "--budget", "10B", "--steps", "1"]) == 1
+    assert "Nothing fits" in capsys.readouterr().out
+
+
+def test_unknown_family_is_a_clear_error(capsys):
+    assert main(["fit", "--family", "nope"]) == 2
+    assert "no memfit adapter for family 'nope'" in capsys.readouterr().out
+
+
+def test_list_shows_flux(capsys):
+    assert main(["list"]) == 0
+    assert "flux" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(("text", "value"), [("24GiB", 24 * 2**30), ("1.5MB", 1_500_000), ("512", 512),
+                                             ("3 MiB", 3 * 2**20)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
