@@ -9,6 +9,20 @@ import pytest
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "gpu: needs CUDA; run through `nox -s gpu` on a GPU machine")
+    pin_sdpa_backend()
+
+
+def pin_sdpa_backend() -> None:
+    """Keep cuDNN SDPA off on GPU machines.
+
+    torch 2.11 (cu130) on an H200: the cuDNN backend of scaled_dot_product_attention corrupted memory
+    in backward on diffusers models in bf16 (illegal memory access); flash/efficient backends are fine.
+    GPU tests and benchmarks therefore run with cuDNN SDPA disabled and say so in their results.
+    """
+    import torch
+
+    if torch.cuda.is_available():
+        torch.backends.cuda.enable_cudnn_sdp(False)
 
 
 def cuda_required() -> bool:

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Entry point on the GPU machine (no network, its own Python with torch): install the carried wheels
+# next to the machine's torch, then run the nox GPU sessions and the benchmarks. Output goes to $OUT.
+#   Here:   rm -f .whl/memfit*; uv build --all-packages -o .whl/ && rm -f .whl/*.tar.gz
+#   There:  bash benchmarks/remote.sh [nox sessions...]   (default: gpu bench)
+set -uo pipefail
+OUT="${OUT:-/tmp/memfit-out}"
+mkdir -p "$OUT"
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    || exit 1
+export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 MEMFIT_NOX_SYSTEM_PYTHON=1
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+{
+    date -u +"date: %Y-%m-%dT%H:%M:%SZ"
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
+    python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__)"
+    git rev-parse HEAD 2>/dev/null || true
+} | tee "$OUT/env.txt"
+sessions=("$@")
+[ ${#sessions[@]} -eq 0 ] && sessions=(gpu bench)
+status=0
+for s in "${sessions[@]}"; do
+    python3 -m nox -s "$s" 2>&1 | tee "$OUT/nox-$s.log" || status=1
+done
+exit $status
