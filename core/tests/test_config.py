@@ -3,6 +3,7 @@
 import json
 
 import pytest
+
 from memfit import Backend, ConfigError, MemfitConfig
 from memfit.config import as_config
 

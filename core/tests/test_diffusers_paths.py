@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-import memfit
 import pytest
 import torch
+
+import memfit
 from memfit import MemfitWarning, UnsupportedBoundaryError
 
 pytest.importorskip("diffusers")

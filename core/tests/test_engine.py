@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import warnings
 
-import memfit
 import pytest
 import torch
+
+import memfit
 from memfit import MemfitError, MemfitWarning, NotAvailableError, SavedBytesMeter
+
 from toy import TOY, ToyModel, build, loss_of
 
 ON = {"gradient_checkpointing": True}
@@ -185,13 +187,13 @@ def test_remove_restores_hooks_and_forward(model, x):
 
 
 @pytest.mark.parametrize("backend", ["unsloth", "unsloth-ffn"])
-def test_offload_backends_are_not_silently_replaced(model, backend):
-    with pytest.raises(NotAvailableError, match=backend):
+def test_offload_backends_need_cuda_and_never_fall_back(model, backend):
+    with pytest.raises(NotAvailableError, match=f"'{backend}' parks activations.*CUDA"):
         memfit.apply(model, {**ON, "gradient_checkpointing_backend": backend}, adapter=TOY)
 
 
-def test_offload_attention_is_not_silently_ignored(model):
-    with pytest.raises(NotAvailableError, match="offload_attention"):
+def test_offload_attention_needs_cuda(model):
+    with pytest.raises(NotAvailableError, match="offload_attention parks activations.*CUDA"):
         memfit.apply(model, {"gradient_checkpointing_offload_attention": True}, adapter=TOY)
 
 

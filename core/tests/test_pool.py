@@ -11,6 +11,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
+
 from memfit.errors import ConfigError, MemfitError, MemfitWarning
 from memfit.offload import HostBuffer, PinnedBucketPool, hostmem, size_class
 from memfit.offload.pool import MIN_CLASS_BYTES

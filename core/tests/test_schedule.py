@@ -2,6 +2,7 @@
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from memfit.engine.schedule import chunk_count, plan_blocks
 
 

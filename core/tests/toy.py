@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import torch
-from memfit import BlockSpec, FamilyAdapter, Preset
 from torch import nn
+
+from memfit import BlockSpec, FamilyAdapter, Preset
 
 
 class ToyBlock(nn.Module):

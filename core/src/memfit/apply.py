@@ -7,6 +7,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from memfit.adapters.discovery import find_adapter
@@ -16,12 +17,16 @@ from memfit.engine.install import RegionEngine, RegionSite, chain_sites
 from memfit.engine.schedule import plan_blocks
 from memfit.errors import MemfitError, MemfitWarning, NotAvailableError, UnsupportedBoundaryError
 from memfit.handle import MemfitHandle
+from memfit.offload.copy import CopyEngine
+from memfit.offload.pool import PinnedBucketPool
+from memfit.offload.session import AttentionOffloader, OffloadSession, OffloadStash
 
 _applied: weakref.WeakKeyDictionary[nn.Module, MemfitHandle] = weakref.WeakKeyDictionary()
 
 
 def apply(model: nn.Module, config: MemfitConfig | Mapping[str, Any] | str | None = None, /, *,
-          adapter: FamilyAdapter | None = None, strict: bool = True, **overrides: Any) -> MemfitHandle:
+          adapter: FamilyAdapter | None = None, strict: bool = True, copy_engine: CopyEngine | None = None,
+          min_offload_bytes: int = 1 << 20, **overrides: Any) -> MemfitHandle:
     """Install checkpointing/offload on ``model`` as ``config`` asks.
 
     Args:
@@ -31,6 +36,10 @@ def apply(model: nn.Module, config: MemfitConfig | Mapping[str, Any] | str | Non
         adapter: use this adapter instead of looking one up from the model's class.
         strict: reject unknown keys (default). ``strict=False`` ignores keys that do not start
             with ``gradient_checkpointing`` (a full trainer config).
+        copy_engine: for the offload backends, the engine that parks tensors in host memory; default
+            a CUDA :class:`~memfit.offload.copy.CopyEngine` over a pinned pool sized by the config.
+            (``SyncCopyEngine`` runs the same logic on CPU tensors, for tests.)
+        min_offload_bytes: tensors smaller than this stay on the device (copying them frees little).
 
     Returns:
         A :class:`MemfitHandle`; ``handle.remove()`` restores the model exactly.
@@ -56,18 +65,61 @@ def apply(model: nn.Module, config: MemfitConfig | Mapping[str, Any] | str | Non
     adapter = adapter if adapter is not None else find_adapter(model)
     family = adapter.name if adapter is not None else None
     cfg = _effective_config(model, cfg, adapter)
-    engine = RegionEngine(model)
+    offloads = (cfg.enabled and cfg.backend.offloads_inputs) or cfg.offload_attention
+    session = _offload_session(model, cfg, copy_engine, min_offload_bytes) if offloads else None
+    if session is not None and cfg.enabled and cfg.backend.offloads_inputs:
+        engine = RegionEngine(model, stash_factory=lambda: OffloadStash(session))
+    else:
+        engine = RegionEngine(model)
     if cfg.enabled:
         _plan(engine, model, cfg, adapter)
+    offloader = None
     if cfg.offload_attention:
-        raise NotAvailableError(
-            "gradient_checkpointing_offload_attention is not available in this memfit version yet "
-            "(it arrives with the offload engine). Set it to false."
-        )
+        assert session is not None
+        offloader = AttentionOffloader(session, _attention_modules(model, adapter))
+    if session is not None:
+        engine.step_listeners.append(session)
     engine.install()
-    handle = MemfitHandle(model, cfg, family, engine, on_remove=lambda: _applied.pop(model, None))
+    if offloader is not None:
+        offloader.install()
+    handle = MemfitHandle(model, cfg, family, engine, on_remove=lambda: _applied.pop(model, None),
+                          session=session, offloader=offloader)
     _applied[model] = handle
     return handle
+
+
+def _offload_session(model: nn.Module, cfg: MemfitConfig, copy_engine: CopyEngine | None,
+                     min_offload_bytes: int) -> OffloadSession:
+    if copy_engine is None:
+        what = (f"gradient_checkpointing_backend={cfg.backend.value!r}" if cfg.backend.offloads_inputs
+                and cfg.enabled else "gradient_checkpointing_offload_attention")
+        param = next(model.parameters(), None)
+        if not torch.cuda.is_available() or param is None or not param.is_cuda:
+            raise NotAvailableError(
+                f"{what} parks activations in pinned CPU memory and needs the model on a CUDA device "
+                f"(CUDA available: {torch.cuda.is_available()}; model on "
+                f"{param.device if param is not None else 'no parameters'}). Move the model to the GPU, or "
+                f"use 'torch' / 'torch-ffn' (recompute instead of offload)."
+            )
+        copy_engine = CopyEngine(PinnedBucketPool.from_config(cfg))
+    return OffloadSession(copy_engine, model, min_offload_bytes=min_offload_bytes)
+
+
+def _attention_modules(model: nn.Module, adapter: FamilyAdapter | None) -> list[nn.Module]:
+    if adapter is None or not adapter.has_attention:
+        who = f"family {adapter.name!r}" if adapter else f"{type(model).__name__} (no memfit adapter)"
+        raise UnsupportedBoundaryError(
+            f"gradient_checkpointing_offload_attention needs declared attention regions, but {who} declares "
+            f"none. Install/extend the family's adapter, or turn attention offload off."
+        )
+    modules: list[nn.Module] = []
+    for _, _, block in adapter.iter_blocks(model):
+        spec = adapter.blocks.get(type(block).__name__)
+        if spec is None:
+            continue
+        for region in spec.attention:
+            modules.extend(block.get_submodule(p) for p in region)
+    return modules
 
 
 def _effective_config(model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapter | None) -> MemfitConfig:
@@ -83,11 +135,6 @@ def _effective_config(model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapte
             stacklevel=3,
         )
         return _replace(cfg, enabled=False)
-    if cfg.backend.offloads_inputs:
-        raise NotAvailableError(
-            f"gradient_checkpointing_backend={cfg.backend.value!r} is not available in this memfit version yet "
-            f"(it arrives with the offload engine). Use 'torch' or 'torch-ffn' for now."
-        )
     if cfg.backend.ffn_only:
         _require_ffn(model, adapter, cfg.backend)
     if cfg.interval > 1 and not cfg.backend.ffn_only and (adapter is None or not adapter.supports_interval):

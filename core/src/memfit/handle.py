@@ -18,8 +18,10 @@ class MemfitHandle:
     """
 
     def __init__(self, model: nn.Module, config: MemfitConfig, family: str | None, engine: RegionEngine,
-                 on_remove: Callable[[], None]) -> None:
+                 on_remove: Callable[[], None], session: Any = None, offloader: Any = None) -> None:
         self.model = model
+        self._session = session
+        self._offloader = offloader
         self.config = config
         self.family = family
         self._engine = engine
@@ -38,13 +40,45 @@ class MemfitHandle:
             "entry_bytes": s.entry_bytes,
             "saved_tensors_replaced": s.holders,
             "undeclared_block_calls": self._engine.undeclared_block_calls,
+            **self._offload_stats(),
         }
+
+    def _offload_stats(self) -> dict[str, Any]:
+        if self._session is None:
+            return {}
+        copy = self._session.copy
+        pool = copy.pool.stats()
+        out = {
+            "bytes_offloaded": copy.stats.bytes_offloaded,
+            "bytes_reloaded": copy.stats.bytes_reloaded,
+            "reloads_skipped": copy.stats.reloads_skipped,
+            "dedup_hits": copy.stats.dedup_hits,
+            "inflight_waits": copy.stats.copies_inflight_waits,
+            "stall_ms": copy.stall_ms(),
+            "pinned_bytes_held": pool.pinned_bytes_held,
+            "pool_hits": pool.hits,
+            "pool_misses": pool.misses,
+            "pinned_allocations": pool.pinned_allocations,
+            "host_buffers_in_use": pool.buffers_in_use,
+        }
+        if self._offloader is not None:
+            out["attention_calls_offloaded"] = self._offloader.calls
+            out["attention_tensors_parked"] = self._offloader.tensors_parked
+        return out
 
     def reset_stats(self) -> None:
         s = self._engine.stats
         s.frames = s.calls = s.recomputes = s.entries = s.entry_bytes = s.holders = 0
         s.by_scope.clear()
         self._engine.undeclared_block_calls = 0
+        if self._session is not None:
+            from memfit.offload.copy import CopyStats
+
+            self._session.copy.stall_ms()
+            self._session.copy.stats = CopyStats()
+            self._session.copy.pool.reset_counters()
+        if self._offloader is not None:
+            self._offloader.calls = self._offloader.tensors_parked = 0
 
     def describe(self) -> str:
         """One line per region site kind: what is checkpointed where."""
@@ -67,6 +101,8 @@ class MemfitHandle:
         if self.removed:
             return
         self._engine.remove()
+        if self._offloader is not None:
+            self._offloader.remove()
         self.removed = True
         self._on_remove()
 

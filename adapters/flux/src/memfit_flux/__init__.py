@@ -1,7 +1,6 @@
 """memfit adapter for Flux: declarations only — the core executes."""
 
 from memfit import BlockSpec, FamilyAdapter, Preset
-
 from memfit_flux.presets import build_full, build_tiny, make_inputs
 
 ADAPTER = FamilyAdapter(

@@ -111,6 +111,12 @@ class Frame:
         self._entry_refs: list[torch.Tensor] = []  # keeps ids valid while recording
         self.closed = False
         self._hooks: torch.autograd.graph.saved_tensors_hooks | None = None
+        # Called when this frame's recompute starts: an offload stash reloads its entries and the
+        # regions backward visits next from here.
+        self.on_recompute: Any = getattr(stash, "on_recompute", None)
+        release = getattr(stash, "release_all", None)
+        if release is not None:  # return host buffers when autograd frees the graph holding this frame
+            weakref.finalize(self, release)
         stats.frames += 1
         stats.by_scope[scope] = stats.by_scope.get(scope, 0) + 1
 
@@ -195,15 +201,16 @@ class Frame:
         index = self._entry_ids.get(id(tensor))
         if index is not None and self._entry_refs[index] is tensor:
             return index
-        detached = tensor.detach()
-        entry = _Entry(self.stash.put(detached), tensor.requires_grad, tensor._version)
+        entry = _Entry(self.stash.put(tensor), tensor.requires_grad, tensor._version)
         self.entries.append(entry)
         self._entry_refs.append(tensor)
         index = len(self.entries) - 1
         self._entry_ids[id(tensor)] = index
         self.stats.entries += 1
         self.stats.entry_bytes += tensor.untyped_storage().nbytes()
-        state.note_held(detached)
+        resident = self.stash.resident(entry.handle)
+        if resident is not None:  # kept on its device: count it as held (parked entries are not)
+            state.note_held(resident)
         return index
 
     def _pack(self, call_index: int, tensor: torch.Tensor) -> _Holder:
@@ -236,6 +243,8 @@ class Frame:
                 "memfit does not support backward inside a model's forward."
             )
         self.stats.recomputes += 1
+        if self.on_recompute is not None:
+            self.on_recompute()
         entries = []
         for entry in self.entries:
             value = self.stash.get(entry.handle)

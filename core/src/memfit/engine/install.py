@@ -84,6 +84,8 @@ class RegionEngine:
         self.block_entry: str = "none"  # "diffusers" | "hooks" | "none"
         self.hook_blocks = True  # also hook declared blocks (catches lists the model does not route)
         self.undeclared_block_calls = 0
+        # told when a forward starts / ends / raises (the offload session: dedup and timeline per step)
+        self.step_listeners: list[Any] = []
 
     # -- installation -------------------------------------------------------------------------------------------
 
@@ -208,9 +210,15 @@ class RegionEngine:
 
     def _model_pre_hook(self, module: nn.Module, args: tuple) -> None:
         self._close_open()
+        if torch.is_grad_enabled():
+            for listener in self.step_listeners:
+                listener.new_step()
 
     def _model_post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._close_open()
+        failed = output is None and sys.exc_info()[0] is not None
+        for listener in self.step_listeners:
+            listener.abort_step() if failed else listener.end_step()
 
 
 def chain_sites(key_prefix: tuple, chain: Sequence[nn.Module], scope: str) -> list[tuple[nn.Module, RegionSite]]:

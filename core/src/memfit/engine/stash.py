@@ -16,7 +16,7 @@ class Stash(Protocol):
     """Storage strategy for entry tensors."""
 
     def put(self, tensor: torch.Tensor) -> Any:
-        """Keep ``tensor`` (already detached) for a later :meth:`get`; return a handle."""
+        """Keep ``tensor``'s value for a later :meth:`get`; return a handle (never keep its autograd graph)."""
 
     def get(self, handle: Any) -> torch.Tensor:
         """The kept tensor, on its original device."""
@@ -27,12 +27,15 @@ class Stash(Protocol):
     def prefetch(self, handle: Any) -> None:
         """Hint: :meth:`get` will be called soon (offload stashes start the reload)."""
 
+    def resident(self, handle: Any) -> torch.Tensor | None:
+        """The tensor kept on its device for this handle, or None when it was parked elsewhere."""
+
 
 class DeviceStash:
     """Keep entries where they are: a detached alias shares storage and version counter."""
 
     def put(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor
+        return tensor.detach()
 
     def get(self, handle: torch.Tensor) -> torch.Tensor:
         return handle
@@ -42,3 +45,6 @@ class DeviceStash:
 
     def prefetch(self, handle: torch.Tensor) -> None:
         return None
+
+    def resident(self, handle: torch.Tensor) -> torch.Tensor:
+        return handle

@@ -10,12 +10,12 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, ClassVar
 
-import memfit
 import pytest
 import torch
-from memfit import Backend, FamilyAdapter, MemfitWarning, UnsupportedBoundaryError
 from torch import nn
 
+import memfit
+from memfit import Backend, FamilyAdapter, MemfitWarning, UnsupportedBoundaryError
 from memfit_conformance.harness import (
     Combination,
     StepResult,

@@ -8,8 +8,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from memfit import Backend, FamilyAdapter, SavedBytesMeter
 from torch import nn
+
+from memfit import Backend, FamilyAdapter, SavedBytesMeter
 
 
 @dataclass(frozen=True)

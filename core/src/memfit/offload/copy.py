@@ -1,0 +1,247 @@
+"""The copy engine: device→host parking and host→device reloads, hidden behind compute.
+
+Design notes
+------------
+Streams.  Device→host copies run on one side stream, host→device reloads on another,
+so both PCIe directions work at once (≈55 GB/s each way on an H200, ≈101 GB/s both).
+Ordering is by CUDA events only: the side stream waits for an event recorded on the
+compute stream where the tensor was produced; the compute stream waits for the event
+recorded after a reload before it uses the tensor. Nothing calls
+``torch.cuda.synchronize()``.
+
+GPU memory reuse.  After issuing a device→host copy the source is marked with
+``record_stream(d2h_stream)``: the caching allocator then does not hand its memory to
+anybody else before the copy has finished, yet the caller may drop its reference at
+once (that is where the saving comes from).
+
+Bounded in-flight copies.  If the bytes of issued-but-unfinished device→host copies
+exceed ``max_inflight_bytes``, the compute stream is made to wait for the oldest copy
+(a GPU-side wait, still no host sync). Without that bound a copy queue that falls
+behind compute would keep every source alive and the saving would vanish.
+
+Reload ahead.  :meth:`CopyEngine.reload` only *issues* a reload; :meth:`fetch` makes the
+compute stream wait for it. The engine reloads the next region in backward order while
+the current one recomputes.
+
+Telemetry.  Waits of the compute stream on copy events are bracketed by timing events;
+their durations (stall = copy time not hidden behind compute) are read lazily in
+:meth:`stats`, when the events have long completed.
+
+``SyncCopyEngine`` does the same bookkeeping with plain synchronous copies: it runs on
+CPU tensors, so the parking, dedup and pool logic is testable without a GPU.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from memfit.offload.pool import HostBuffer, PinnedBucketPool
+
+
+@dataclass
+class Parked:
+    """One tensor parked in host memory."""
+
+    buffer: HostBuffer | None
+    shape: torch.Size
+    dtype: torch.dtype
+    device: torch.device
+    nbytes: int
+    source: weakref.ref | None  # the device tensor, while it lives (then no reload is needed)
+    version: int
+    d2h_done: Any = None  # event: host copy complete
+    h2d_done: Any = None  # event: reload complete
+    reloaded: torch.Tensor | None = None
+    users: int = 1
+    fetches_left: int = 0  # fetches this reload still serves (a shared tensor is reloaded once per backward)
+
+    def alive_source(self) -> torch.Tensor | None:
+        t = self.source() if self.source is not None else None
+        if t is not None and t._version == self.version:
+            return t
+        return None
+
+
+@dataclass
+class CopyStats:
+    bytes_offloaded: int = 0
+    bytes_reloaded: int = 0
+    reloads_skipped: int = 0  # source still alive on the device: no copy back needed
+    dedup_hits: int = 0
+    copies_inflight_waits: int = 0
+    stall_events: list[tuple[Any, Any]] = field(default_factory=list)
+    stall_ms_resolved: float = 0.0
+
+
+class CopyEngine:
+    """Asynchronous parking on CUDA (see the module notes).
+
+    Args:
+        pool: where host buffers come from.
+        max_inflight_bytes: bound on device→host bytes issued and not yet finished.
+        timing: record stall-timing events (cheap; a few events per fetch).
+    """
+
+    def __init__(self, pool: PinnedBucketPool, *, max_inflight_bytes: int = 2 << 30, timing: bool = True) -> None:
+        self.pool = pool
+        self.max_inflight_bytes = max_inflight_bytes
+        self.timing = timing
+        self.stats = CopyStats()
+        self._d2h = torch.cuda.Stream()
+        self._h2d = torch.cuda.Stream()
+        self._inflight: deque[tuple[Any, int]] = deque()
+        self._inflight_bytes = 0
+
+    # -- device -> host ------------------------------------------------------------------------------------------
+
+    def offload(self, tensor: torch.Tensor) -> Parked:
+        """Start copying ``tensor`` to a host buffer; the caller may drop ``tensor`` right away."""
+        compute = torch.cuda.current_stream(tensor.device)
+        src = tensor if tensor.is_contiguous() else tensor.contiguous()
+        nbytes = src.numel() * src.element_size()
+        buf = self.pool.acquire(nbytes)
+        produced = torch.cuda.Event()
+        produced.record(compute)
+        self._d2h.wait_event(produced)
+        with torch.cuda.stream(self._d2h):
+            buf.view(src.dtype, src.shape).copy_(src, non_blocking=buf.pinned)
+            done = torch.cuda.Event()
+            done.record(self._d2h)
+        src.record_stream(self._d2h)
+        if src is not tensor:
+            tensor.record_stream(self._d2h)
+        self.stats.bytes_offloaded += nbytes
+        self._track_inflight(done, nbytes, compute)
+        return Parked(buf, src.shape, src.dtype, tensor.device, nbytes, weakref.ref(tensor), tensor._version,
+                      d2h_done=done)
+
+    def _track_inflight(self, done: Any, nbytes: int, compute: Any) -> None:
+        self._inflight.append((done, nbytes))
+        self._inflight_bytes += nbytes
+        while self._inflight and self._inflight[0][0].query():
+            self._inflight_bytes -= self._inflight.popleft()[1]
+        while self._inflight_bytes > self.max_inflight_bytes and len(self._inflight) > 1:
+            oldest, n = self._inflight.popleft()
+            self._wait(compute, oldest)
+            self._inflight_bytes -= n
+            self.stats.copies_inflight_waits += 1
+
+    # -- host -> device ------------------------------------------------------------------------------------------
+
+    def reload(self, parked: Parked) -> None:
+        """Issue the reload of ``parked`` (idempotent; no-op while the source is still alive)."""
+        if parked.reloaded is not None or parked.alive_source() is not None:
+            return
+        parked.fetches_left = parked.users
+        compute = torch.cuda.current_stream(parked.device)
+        out = torch.empty(parked.shape, dtype=parked.dtype, device=parked.device)  # allocated on compute
+        ready = torch.cuda.Event()
+        ready.record(compute)  # the memory is free for us only after compute's earlier work
+        self._h2d.wait_event(ready)
+        self._h2d.wait_event(parked.d2h_done)
+        assert parked.buffer is not None
+        with torch.cuda.stream(self._h2d):
+            out.copy_(parked.buffer.view(parked.dtype, parked.shape), non_blocking=parked.buffer.pinned)
+            done = torch.cuda.Event()
+            done.record(self._h2d)
+        out.record_stream(self._h2d)
+        parked.reloaded, parked.h2d_done = out, done
+        self.stats.bytes_reloaded += parked.nbytes
+
+    def fetch(self, parked: Parked) -> torch.Tensor:
+        """The parked tensor on its device, usable on the current stream."""
+        source = parked.alive_source()
+        if source is not None:
+            self.stats.reloads_skipped += 1
+            return source
+        self.reload(parked)
+        out = parked.reloaded
+        assert out is not None
+        self._wait(torch.cuda.current_stream(parked.device), parked.h2d_done)
+        _consume(parked)
+        return out
+
+    def _wait(self, stream: Any, event: Any) -> None:
+        if self.timing:
+            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before.record(stream)
+            stream.wait_event(event)
+            after.record(stream)
+            self.stats.stall_events.append((before, after))
+        else:
+            stream.wait_event(event)
+
+    def release(self, parked: Parked) -> None:
+        """Return the host buffer once nothing reads it any more."""
+        buf, parked.buffer = parked.buffer, None
+        if buf is not None:
+            buf.release(ready=parked.h2d_done or parked.d2h_done)
+
+    def stall_ms(self) -> float:
+        """Milliseconds the compute stream waited on copies (resolved from completed timing events)."""
+        pending = []
+        for before, after in self.stats.stall_events:
+            if after.query():
+                self.stats.stall_ms_resolved += before.elapsed_time(after)
+            else:
+                pending.append((before, after))
+        self.stats.stall_events = pending
+        return self.stats.stall_ms_resolved
+
+
+class SyncCopyEngine(CopyEngine):
+    """Synchronous parking with the same bookkeeping; works on CPU tensors (tests, CPU-only machines)."""
+
+    parks_cpu_tensors = True
+
+    def __init__(self, pool: PinnedBucketPool) -> None:
+        self.pool = pool
+        self.stats = CopyStats()
+        self.timing = False
+
+    def offload(self, tensor: torch.Tensor) -> Parked:
+        src = tensor.contiguous()
+        nbytes = src.numel() * src.element_size()
+        buf = self.pool.acquire(nbytes)
+        buf.view(src.dtype, src.shape).copy_(src)
+        self.stats.bytes_offloaded += nbytes
+        return Parked(buf, src.shape, src.dtype, tensor.device, nbytes, weakref.ref(tensor), tensor._version)
+
+    def reload(self, parked: Parked) -> None:
+        if parked.reloaded is not None or parked.alive_source() is not None:
+            return
+        assert parked.buffer is not None
+        parked.reloaded = parked.buffer.view(parked.dtype, parked.shape).clone().to(parked.device)
+        parked.fetches_left = parked.users
+        self.stats.bytes_reloaded += parked.nbytes
+
+    def fetch(self, parked: Parked) -> torch.Tensor:
+        source = parked.alive_source()
+        if source is not None:
+            self.stats.reloads_skipped += 1
+            return source
+        self.reload(parked)
+        out = parked.reloaded
+        assert out is not None
+        _consume(parked)
+        return out
+
+    def release(self, parked: Parked) -> None:
+        buf, parked.buffer = parked.buffer, None
+        if buf is not None:
+            buf.release()
+
+    def stall_ms(self) -> float:
+        return 0.0
+
+
+def _consume(parked: Parked) -> None:
+    """One fetch served; the last user of this reload lets it go (a later fetch reloads again)."""
+    parked.fetches_left -= 1
+    if parked.fetches_left <= 0:
+        parked.reloaded = None

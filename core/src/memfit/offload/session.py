@@ -1,0 +1,266 @@
+"""What the offload backends install: parked frame entries and parked attention activations.
+
+Design notes
+------------
+One session per applied model. It owns the copy engine, and two things shared by every
+region of a step:
+
+* a **dedup registry** — the same tensor object entering many regions (time embedding,
+  rotary tables, text context) is parked once and shared; tensors below
+  ``min_offload_bytes``, parameters and tensors not on the compute device stay where they
+  are (copying them frees nothing worth a copy);
+* a **timeline** of the step's parking regions in forward order. Backward visits them in
+  reverse, so when region *i* is first needed, regions *i-1 … i-depth* are reloaded ahead
+  (their copies overlap region *i*'s recompute/backward).
+
+Entries (``unsloth`` backends) are parked by :class:`OffloadStash`, the frame's stash.
+Attention activations (``offload_attention``) are parked by :class:`AttentionOffloader`
+hooks: during an attention call every tensor autograd saves goes to host memory and
+comes back when backward unpacks it — no recompute. Inside a region call or a recompute
+the attention hooks do nothing, so nothing is ever copied twice.
+
+Host buffers go back to the pool when autograd frees the graph that needs them (or
+immediately when a forward raises: :meth:`OffloadSession.abort_step`).
+"""
+
+from __future__ import annotations
+
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.engine import state
+from memfit.offload.copy import CopyEngine, Parked
+
+
+class OffloadSession:
+    """Shared state of the offload backends for one model.
+
+    Args:
+        copy_engine: :class:`CopyEngine` (CUDA) or ``SyncCopyEngine`` (CPU tests).
+        model: its parameters and buffers are never parked.
+        min_offload_bytes: smaller tensors stay on the device.
+        prefetch_depth: how many regions ahead (in backward order) to reload.
+    """
+
+    def __init__(self, copy_engine: CopyEngine, model: nn.Module, *, min_offload_bytes: int = 1 << 20,
+                 prefetch_depth: int = 2) -> None:
+        self.copy = copy_engine
+        self.model = model
+        self.min_offload_bytes = min_offload_bytes
+        self.prefetch_depth = prefetch_depth
+        self._registry: dict[int, Parked] = {}
+        self._timeline: list[weakref.ref] = []
+        self._step_parked: list[weakref.ref] = []
+        self._param_storages: set[int] = set()
+
+    # -- step boundaries (called by the engine's model hooks) -----------------------------------------------------
+
+    def new_step(self) -> None:
+        # New containers, not cleared ones: regions of an earlier step keep their own timeline.
+        self._registry = {}
+        self._timeline = []
+        self._step_parked = []
+        self._param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
+        self._param_storages |= {b.untyped_storage().data_ptr() for b in self.model.buffers()}
+
+    def end_step(self) -> None:
+        self._registry = {}  # a later forward must not share this step's parked tensors
+
+    def abort_step(self) -> None:
+        """The forward raised: give every buffer of this step back to the pool now."""
+        for ref in self._step_parked:
+            parked = ref()
+            if parked is not None:
+                self.copy.release(parked)
+        self.new_step()
+
+    # -- parking ----------------------------------------------------------------------------------------------------
+
+    def worth_parking(self, tensor: torch.Tensor) -> bool:
+        if isinstance(tensor, nn.Parameter) or tensor.layout != torch.strided:
+            return False
+        if tensor.device.type == "cpu" and not getattr(self.copy, "parks_cpu_tensors", False):
+            return False
+        if tensor.numel() * tensor.element_size() < self.min_offload_bytes:
+            return False
+        return tensor.untyped_storage().data_ptr() not in self._param_storages
+
+    def park(self, tensor: torch.Tensor) -> Parked:
+        """Park ``tensor`` (or share the parked copy made earlier this step for the same tensor)."""
+        parked = self._registry.get(id(tensor))
+        if parked is not None and parked.source is not None and parked.source() is tensor \
+                and parked.version == tensor._version and parked.buffer is not None:
+            parked.users += 1
+            self.copy.stats.dedup_hits += 1
+            return parked
+        parked = self.copy.offload(tensor)
+        self._registry[id(tensor)] = parked
+        self._step_parked.append(weakref.ref(parked))
+        return parked
+
+    def unpark(self, parked: Parked) -> None:
+        """One user is done with ``parked``; the last one returns its host buffer."""
+        parked.users -= 1
+        if parked.users <= 0:
+            self.copy.release(parked)
+
+    # -- reload ahead ---------------------------------------------------------------------------------------------
+
+    def register(self, region: Any) -> int:
+        """Add a parking region (has ``prefetch()``) to the step's timeline; returns its index."""
+        self._timeline.append(weakref.ref(region))
+        return len(self._timeline) - 1
+
+    def needed(self, index: int, timeline: list[weakref.ref] | None = None) -> None:
+        """Region ``index`` is needed in backward now: reload the ones backward visits next."""
+        timeline = self._timeline if timeline is None else timeline
+        for j in range(index - 1, max(index - 1 - self.prefetch_depth, -1), -1):
+            region = timeline[j]() if j < len(timeline) else None
+            if region is not None:
+                region.prefetch()
+
+    def snapshot_timeline(self) -> list[weakref.ref]:
+        return self._timeline
+
+
+class OffloadStash:
+    """A frame's stash for the ``unsloth`` backends: entries are parked in host memory."""
+
+    def __init__(self, session: OffloadSession) -> None:
+        self.session = session
+        self.parked: list[Parked] = []
+        self.timeline = session.snapshot_timeline()
+        self.index = session.register(self)
+
+    def put(self, tensor: torch.Tensor) -> Any:
+        if not self.session.worth_parking(tensor):
+            return ("device", tensor.detach())
+        parked = self.session.park(tensor)
+        self.parked.append(parked)
+        return ("parked", parked)
+
+    def get(self, handle: Any) -> torch.Tensor:
+        kind, value = handle
+        return value if kind == "device" else self.session.copy.fetch(value)
+
+    def resident(self, handle: Any) -> torch.Tensor | None:
+        kind, value = handle
+        return value if kind == "device" else None
+
+    def version(self, handle: Any) -> int:
+        kind, value = handle
+        if kind == "device":
+            return value._version
+        source = value.source() if value.source is not None else None
+        return source._version if source is not None else value.version
+
+    def prefetch(self, handle: Any = None) -> None:
+        for parked in self.parked:
+            self.session.copy.reload(parked)
+
+    def on_recompute(self) -> None:
+        self.prefetch()
+        self.session.needed(self.index, self.timeline)
+
+    def release_all(self) -> None:
+        parked, self.parked = self.parked, []
+        for p in parked:
+            self.session.unpark(p)
+
+
+class _SavedGroup:
+    """The tensors one attention call saved, parked together (a timeline region)."""
+
+    def __init__(self, session: OffloadSession) -> None:
+        self.session = session
+        self.parked: list[Parked] = []
+        self.timeline = session.snapshot_timeline()
+        self.index = session.register(self)
+        self.started = False
+        weakref.finalize(self, _release_group, session, self.parked)
+
+    def prefetch(self) -> None:
+        for parked in self.parked:
+            self.session.copy.reload(parked)
+
+
+def _release_group(session: OffloadSession, parked: list[Parked]) -> None:
+    for p in parked:
+        session.unpark(p)
+    parked.clear()
+
+
+class _SavedHandle:
+    __slots__ = ("group", "parked", "device_tensor")
+
+    def __init__(self, group: _SavedGroup | None, parked: Parked | None, device_tensor: torch.Tensor | None):
+        self.group = group
+        self.parked = parked
+        self.device_tensor = device_tensor
+
+
+class AttentionOffloader:
+    """Removable hooks that park everything an attention call saves for backward.
+
+    Args:
+        session: the model's :class:`OffloadSession`.
+        modules: the attention modules (declared attention regions).
+    """
+
+    def __init__(self, session: OffloadSession, modules: list[nn.Module]) -> None:
+        self.session = session
+        self.modules = modules
+        self.calls = 0
+        self.tensors_parked = 0
+        self._handles: list[Any] = []
+        self._active: list[tuple[nn.Module, Any, _SavedGroup]] = []
+
+    def install(self) -> None:
+        for m in self.modules:
+            self._handles.append(m.register_forward_pre_hook(self._pre))
+            self._handles.append(m.register_forward_hook(self._post, always_call=True))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _pre(self, module: nn.Module, args: tuple) -> None:
+        if not state.regions_may_open():  # inside a checkpointed region or a recompute: nothing to do
+            return
+        group = _SavedGroup(self.session)
+        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(group, t), self._unpack)
+        hooks.__enter__()
+        state.enter_region_call()
+        self._active.append((module, hooks, group))
+        self.calls += 1
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self._active or self._active[-1][0] is not module:
+            return
+        _, hooks, _ = self._active.pop()
+        state.exit_region_call()
+        hooks.__exit__(None, None, None)
+
+    def _pack(self, group: _SavedGroup, tensor: torch.Tensor) -> _SavedHandle:
+        if not self.session.worth_parking(tensor):
+            return _SavedHandle(None, None, tensor)
+        parked = self.session.park(tensor)
+        group.parked.append(parked)
+        self.tensors_parked += 1
+        return _SavedHandle(group, parked, None)
+
+    def _unpack(self, handle: _SavedHandle) -> torch.Tensor:
+        if handle.parked is None:
+            assert handle.device_tensor is not None
+            return handle.device_tensor
+        group = handle.group
+        assert group is not None
+        if not group.started:
+            group.started = True
+            group.prefetch()
+            self.session.needed(group.index, group.timeline)
+        return self.session.copy.fetch(handle.parked)
