@@ -183,7 +183,7 @@ def _plan(engine: RegionEngine, model: nn.Module, cfg: MemfitConfig, adapter: Fa
             )
         lists = _discover_block_lists(model)
     else:
-        lists = {path: model.get_submodule(path) for path in adapter.block_lists}
+        lists = adapter.resolve_block_lists(model)
     plan = plan_blocks({p: len(m) for p, m in lists.items()}, interval=cfg.interval, stride=cfg.segment_stride)
     if cfg.backend.ffn_only:
         assert adapter is not None

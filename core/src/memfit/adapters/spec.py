@@ -123,9 +123,28 @@ class FamilyAdapter:
             out.append("offload_attention")
         return out
 
-    def iter_blocks(self, model: nn.Module):
-        """Yield ``(list_path, index, block)`` for every declared block, in call order."""
+    def resolve_block_lists(self, model: nn.Module) -> dict[str, nn.ModuleList]:
+        """The declared block lists present on ``model``, in call order.
+
+        A declared list whose attribute is ``None`` is skipped: some configurations build a list
+        only when a feature is on (e.g. Z-Image's ``siglip_refiner``). A path that does not exist
+        at all is an error (a typo in the declaration).
+        """
+        lists: dict[str, nn.ModuleList] = {}
         for path in self.block_lists:
-            container = model.get_submodule(path)
+            parent_path, _, name = path.rpartition(".")
+            parent = model.get_submodule(parent_path) if parent_path else model
+            if not hasattr(parent, name):
+                raise AttributeError(f"family {self.name!r} declares block list {path!r}, which "
+                                     f"{type(model).__name__} does not have")
+            container = getattr(parent, name)
+            if container is None:
+                continue
+            lists[path] = container
+        return lists
+
+    def iter_blocks(self, model: nn.Module):
+        """Yield ``(list_path, index, block)`` for every declared block present, in call order."""
+        for path, container in self.resolve_block_lists(model).items():
             for index, block in enumerate(container):
                 yield path, index, block

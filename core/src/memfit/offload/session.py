@@ -46,7 +46,7 @@ class OffloadSession:
     """
 
     def __init__(self, copy_engine: CopyEngine, model: nn.Module, *, min_offload_bytes: int = 1 << 20,
-                 prefetch_depth: int = 2) -> None:
+                 prefetch_depth: int = 1) -> None:
         self.copy = copy_engine
         self.model = model
         self.min_offload_bytes = min_offload_bytes

@@ -21,6 +21,7 @@ from memfit_conformance.harness import (
     StepResult,
     assert_same_step,
     claimed_combinations,
+    output_tensors,
     run_step,
 )
 from memfit_conformance.plugin import require_cuda
@@ -114,13 +115,25 @@ class AdapterConformance:
         assert "tiny" in self.adapter.presets, "every adapter must ship a 'tiny' preset (tests and CLI default)"
 
     def test_block_lists_resolve(self, model: nn.Module) -> None:
-        for path in self.adapter.block_lists:
-            try:
-                container = model.get_submodule(path)
-            except AttributeError:
-                pytest.fail(f"declared block list {path!r} does not exist on {type(model).__name__}")
+        try:
+            lists = self.adapter.resolve_block_lists(model)
+        except AttributeError as exc:
+            pytest.fail(str(exc))
+        missing = [p for p in self.adapter.block_lists if p not in lists]
+        assert not missing, (
+            f"declared block lists {missing} are None at the {self.preset!r} preset: configure the preset so "
+            f"every declared list is built, or the kit checks nothing for them"
+        )
+        for path, container in lists.items():
             assert isinstance(container, nn.ModuleList), f"{path!r} is a {type(container).__name__}, not a ModuleList"
             assert len(container) > 0, f"{path!r} is empty at the tiny preset: the kit would check nothing"
+
+    def test_gradients_reach_the_declared_inputs(self, reference: dict[str, StepResult]) -> None:
+        missing = [n for n in self.grad_inputs if n not in reference["full"].input_grads]
+        assert not missing, (
+            f"grad_inputs {missing} got no gradient (not a tensor forward argument, or not on the graph): the "
+            f"kit would compare no input gradient. Set `grad_inputs` to tensor kwargs of the forward."
+        )
 
     def test_block_counts_match_config(self, model: nn.Module) -> None:
         config = getattr(model, "config", None)
@@ -239,10 +252,9 @@ class AdapterConformance:
                     assert module.__dict__.get(name) is snapshot.get(name)
         with torch.no_grad():
             after = model(**inputs)
-        assert torch.equal(
-            before[0] if isinstance(before, tuple) else before.sample,
-            after[0] if isinstance(after, tuple) else after.sample,
-        )
+        before_leaves, after_leaves = output_tensors(before), output_tensors(after)
+        assert len(before_leaves) == len(after_leaves) > 0
+        assert all(torch.equal(a, b) for a, b in zip(before_leaves, after_leaves, strict=True))
 
     # -- GPU: real peak memory and bf16 equivalence ---------------------------------------------------------------
 
@@ -277,8 +289,7 @@ class AdapterConformance:
         interval = combo.interval if (self.adapter.supports_interval or combo.backend.ffn_only) else 1
         step = combo.stride or interval
         total = 0
-        for path in self.adapter.block_lists:
-            blocks = model.get_submodule(path)
+        for blocks in self.adapter.resolve_block_lists(model).values():
             starts = range(0, len(blocks), step)
             if combo.backend.ffn_only:
                 for s in starts:
@@ -292,8 +303,7 @@ class AdapterConformance:
         interval = combo.interval if (self.adapter.supports_interval or combo.backend.ffn_only) else 1
         step = combo.stride or interval
         total = 0
-        for path in self.adapter.block_lists:
-            blocks = model.get_submodule(path)
+        for blocks in self.adapter.resolve_block_lists(model).values():
             for s in range(0, len(blocks), step):
                 for i in range(s, min(s + interval, len(blocks))):
                     if combo.backend.ffn_only:

@@ -56,7 +56,7 @@ def claimed_combinations(adapter: FamilyAdapter, *, backends: tuple[Backend, ...
 class StepResult:
     """What one forward+backward produced."""
 
-    output: torch.Tensor
+    outputs: list[torch.Tensor]
     loss: torch.Tensor
     param_grads: dict[str, torch.Tensor]
     input_grads: dict[str, torch.Tensor]
@@ -65,12 +65,13 @@ class StepResult:
     stats: dict[str, Any] = field(default_factory=dict)
 
 
-def output_tensor(output: Any) -> torch.Tensor:
-    if hasattr(output, "sample"):
-        output = output.sample
-    if isinstance(output, (tuple, list)):
-        output = output[0]
-    return output
+def output_tensors(output: Any) -> list[torch.Tensor]:
+    """Every tensor in a model output (diffusers output objects, tuples, lists, dicts)."""
+    from torch.utils._pytree import tree_leaves
+
+    if hasattr(output, "to_tuple"):
+        output = output.to_tuple()
+    return [t for t in tree_leaves(output) if isinstance(t, torch.Tensor)]
 
 
 @contextlib.contextmanager
@@ -102,7 +103,7 @@ def run_step(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], 
             loss = loss_fn(output)
         loss.backward()
     return StepResult(
-        output=output_tensor(output).detach(),
+        outputs=[t.detach() for t in output_tensors(output)],
         loss=loss.detach(),
         param_grads={n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None},
         input_grads={n: t.grad.detach().clone() for n, t in leaves.items() if t.grad is not None},
@@ -123,7 +124,11 @@ def assert_same_step(expected: StepResult, actual: StepResult, *, what: str, rto
         else:
             torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {name}: {m}")
 
-    check("output", expected.output, actual.output)
+    if len(expected.outputs) != len(actual.outputs):
+        raise AssertionError(f"{what}: the model returned {len(actual.outputs)} tensors, expected "
+                             f"{len(expected.outputs)}")
+    for i, (a, b) in enumerate(zip(expected.outputs, actual.outputs, strict=True)):
+        check(f"output {i}", a, b)
     check("loss", expected.loss, actual.loss)
     missing = set(expected.param_grads) ^ set(actual.param_grads)
     if missing:

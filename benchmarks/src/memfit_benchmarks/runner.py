@@ -1,0 +1,154 @@
+"""Measure training steps under each memfit mode, side by side in one process.
+
+Every row of one shape is measured in the same process on the same model, one mode after
+the other (``memfit.apply`` → warm-up steps → timed steps → ``remove``), so ratios between
+rows are like for like. Step time is the median of CUDA-event timings; peaks come from
+the caching allocator; offload rows also report bytes parked per step, exposed copy time
+(the compute stream's waits on copies) and the pinned pool's counters.
+"""
+
+from __future__ import annotations
+
+import gc
+import statistics
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+import memfit
+from memfit.adapters.spec import FamilyAdapter
+
+
+@dataclass(frozen=True)
+class Mode:
+    name: str
+    config: dict[str, Any] | None
+
+
+def _cfg(backend: str | None = None, **extra: Any) -> dict[str, Any]:
+    cfg: dict[str, Any] = {}
+    if backend is not None:
+        cfg = {"gradient_checkpointing": True, "gradient_checkpointing_backend": backend}
+    for key, value in extra.items():
+        cfg[f"gradient_checkpointing_{key}"] = value
+    return cfg
+
+
+MODES = [
+    Mode("none", None),
+    Mode("torch-ffn", _cfg("torch-ffn")),
+    Mode("unsloth-ffn", _cfg("unsloth-ffn")),
+    Mode("torch", _cfg("torch")),
+    Mode("unsloth", _cfg("unsloth")),
+    Mode("torch interval 2", _cfg("torch", interval=2)),
+    Mode("torch interval 2 stride 4", _cfg("torch", interval=2, segment_stride=4)),
+    Mode("offload_attention", _cfg(offload_attention=True)),
+    Mode("torch-ffn + offload_attention", _cfg("torch-ffn", offload_attention=True)),
+]
+
+
+def pinned_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
+    """Measured pinned host<->device copy bandwidth in GB/s (each way, and both at once)."""
+    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dev2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
+
+    def timed(fn: Callable[[], None], moved: int) -> float:
+        fn()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(repeats):
+            fn()
+        for s in (s1, s2):
+            torch.cuda.current_stream().wait_stream(s)
+        end.record()
+        torch.cuda.synchronize()
+        return moved * repeats / (start.elapsed_time(end) / 1e3) / 1e9
+
+    def d2h() -> None:
+        host.copy_(dev, non_blocking=True)
+
+    def h2d() -> None:
+        dev.copy_(host, non_blocking=True)
+
+    def both() -> None:
+        s1.wait_stream(torch.cuda.current_stream())
+        s2.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s1):
+            host.copy_(dev, non_blocking=True)
+        with torch.cuda.stream(s2):
+            dev2.copy_(host2, non_blocking=True)
+
+    return {"d2h_gbs": timed(d2h, nbytes), "h2d_gbs": timed(h2d, nbytes), "both_gbs": timed(both, 2 * nbytes)}
+
+
+def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], mode: Mode, *,
+                 adapter: FamilyAdapter | None, warmup: int = 2, steps: int = 5) -> dict[str, Any]:
+    """One row: median step time, peaks, offload telemetry. OOM is recorded, not raised."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    handle = memfit.apply(model, mode.config, adapter=adapter) if mode.config else None
+    try:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(**inputs)).backward()
+
+        for _ in range(warmup):
+            step()
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        if handle is not None:
+            handle.reset_stats()
+        times = []
+        for _ in range(steps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            step()
+            end.record()
+            torch.cuda.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        row: dict[str, Any] = {
+            "mode": mode.name,
+            "config": mode.config,
+            "step_s": statistics.median(times),
+            "peak_allocated": torch.cuda.max_memory_allocated(),
+            "peak_reserved": torch.cuda.max_memory_reserved(),
+            "oom": False,
+        }
+        if handle is not None:
+            s = handle.stats()
+            row["frames_per_step"] = s["frames"] / steps
+            if "bytes_offloaded" in s:
+                row.update(
+                    bytes_offloaded_per_step=s["bytes_offloaded"] / steps,
+                    bytes_reloaded_per_step=s["bytes_reloaded"] / steps,
+                    exposed_copy_ms_per_step=s["stall_ms"] / steps,
+                    pinned_bytes_held=s["pinned_bytes_held"],
+                    new_pinned_allocations_in_timed_steps=s["pinned_allocations"],
+                    pool_hits=s["pool_hits"],
+                    dedup_hits_per_step=s["dedup_hits"] / steps,
+                )
+        return row
+    except torch.OutOfMemoryError:
+        return {"mode": mode.name, "config": mode.config, "oom": True}
+    finally:
+        model.zero_grad(set_to_none=True)
+        if handle is not None:
+            handle.remove()
+
+
+def add_ratios(rows: list[dict[str, Any]]) -> None:
+    """``x_none`` and ``x_torch`` step-time ratios within one run."""
+    by = {r["mode"]: r for r in rows if not r.get("oom")}
+    for r in rows:
+        if r.get("oom"):
+            continue
+        for ref in ("none", "torch", "torch-ffn"):
+            if ref in by:
+                r[f"x_{ref.replace('-', '_')}"] = r["step_s"] / by[ref]["step_s"]
