@@ -1,0 +1,44 @@
+"""memfit adapter for Mage-Flow: declarations only — the core executes.
+
+Mage-Flow is not in diffusers; :mod:`memfit_mageflow.model` holds a reference implementation of its
+transformer whose module names are the upstream ones (github.com/microsoft/Mage,
+``mage_flow/models``), so these declarations serve both that model and upstream's ``MageFlow``.
+"""
+
+from memfit import BlockSpec, FamilyAdapter, Preset
+
+from memfit_mageflow.model import MageFlowTransformer2DModel, MageFlowTransformerBlock
+from memfit_mageflow.presets import build_full, build_tiny, make_inputs
+
+ADAPTER = FamilyAdapter(
+    name="mageflow",
+    # the reference implementation here, and upstream's own transformer class (microsoft/Mage `MageFlow`)
+    model_classes=("MageFlowTransformer2DModel", "MageFlow"),
+    block_lists=("transformer_blocks",),
+    blocks={
+        # Double-stream block. `img_mlp` / `txt_mlp` each take one modulated tensor and return one tensor
+        # that is only gated and added to its stream's residual afterwards: clean FFN boundaries.
+        # `attn` takes both modulated streams (+ rotary table and cu_seqlens) and returns the two
+        # projected attention outputs, which are only gated and added afterwards.
+        "MageFlowTransformerBlock": BlockSpec(ffn=(("img_mlp",), ("txt_mlp",)), attention=(("attn",),)),
+    },
+    # Every block has the same signature and returns (text, image), which the next block takes as its
+    # (image, text) inputs unchanged; the rotary table, temb and cu_seqlens are shared by all blocks.
+    supports_interval=True,
+    verified_diffusers=("0.42.1",),
+    block_count_config={"transformer_blocks": "depth"},
+    presets={
+        "tiny": Preset(build=build_tiny, inputs=make_inputs, default_tokens=64,
+                       description="4 double-stream blocks, width 32; 2 packed samples (tests, CPU)"),
+        "full": Preset(build=build_full, inputs=make_inputs, default_tokens=4096,
+                       description="Mage-Flow 4B as released: 12 double-stream blocks, width 3072 "
+                                   "(random weights); 2 packed samples"),
+    },
+    notes=(
+        "Not in diffusers: memfit_mageflow.model.MageFlowTransformer2DModel is a reference implementation "
+        "(upstream module names and state-dict keys). Packed variable-length samples (cu_seqlens). "
+        "Upstream's own MageFlow class is matched too (entered through block hooks)."
+    ),
+)
+
+__all__ = ["ADAPTER", "MageFlowTransformer2DModel", "MageFlowTransformerBlock"]
