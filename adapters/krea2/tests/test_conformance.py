@@ -1,6 +1,7 @@
 """Krea 2 passes the memfit conformance kit."""
 
 import memfit_krea2
+
 from memfit_conformance import AdapterConformance
 
 

@@ -1,6 +1,7 @@
 """Mage-Flow passes the memfit conformance kit."""
 
 import memfit_mageflow
+
 from memfit_conformance import AdapterConformance
 
 

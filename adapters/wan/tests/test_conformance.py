@@ -1,6 +1,7 @@
 """Wan passes the memfit conformance kit."""
 
 import memfit_wan
+
 from memfit_conformance import AdapterConformance
 
 

@@ -10,14 +10,15 @@ from __future__ import annotations
 
 from typing import Any
 
-import memfit
 import memfit_z_image
 import pytest
 import torch
 from diffusers import ZImageTransformer2DModel
+from memfit_z_image.presets import TINY, make_inputs
+
+import memfit
 from memfit import Backend
 from memfit_conformance import AdapterConformance, Combination
-from memfit_z_image.presets import TINY, make_inputs
 
 LIST_INPUTS = ("x", "cap_feats", "siglip_feats")
 

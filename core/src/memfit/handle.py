@@ -36,6 +36,7 @@ class MemfitHandle:
             "frames_by_scope": dict(s.by_scope),
             "calls": s.calls,
             "recomputes": s.recomputes,
+            "unused": s.unused,
             "entries": s.entries,
             "entry_bytes": s.entry_bytes,
             "saved_tensors_replaced": s.holders,
@@ -68,7 +69,7 @@ class MemfitHandle:
 
     def reset_stats(self) -> None:
         s = self._engine.stats
-        s.frames = s.calls = s.recomputes = s.entries = s.entry_bytes = s.holders = 0
+        s.frames = s.calls = s.recomputes = s.unused = s.entries = s.entry_bytes = s.holders = 0
         s.by_scope.clear()
         self._engine.undeclared_block_calls = 0
         if self._session is not None:

@@ -1,7 +1,6 @@
 """memfit adapter for Krea 2: declarations only — the core executes."""
 
 from memfit import BlockSpec, FamilyAdapter, Preset
-
 from memfit_krea2.presets import build_full, build_tiny, make_inputs
 
 # Both block classes have the same shape: `x + attn(norm1(x)...)`, then `x + ff(norm2(x)...)`.

@@ -6,7 +6,6 @@ transformer whose module names are the upstream ones (github.com/microsoft/Mage,
 """
 
 from memfit import BlockSpec, FamilyAdapter, Preset
-
 from memfit_mageflow.model import MageFlowTransformer2DModel, MageFlowTransformerBlock
 from memfit_mageflow.presets import build_full, build_tiny, make_inputs
 

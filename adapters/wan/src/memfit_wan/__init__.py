@@ -1,7 +1,6 @@
 """memfit adapter for Wan 2.1 / 2.2: declarations only — the core executes."""
 
 from memfit import BlockSpec, FamilyAdapter, Preset
-
 from memfit_wan.presets import TOKENS_PER_480P_FRAME, build_full, build_tiny, make_inputs
 
 ADAPTER = FamilyAdapter(

@@ -82,6 +82,9 @@ class FrameStats:
     entries: int = 0
     entry_bytes: int = 0
     recomputes: int = 0
+    # frames freed without ever being recomputed: their outputs never reached the loss (e.g. the text
+    # stream of a double-stream model's last block), so backward never needed them
+    unused: int = 0
     holders: int = 0
     by_scope: dict[str, int] = field(default_factory=dict)
 
@@ -114,9 +117,8 @@ class Frame:
         # Called when this frame's recompute starts: an offload stash reloads its entries and the
         # regions backward visits next from here.
         self.on_recompute: Any = getattr(stash, "on_recompute", None)
-        release = getattr(stash, "release_all", None)
-        if release is not None:  # return host buffers when autograd frees the graph holding this frame
-            weakref.finalize(self, release)
+        self._recomputed = [False]
+        weakref.finalize(self, _on_frame_freed, stats, self._recomputed, getattr(stash, "release_all", None))
         stats.frames += 1
         stats.by_scope[scope] = stats.by_scope.get(scope, 0) + 1
 
@@ -243,6 +245,7 @@ class Frame:
                 "memfit does not support backward inside a model's forward."
             )
         self.stats.recomputes += 1
+        self._recomputed[0] = True
         if self.on_recompute is not None:
             self.on_recompute()
         entries = []
@@ -278,6 +281,14 @@ class Frame:
         if kind == "entry":
             return entries[leaf[1]]
         return outputs[leaf[1]][leaf[2]]
+
+
+def _on_frame_freed(stats: FrameStats, recomputed: list[bool], release: Any) -> None:
+    """Runs when autograd frees the graph that held a frame (never holds a reference to the frame)."""
+    if not recomputed[0]:
+        stats.unused += 1
+    if release is not None:  # an offload stash gives its host buffers back
+        release()
 
 
 class _Filler:
