@@ -3,6 +3,7 @@
 import memfit_ltxvideo2
 import pytest
 import torch
+
 from memfit_conformance import AdapterConformance
 
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from memfit import BlockSpec, FamilyAdapter, Preset
 
+from memfit import BlockSpec, FamilyAdapter, Preset
 from memfit_ltxvideo2.presets import build_full, build_tiny, make_inputs
 
 

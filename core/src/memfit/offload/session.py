@@ -247,6 +247,7 @@ class AttentionOffloader:
 
     def _pack(self, group: _SavedGroup, tensor: torch.Tensor) -> _SavedHandle:
         if not self.session.worth_parking(tensor):
+            state.note_held(tensor)  # stays on its device: the held-bytes meters must still see it
             return _SavedHandle(None, None, tensor)
         parked = self.session.park(tensor)
         group.parked.append(parked)

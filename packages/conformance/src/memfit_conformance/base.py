@@ -17,6 +17,8 @@ from torch import nn
 
 import memfit
 from memfit import Backend, FamilyAdapter, MemfitWarning, UnsupportedBoundaryError
+from memfit.offload.copy import SyncCopyEngine
+from memfit.offload.pool import PinnedBucketPool
 from memfit_conformance.harness import (
     Combination,
     StepResult,
@@ -26,6 +28,13 @@ from memfit_conformance.harness import (
     run_step,
 )
 from memfit_conformance.plugin import require_cuda
+
+
+def cpu_copy_engine() -> SyncCopyEngine:
+    """Parking into pageable CPU buffers, with the pool's bookkeeping (no CUDA needed)."""
+    pool = PinnedBucketPool(allocate=lambda n, pinned: torch.empty(n, dtype=torch.uint8),
+                            available_host_bytes=lambda: 1 << 40, host_reserve_bytes=0)
+    return SyncCopyEngine(pool)
 
 
 class AdapterConformance:
@@ -98,9 +107,24 @@ class AdapterConformance:
             for p in model.parameters():
                 p.requires_grad_(True)
 
+    @classmethod
+    def apply(cls, model: nn.Module, config: dict[str, Any]) -> memfit.MemfitHandle:
+        """``memfit.apply`` for the kit. Offload modes of a CPU model park through ``SyncCopyEngine``
+        (the same parking, dedup and pool logic as on CUDA, with synchronous copies into pageable buffers);
+        ``min_offload_bytes=0`` so the tiny model's tensors are parked too."""
+        cfg = memfit.MemfitConfig.from_dict(config)
+        offloads = cfg.offload_attention or (cfg.enabled and cfg.backend.offloads_inputs)
+        device = next(model.parameters()).device
+        if offloads and device.type == "cpu":
+            return memfit.apply(model, config, adapter=cls.adapter, copy_engine=cpu_copy_engine(),
+                                min_offload_bytes=0)
+        if offloads:
+            return memfit.apply(model, config, adapter=cls.adapter, min_offload_bytes=0)
+        return memfit.apply(model, config, adapter=cls.adapter)
+
     def _step_with(self, model: nn.Module, inputs: dict[str, Any], config: dict[str, Any],
                    regime: str = "full") -> tuple[StepResult, dict[str, Any]]:
-        with memfit.apply(model, config, adapter=self.adapter) as handle:
+        with self.apply(model, config) as handle:
             result = self._step(model, inputs, regime)
             result.stats = handle.stats()
         return result, result.stats
@@ -172,10 +196,21 @@ class AdapterConformance:
                          rtol=self.rtol, atol=self.atol)
 
     def test_every_region_recomputed(self, model: nn.Module, inputs: dict[str, Any], combo: Combination) -> None:
-        with memfit.apply(model, combo.config(), adapter=self.adapter) as handle:
+        with self.apply(model, combo.config()) as handle:
             self._step(model, inputs, "full")
             gc.collect()  # the step's graph is gone: every frame was either recomputed or freed unused
             stats = handle.stats()
+        if combo.offloads:
+            assert stats["bytes_offloaded"] > 0, f"{combo}: nothing was parked"
+            assert stats["host_buffers_in_use"] == 0, f"{combo}: host buffers not returned after backward"
+        if combo.offload_attention:
+            expect_attn = combo.backend in (None, Backend.TORCH_FFN, Backend.UNSLOTH_FFN) or combo.stride
+            assert (stats["attention_calls_offloaded"] > 0) == bool(expect_attn), (
+                f"{combo}: {stats['attention_calls_offloaded']} attention calls parked"
+            )
+        if combo.backend is None:
+            assert stats["frames"] == 0
+            return
         expected = self.expected_frames(model, combo)
         assert stats["undeclared_block_calls"] == 0, "the model checkpointed blocks the adapter did not declare"
         assert stats["frames"] == expected, (
@@ -225,9 +260,11 @@ class AdapterConformance:
 
     def test_no_grad_records_nothing(self, model: nn.Module, inputs: dict[str, Any]) -> None:
         for combo in claimed_combinations(self.adapter, intervals=(1,)):
-            with memfit.apply(model, combo.config(), adapter=self.adapter) as handle, torch.no_grad():
+            with self.apply(model, combo.config()) as handle, torch.no_grad():
                 model(**inputs)
-                assert handle.stats()["frames"] == 0, f"{combo}: regions recorded under torch.no_grad()"
+                stats = handle.stats()
+                assert stats["frames"] == 0, f"{combo}: regions recorded under torch.no_grad()"
+                assert stats.get("bytes_offloaded", 0) == 0, f"{combo}: tensors parked under torch.no_grad()"
 
     # -- explicit failure for undeclared scopes ---------------------------------------------------------------------
 
@@ -250,7 +287,7 @@ class AdapterConformance:
         with torch.no_grad():
             before = model(**inputs)
         for combo in claimed_combinations(self.adapter, intervals=(2,)):
-            handle = memfit.apply(model, combo.config(), adapter=self.adapter)
+            handle = self.apply(model, combo.config())
             handle.remove()
             assert list(model.state_dict().keys()) == keys
             for module, snapshot in attrs:
@@ -275,7 +312,8 @@ class AdapterConformance:
         model = self.build_model(device="cuda", dtype=torch.bfloat16)
         preset = self.adapter.presets[self.preset]
         inputs = preset.inputs(model, tokens=self.gpu_tokens, generator=torch.Generator().manual_seed(0))
-        combos = [c for c in claimed_combinations(self.adapter, intervals=(1, 2)) if c.stride is None]
+        combos = [c for c in claimed_combinations(self.adapter, intervals=(1, 2))
+                  if c.stride is None and c.backend is not None]
         # Peak memory: frozen base weights (the LoRA case), where activations dominate the peak.
         # Equivalence: all weights trainable, so every parameter gradient is compared too.
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):

@@ -17,17 +17,20 @@ from memfit import Backend, FamilyAdapter, SavedBytesMeter
 class Combination:
     """One configuration the kit checks."""
 
-    backend: Backend
+    backend: Backend | None  # None: gradient_checkpointing off (attention offload alone)
     interval: int = 1
     stride: int | None = None
     offload_attention: bool = False
 
+    @property
+    def offloads(self) -> bool:
+        return self.offload_attention or (self.backend is not None and self.backend.offloads_inputs)
+
     def config(self) -> dict[str, Any]:
-        cfg: dict[str, Any] = {
-            "gradient_checkpointing": True,
-            "gradient_checkpointing_backend": self.backend.value,
-            "gradient_checkpointing_interval": self.interval,
-        }
+        cfg: dict[str, Any] = {"gradient_checkpointing": self.backend is not None}
+        if self.backend is not None:
+            cfg["gradient_checkpointing_backend"] = self.backend.value
+            cfg["gradient_checkpointing_interval"] = self.interval
         if self.stride is not None:
             cfg["gradient_checkpointing_segment_stride"] = self.stride
         if self.offload_attention:
@@ -36,19 +39,38 @@ class Combination:
 
     def __str__(self) -> str:
         stride = f"-s{self.stride}" if self.stride is not None else ""
-        return f"{self.backend.value}-i{self.interval}{stride}"
+        attn = "+attn" if self.offload_attention else ""
+        if self.backend is None:
+            return "attn-offload-only"
+        return f"{self.backend.value}-i{self.interval}{stride}{attn}"
 
 
-def claimed_combinations(adapter: FamilyAdapter, *, backends: tuple[Backend, ...] = (Backend.TORCH, Backend.TORCH_FFN),
-                         intervals: tuple[int, ...] = (1, 2, 3)) -> list[Combination]:
-    """Every backend × interval × stride {none, interval, 2×interval} the adapter claims."""
+def claimed_combinations(adapter: FamilyAdapter, *, intervals: tuple[int, ...] = (1, 2, 3),
+                         offload: bool = True) -> list[Combination]:
+    """What the adapter claims, to be checked.
+
+    ``torch`` / ``torch-ffn``: every interval × stride {none, interval, 2×interval}. With ``offload``:
+    ``unsloth`` / ``unsloth-ffn`` over the first two intervals × stride {none, 2×interval}, and — for
+    families that declare attention regions — attention offload alone and combined with each backend
+    (with a stride, so that some blocks run outside checkpointed segments and their attention is parked).
+    """
     out = []
+    backends = [Backend.TORCH, Backend.TORCH_FFN] + ([Backend.UNSLOTH, Backend.UNSLOTH_FFN] if offload else [])
     for backend in backends:
         if backend.ffn_only and not adapter.has_ffn:
             continue
-        for interval in intervals if adapter.supports_interval or backend.ffn_only else (1,):
-            for stride in (None, interval, 2 * interval):
+        chosen = intervals if not backend.offloads_inputs else intervals[:2]
+        for interval in chosen if adapter.supports_interval or backend.ffn_only else (1,):
+            strides = (None, interval, 2 * interval) if not backend.offloads_inputs else (None, 2 * interval)
+            for stride in strides:
                 out.append(Combination(backend, interval, stride))
+    if offload and adapter.has_attention:
+        out.append(Combination(None, offload_attention=True))
+        for backend in backends:
+            if backend.ffn_only and not adapter.has_ffn:
+                continue
+            stride = None if backend.ffn_only else 2
+            out.append(Combination(backend, 1, stride, offload_attention=True))
     return out
 
 
