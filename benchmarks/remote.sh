@@ -20,6 +20,11 @@ sessions=("$@")
 [ ${#sessions[@]} -eq 0 ] && sessions=(gpu bench)
 status=0
 for s in "${sessions[@]}"; do
-    python3 -m nox -s "$s" 2>&1 | tee "$OUT/nox-$s.log" || status=1
+    log="$OUT/nox-$(echo "$s" | tr -c 'A-Za-z0-9._-' '_').log"
+    if [ "$s" = bench ]; then
+        python3 -m nox -s bench -- --out "$OUT" 2>&1 | tee "$log" || status=1
+    else
+        python3 -m nox -s "$s" 2>&1 | tee "$log" || status=1
+    fi
 done
 exit $status
