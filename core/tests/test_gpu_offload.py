@@ -59,16 +59,24 @@ def test_flux_offload_gradients_equal(config):
         return out.detach(), hs.grad, {n: p.grad.clone() for n, p in model.named_parameters()}
 
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
-        ref = run()
+        ref, ref_again = run(), run()
         with memfit.apply(model, config, min_offload_bytes=0) as handle:
             got = run()
             stats = handle.stats()
     assert stats["bytes_offloaded"] > 0
-    # Parking is an exact round trip and the recompute runs the same kernels on the same values:
-    # the results are bitwise equal to the unmodified model's.
-    assert torch.equal(ref[0], got[0]) and torch.equal(ref[1], got[1])
-    for name, grad in ref[2].items():
-        assert torch.equal(grad, got[2][name]), name
+    # Parking is an exact round trip and the recompute runs the same kernels on the same values, so a
+    # tensor is bitwise equal to the unmodified model's wherever the unmodified model reproduces itself
+    # bitwise. Flash attention's backward accumulates dQ with atomics and does not: for a tensor that
+    # differs between two unmodified runs, the memfit run must be as close as those two are (bf16).
+    pairs = [("output", ref[0], ref_again[0], got[0]), ("input grad", ref[1], ref_again[1], got[1])]
+    pairs += [(n, g, ref_again[2][n], got[2][n]) for n, g in ref[2].items()]
+    for name, a, a_again, b in pairs:
+        if torch.equal(a, a_again):
+            assert torch.equal(a, b), f"{name}: differs although the unmodified model is reproducible"
+        else:
+            noise = (a.float() - a_again.float()).abs().max().item()
+            diff = (a.float() - b.float()).abs().max().item()
+            assert diff <= 4 * noise + 1e-6, f"{name}: memfit differs by {diff:.3e}, run-to-run noise {noise:.3e}"
 
 
 def _sleepy(model, cycles: int):
@@ -99,14 +107,15 @@ def test_200_steps_with_alternating_shapes_leak_nothing():
         pool = handle._session.copy.pool
         for i in range(200):
             step(model, torch.randn(*shapes[i % 2], device="cuda"))
-            if i == 9:
+            if i == 49:  # past every one-time allocation (per-thread cuBLAS workspaces, pool warm-up)
                 torch.cuda.synchronize()
                 allocated, pinned = torch.cuda.memory_allocated(), pool.stats().pinned_bytes_held
                 allocations = pool.stats().pinned_allocations
         torch.cuda.synchronize()
         gc.collect()
         stats = pool.stats()
-    assert torch.cuda.memory_allocated() <= allocated
+    # One leaked activation per step would grow memory by 150 x 2-3 MiB over the last 150 steps.
+    assert torch.cuda.memory_allocated() - allocated < 4 * 2**20
     assert stats.pinned_bytes_held == pinned and stats.pinned_allocations == allocations
     assert stats.buffers_in_use == 0
 

@@ -82,11 +82,12 @@ def test_unsloth_parks_entries_and_holds_less_on_device(model, x):
     with offload_apply(model, {**ON, "gradient_checkpointing_backend": "unsloth"}) as h:
         step(model, x)
         stats = h.stats()
-    # every entry is parked; the shared `scale` is parked once and shared by the other 5 frames
+    # Every entry is parked but the last frame's (backward needs those first: a round trip would free
+    # nothing); the shared `scale` is parked once and shared by the frames 2..5.
     assert stats["frames"] == torch_stats["frames"] == 6
-    assert stats["dedup_hits"] == 5
+    assert stats["dedup_hits"] == 4
     n, d = 2 * 8, 16
-    assert stats["bytes_offloaded"] == 6 * n * d * 4 + 4
+    assert stats["bytes_offloaded"] == 5 * n * d * 4 + 4
     assert stats["bytes_reloaded"] <= stats["bytes_offloaded"]
 
 

@@ -1,6 +1,7 @@
 """<Family> passes the memfit conformance kit."""
 
 import memfit_template
+
 from memfit_conformance import AdapterConformance
 
 

@@ -3,26 +3,24 @@
 Two runs of the kit:
 
 * ``TestChromaConformance`` — the preset's inputs as Chroma is trained: with the boolean text+image
-  attention mask. Its whole-block ``torch`` combinations fail today, and are left failing on
-  purpose: diffusers' checkpointing branch of ``ChromaTransformer2DModel.forward`` calls the
-  single-stream blocks without ``attention_mask``, and memfit's core always enters blocks through
-  that branch (``enable_gradient_checkpointing``) when the model supports it; an adapter cannot ask
-  for the hook entry instead. See the README ("Known problem").
-* ``TestChromaConformanceUnmasked`` — the same kit without the mask: every declared boundary is safe
-  and every combination matches the unmodified model bit for bit. Plus ControlNet residuals, which
-  Chroma adds between blocks (in place, for the single-stream list).
+  attention mask. This is the run that needs ``block_entry="hooks"``: diffusers' checkpointing branch
+  of ``ChromaTransformer2DModel.forward`` calls the single-stream blocks without ``attention_mask``,
+  so entering blocks through it would change the model's math.
+* ``TestChromaConformanceUnmasked`` — the same kit without the mask, plus ControlNet residuals,
+  which Chroma adds between blocks (in place, for the single-stream list).
 """
 
 from typing import Any
 
-import memfit
 import memfit_chroma
 import pytest
 import torch
+from torch import nn
+
+import memfit
 from memfit import Backend
 from memfit_conformance import AdapterConformance
 from memfit_conformance.harness import Combination, assert_same_step
-from torch import nn
 
 
 class TestChromaConformance(AdapterConformance):

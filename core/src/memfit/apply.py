@@ -173,7 +173,7 @@ def _require_ffn(model: nn.Module, adapter: FamilyAdapter | None, backend: Backe
 def _plan(engine: RegionEngine, model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapter | None) -> None:
     diffusers_entry = bool(getattr(model, "_supports_gradient_checkpointing", False)) and hasattr(
         model, "enable_gradient_checkpointing"
-    )
+    ) and (adapter is None or adapter.block_entry == "auto")
     if adapter is None:
         if not diffusers_entry:
             raise MemfitError(

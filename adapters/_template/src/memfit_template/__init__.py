@@ -6,7 +6,6 @@ A worked example is ``adapters/chroma/src/memfit_chroma/__init__.py``.
 """
 
 from memfit import BlockSpec, FamilyAdapter, Preset
-
 from memfit_template.presets import build_full, build_tiny, make_inputs
 
 ADAPTER = FamilyAdapter(

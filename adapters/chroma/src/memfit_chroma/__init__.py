@@ -23,7 +23,6 @@ little less saving).
 """
 
 from memfit import BlockSpec, FamilyAdapter, Preset
-
 from memfit_chroma.presets import build_full, build_tiny, make_inputs
 
 ADAPTER = FamilyAdapter(
@@ -43,11 +42,13 @@ ADAPTER = FamilyAdapter(
         "full": Preset(build=build_full, inputs=make_inputs, default_tokens=4096,
                        description="Chroma1-HD size, 8.9B: 19 double + 38 single blocks, width 3072 (random weights)"),
     },
+    # diffusers 0.42.1's checkpointing branch of ChromaTransformer2DModel.forward calls the single-stream
+    # blocks without `attention_mask` (and no block with `joint_attention_kwargs`): entering blocks through
+    # it would change the model's math whenever a mask is given. Forward hooks see the normal branch.
+    block_entry="hooks",
     notes=(
-        "Both block lists. diffusers' checkpointing branch of ChromaTransformer2DModel.forward does not pass "
-        "attention_mask to the single-stream blocks (nor joint_attention_kwargs to any block): whole-block "
-        "backends change the model's math when an attention mask is given (prefer torch-ffn then); FFN "
-        "backends are exact."
+        "Both block lists. Blocks are entered through forward hooks, not diffusers' checkpointing branch, "
+        "which drops attention_mask for the single-stream blocks in diffusers 0.42.1."
     ),
 )
 

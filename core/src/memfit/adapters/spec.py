@@ -84,6 +84,11 @@ class FamilyAdapter:
         presets: named :class:`Preset` s; ``"tiny"`` is required (tests and CLI default).
         loss: maps a forward's output to a scalar loss.
         notes: free text shown by ``memfit list`` (what was verified, what is missing and why).
+        block_entry: how block calls reach the engine. ``"auto"``: through diffusers'
+            ``gradient_checkpointing_func`` where the model supports it (plus forward hooks on the
+            declared blocks for lists the model does not route); ``"hooks"``: forward hooks only, and
+            diffusers' own checkpointing branch is never switched on — for models whose checkpointing
+            branch does not call blocks the same way as the normal one (e.g. drops an argument).
     """
 
     name: str
@@ -96,6 +101,11 @@ class FamilyAdapter:
     presets: Mapping[str, Preset] = field(default_factory=dict)
     loss: Callable[[Any], torch.Tensor] = default_loss
     notes: str = ""
+    block_entry: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.block_entry not in ("auto", "hooks"):
+            raise ValueError(f"FamilyAdapter.block_entry must be 'auto' or 'hooks', got {self.block_entry!r}")
 
     # -- queries -----------------------------------------------------------------------------------------------
 

@@ -52,6 +52,7 @@ class OffloadSession:
         self.min_offload_bytes = min_offload_bytes
         self.prefetch_depth = prefetch_depth
         self._registry: dict[int, Parked] = {}
+        self._pending: list[tuple[OffloadStash, list]] = []
         self._timeline: list[weakref.ref] = []
         self._step_parked: list[weakref.ref] = []
         self._param_storages: set[int] = set()
@@ -63,14 +64,21 @@ class OffloadSession:
         self._registry = {}
         self._timeline = []
         self._step_parked = []
+        self._pending = []
         self._param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
         self._param_storages |= {b.untyped_storage().data_ptr() for b in self.model.buffers()}
 
     def end_step(self) -> None:
+        # The last region's entries were never parked: backward needs them first, so a round trip
+        # through host memory would free nothing at the backward peak and cost two copies.
+        for stash, handle in self._pending:
+            stash.keep(handle)
+        self._pending = []
         self._registry = {}  # a later forward must not share this step's parked tensors
 
     def abort_step(self) -> None:
         """The forward raised: give every buffer of this step back to the pool now."""
+        self._pending = []
         for ref in self._step_parked:
             parked = ref()
             if parked is not None:
@@ -84,9 +92,15 @@ class OffloadSession:
             return False
         if tensor.device.type == "cpu" and not getattr(self.copy, "parks_cpu_tensors", False):
             return False
-        if tensor.numel() * tensor.element_size() < self.min_offload_bytes:
+        logical = tensor.numel() * tensor.element_size()
+        if logical < self.min_offload_bytes:
             return False
-        return tensor.untyped_storage().data_ptr() not in self._param_storages
+        storage = tensor.untyped_storage()
+        if storage.nbytes() < logical:
+            # A broadcast (expanded) view, e.g. an attention mask: its storage is smaller than the tensor,
+            # so parking it would copy — and later allocate — far more than it frees.
+            return False
+        return storage.data_ptr() not in self._param_storages
 
     def park(self, tensor: torch.Tensor) -> Parked:
         """Park ``tensor`` (or share the parked copy made earlier this step for the same tensor)."""
@@ -109,8 +123,21 @@ class OffloadSession:
 
     # -- reload ahead ---------------------------------------------------------------------------------------------
 
+    def defer(self, stash: OffloadStash, handle: list) -> None:
+        """Park ``handle``'s tensor once a later region starts (see :meth:`end_step` for why)."""
+        self._pending.append((stash, handle))
+
+    def _flush(self) -> None:
+        pending, self._pending = self._pending, []
+        for stash, handle in pending:
+            stash.park_pending(handle)
+
     def register(self, region: Any) -> int:
-        """Add a parking region (has ``prefetch()``) to the step's timeline; returns its index."""
+        """Add a parking region (has ``prefetch()``) to the step's timeline; returns its index.
+
+        A new region means the earlier ones are not the last: their deferred entries are parked now.
+        """
+        self._flush()
         self._timeline.append(weakref.ref(region))
         return len(self._timeline) - 1
 
@@ -127,7 +154,11 @@ class OffloadSession:
 
 
 class OffloadStash:
-    """A frame's stash for the ``unsloth`` backends: entries are parked in host memory."""
+    """A frame's stash for the ``unsloth`` backends: entries are parked in host memory.
+
+    A handle is a small list ``[state, value, source]``: ``("device", tensor)`` kept on the device,
+    ``("pending", alias, tensor)`` waiting for the next region to start, ``("parked", Parked)``.
+    """
 
     def __init__(self, session: OffloadSession) -> None:
         self.session = session
@@ -135,24 +166,32 @@ class OffloadStash:
         self.timeline = session.snapshot_timeline()
         self.index = session.register(self)
 
-    def put(self, tensor: torch.Tensor) -> Any:
+    def put(self, tensor: torch.Tensor) -> list:
         if not self.session.worth_parking(tensor):
-            return ("device", tensor.detach())
-        parked = self.session.park(tensor)
+            return ["device", tensor.detach(), None]
+        handle = ["pending", tensor.detach(), tensor]
+        self.session.defer(self, handle)
+        return handle
+
+    def park_pending(self, handle: list) -> None:
+        parked = self.session.park(handle[2])
         self.parked.append(parked)
-        return ("parked", parked)
+        handle[:] = ["parked", parked, None]
 
-    def get(self, handle: Any) -> torch.Tensor:
-        kind, value = handle
-        return value if kind == "device" else self.session.copy.fetch(value)
+    def keep(self, handle: list) -> None:
+        handle[:] = ["device", handle[1], None]
+        state.note_held(handle[1])
 
-    def resident(self, handle: Any) -> torch.Tensor | None:
-        kind, value = handle
-        return value if kind == "device" else None
+    def get(self, handle: list) -> torch.Tensor:
+        kind, value, _ = handle
+        return self.session.copy.fetch(value) if kind == "parked" else value
 
-    def version(self, handle: Any) -> int:
-        kind, value = handle
-        if kind == "device":
+    def resident(self, handle: list) -> torch.Tensor | None:
+        return handle[1] if handle[0] == "device" else None
+
+    def version(self, handle: list) -> int:
+        kind, value, _ = handle
+        if kind != "parked":
             return value._version
         source = value.source() if value.source is not None else None
         return source._version if source is not None else value.version
