@@ -101,24 +101,38 @@ class CopyEngine:
 
     def offload(self, tensor: torch.Tensor) -> Parked:
         """Start copying ``tensor`` to a host buffer; the caller may drop ``tensor`` right away."""
-        compute = torch.cuda.current_stream(tensor.device)
-        src = tensor if tensor.is_contiguous() else tensor.contiguous()
-        nbytes = src.numel() * src.element_size()
-        buf = self.pool.acquire(nbytes)
+        return self.offload_many([tensor])[0]
+
+    def offload_many(self, tensors: list[torch.Tensor]) -> list[Parked]:
+        """Park several tensors produced on the same stream: one ordering event, one completion event."""
+        if not tensors:
+            return []
+        compute = torch.cuda.current_stream(tensors[0].device)
         produced = torch.cuda.Event()
         produced.record(compute)
         self._d2h.wait_event(produced)
+        staged = []
         with torch.cuda.stream(self._d2h):
-            buf.view(src.dtype, src.shape).copy_(src, non_blocking=buf.pinned)
+            for tensor in tensors:
+                src = tensor if tensor.is_contiguous() else tensor.contiguous()
+                nbytes = src.numel() * src.element_size()
+                buf = self.pool.acquire(nbytes)
+                buf.view(src.dtype, src.shape).copy_(src, non_blocking=buf.pinned)
+                staged.append((tensor, src, buf, nbytes))
             done = torch.cuda.Event()
             done.record(self._d2h)
-        src.record_stream(self._d2h)
-        if src is not tensor:
-            tensor.record_stream(self._d2h)
-        self.stats.bytes_offloaded += nbytes
-        self._track_inflight(done, nbytes, compute)
-        return Parked(buf, src.shape, src.dtype, tensor.device, nbytes, weakref.ref(tensor), tensor._version,
-                      d2h_done=done)
+        out = []
+        total = 0
+        for tensor, src, buf, nbytes in staged:
+            src.record_stream(self._d2h)
+            if src is not tensor:
+                tensor.record_stream(self._d2h)
+            total += nbytes
+            out.append(Parked(buf, src.shape, src.dtype, tensor.device, nbytes, weakref.ref(tensor),
+                              tensor._version, d2h_done=done))
+        self.stats.bytes_offloaded += total
+        self._track_inflight(done, total, compute)
+        return out
 
     def _track_inflight(self, done: Any, nbytes: int, compute: Any) -> None:
         self._inflight.append((done, nbytes))
@@ -167,6 +181,8 @@ class CopyEngine:
         return out
 
     def _wait(self, stream: Any, event: Any) -> None:
+        if event.query():  # already complete (the usual case when reloads run ahead): nothing to wait for
+            return
         if self.timing:
             before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             before.record(stream)
@@ -203,6 +219,9 @@ class SyncCopyEngine(CopyEngine):
         self.pool = pool
         self.stats = CopyStats()
         self.timing = False
+
+    def offload_many(self, tensors: list[torch.Tensor]) -> list[Parked]:
+        return [self.offload(t) for t in tensors]
 
     def offload(self, tensor: torch.Tensor) -> Parked:
         src = tensor.contiguous()

@@ -104,16 +104,39 @@ class OffloadSession:
 
     def park(self, tensor: torch.Tensor) -> Parked:
         """Park ``tensor`` (or share the parked copy made earlier this step for the same tensor)."""
-        parked = self._registry.get(id(tensor))
-        if parked is not None and parked.source is not None and parked.source() is tensor \
-                and parked.version == tensor._version and parked.buffer is not None:
-            parked.users += 1
-            self.copy.stats.dedup_hits += 1
-            return parked
-        parked = self.copy.offload(tensor)
-        self._registry[id(tensor)] = parked
-        self._step_parked.append(weakref.ref(parked))
-        return parked
+        return self.park_many([tensor])[0]
+
+    def park_many(self, tensors: list[torch.Tensor]) -> list[Parked]:
+        """Park tensors in one batch of copies; a tensor parked earlier this step is shared, not copied."""
+        out: list[Parked | None] = []
+        fresh: list[torch.Tensor] = []
+        for tensor in tensors:
+            parked = self._registry.get(id(tensor))
+            if parked is not None and parked.source is not None and parked.source() is tensor \
+                    and parked.version == tensor._version and parked.buffer is not None:
+                parked.users += 1
+                self.copy.stats.dedup_hits += 1
+                out.append(parked)
+            elif any(t is tensor for t in fresh):
+                out.append(None)  # the same tensor twice in this batch: shared below
+            else:
+                fresh.append(tensor)
+                out.append(None)
+        new = dict(zip(map(id, fresh), self.copy.offload_many(fresh), strict=True))
+        for parked in new.values():
+            self._step_parked.append(weakref.ref(parked))
+        self._registry.update(new)
+        result = []
+        seen: set[int] = set()
+        for tensor, parked in zip(tensors, out, strict=True):
+            if parked is None:
+                parked = new[id(tensor)]
+                if id(tensor) in seen:
+                    parked.users += 1
+                    self.copy.stats.dedup_hits += 1
+                seen.add(id(tensor))
+            result.append(parked)
+        return result
 
     def unpark(self, parked: Parked) -> None:
         """One user is done with ``parked``; the last one returns its host buffer."""
@@ -129,8 +152,12 @@ class OffloadSession:
 
     def _flush(self) -> None:
         pending, self._pending = self._pending, []
-        for stash, handle in pending:
-            stash.park_pending(handle)
+        if not pending:
+            return
+        parked = self.park_many([handle[2] for _, handle in pending])
+        for (stash, handle), p in zip(pending, parked, strict=True):
+            stash.parked.append(p)
+            handle[:] = ["parked", p, None]
 
     def register(self, region: Any) -> int:
         """Add a parking region (has ``prefetch()``) to the step's timeline; returns its index.
@@ -173,11 +200,6 @@ class OffloadStash:
         self.session.defer(self, handle)
         return handle
 
-    def park_pending(self, handle: list) -> None:
-        parked = self.session.park(handle[2])
-        self.parked.append(parked)
-        handle[:] = ["parked", parked, None]
-
     def keep(self, handle: list) -> None:
         handle[:] = ["device", handle[1], None]
         state.note_held(handle[1])
@@ -216,6 +238,7 @@ class _SavedGroup:
     def __init__(self, session: OffloadSession) -> None:
         self.session = session
         self.parked: list[Parked] = []
+        self.pending: list[_SavedHandle] = []
         self.timeline = session.snapshot_timeline()
         self.index = session.register(self)
         self.started = False
@@ -280,21 +303,27 @@ class AttentionOffloader:
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
         if not self._active or self._active[-1][0] is not module:
             return
-        _, hooks, _ = self._active.pop()
+        _, hooks, group = self._active.pop()
         state.exit_region_call()
         hooks.__exit__(None, None, None)
+        # Park everything this call saved in one batch of copies (one ordering event for all).
+        handles, group.pending = group.pending, []
+        for handle, parked in zip(handles, self.session.park_many([h.device_tensor for h in handles]),
+                                  strict=True):
+            handle.parked, handle.device_tensor = parked, None
+            group.parked.append(parked)
 
     def _pack(self, group: _SavedGroup, tensor: torch.Tensor) -> _SavedHandle:
         if not self.session.worth_parking(tensor):
             state.note_held(tensor)  # stays on its device: the held-bytes meters must still see it
             return _SavedHandle(None, None, tensor)
-        parked = self.session.park(tensor)
-        group.parked.append(parked)
+        handle = _SavedHandle(group, None, tensor)  # parked when the call returns
+        group.pending.append(handle)
         self.tensors_parked += 1
-        return _SavedHandle(group, parked, None)
+        return handle
 
     def _unpack(self, handle: _SavedHandle) -> torch.Tensor:
-        if handle.parked is None:
+        if handle.parked is None:  # kept on the device (or backward ran inside the forward call)
             assert handle.device_tensor is not None
             return handle.device_tensor
         group = handle.group
