@@ -158,3 +158,21 @@ def test_no_grad_parks_nothing(model, x):
                                "gradient_checkpointing_offload_attention": True}) as h, torch.no_grad():
         model(x)
         assert h.stats()["bytes_offloaded"] == 0
+
+
+def test_parked_tensors_come_back_with_their_strides():
+    engine = make_engine()
+    for make in (lambda: torch.randn(2, 5, 3, 4), lambda: torch.randn(3, 4, 5).transpose(0, 2),
+                 lambda: torch.randn(2, 3, 4, 5).permute(0, 2, 3, 1)):
+        t = make()
+        expected_stride, expected = t.stride(), t.clone()
+        parked = engine.offload(t)
+        del t  # drop the source: the reload must come from host memory
+        back = engine.fetch(parked)
+        assert back.stride() == expected_stride and torch.equal(back, expected)
+    gappy = torch.randn(4, 6)[:, ::2]  # not dense: comes back contiguous, same values
+    expected = gappy.clone()
+    parked = engine.offload(gappy)
+    del gappy
+    back = engine.fetch(parked)
+    assert back.is_contiguous() and torch.equal(back, expected)

@@ -43,9 +43,27 @@ import torch
 from memfit.offload.pool import HostBuffer, PinnedBucketPool
 
 
+def dense_layout(tensor: torch.Tensor) -> bool:
+    """True when ``tensor`` covers its ``numel`` elements without gaps or overlap, in any dimension order
+    (contiguous, or a permutation such as a transposed attention layout): then it is parked with its
+    strides, and comes back with exactly the layout autograd saved (some attention backward kernels
+    expect ``out`` and ``grad_out`` to share a layout)."""
+    if tensor.is_contiguous():
+        return True
+    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), -tensor.shape[d]))
+    return tensor.permute(order).is_contiguous()
+
+
+def host_view(buf: HostBuffer, tensor_like: Any, shape: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
+    numel = 1
+    for d in shape:
+        numel *= d
+    return buf.view(tensor_like, (numel,)).as_strided(shape, stride)
+
+
 @dataclass
 class Parked:
-    """One tensor parked in host memory."""
+    """One tensor parked in host memory (with the strides it is given back with)."""
 
     buffer: HostBuffer | None
     shape: torch.Size
@@ -57,6 +75,7 @@ class Parked:
     d2h_done: Any = None  # event: host copy complete
     h2d_done: Any = None  # event: reload complete
     reloaded: torch.Tensor | None = None
+    stride: tuple[int, ...] | None = None  # None: contiguous
     users: int = 1
     fetches_left: int = 0  # fetches this reload still serves (a shared tensor is reloaded once per backward)
 
@@ -114,10 +133,10 @@ class CopyEngine:
         staged = []
         with torch.cuda.stream(self._d2h):
             for tensor in tensors:
-                src = tensor if tensor.is_contiguous() else tensor.contiguous()
+                src = tensor if dense_layout(tensor) else tensor.contiguous()
                 nbytes = src.numel() * src.element_size()
                 buf = self.pool.acquire(nbytes)
-                buf.view(src.dtype, src.shape).copy_(src, non_blocking=buf.pinned)
+                host_view(buf, src.dtype, src.shape, src.stride()).copy_(src, non_blocking=buf.pinned)
                 staged.append((tensor, src, buf, nbytes))
             done = torch.cuda.Event()
             done.record(self._d2h)
@@ -129,7 +148,7 @@ class CopyEngine:
                 tensor.record_stream(self._d2h)
             total += nbytes
             out.append(Parked(buf, src.shape, src.dtype, tensor.device, nbytes, weakref.ref(tensor),
-                              tensor._version, d2h_done=done))
+                              tensor._version, d2h_done=done, stride=src.stride()))
         self.stats.bytes_offloaded += total
         self._track_inflight(done, total, compute)
         return out
@@ -153,14 +172,15 @@ class CopyEngine:
             return
         parked.fetches_left = parked.users
         compute = torch.cuda.current_stream(parked.device)
-        out = torch.empty(parked.shape, dtype=parked.dtype, device=parked.device)  # allocated on compute
+        stride = parked.stride or torch.empty(parked.shape, device="meta").stride()
+        out = torch.empty_strided(parked.shape, stride, dtype=parked.dtype, device=parked.device)  # on compute
         ready = torch.cuda.Event()
         ready.record(compute)  # the memory is free for us only after compute's earlier work
         self._h2d.wait_event(ready)
         self._h2d.wait_event(parked.d2h_done)
         assert parked.buffer is not None
         with torch.cuda.stream(self._h2d):
-            out.copy_(parked.buffer.view(parked.dtype, parked.shape), non_blocking=parked.buffer.pinned)
+            out.copy_(host_view(parked.buffer, parked.dtype, parked.shape, stride), non_blocking=parked.buffer.pinned)
             done = torch.cuda.Event()
             done.record(self._h2d)
         out.record_stream(self._h2d)
@@ -224,18 +244,21 @@ class SyncCopyEngine(CopyEngine):
         return [self.offload(t) for t in tensors]
 
     def offload(self, tensor: torch.Tensor) -> Parked:
-        src = tensor.contiguous()
+        src = tensor if dense_layout(tensor) else tensor.contiguous()
         nbytes = src.numel() * src.element_size()
         buf = self.pool.acquire(nbytes)
-        buf.view(src.dtype, src.shape).copy_(src)
+        host_view(buf, src.dtype, src.shape, src.stride()).copy_(src)
         self.stats.bytes_offloaded += nbytes
-        return Parked(buf, src.shape, src.dtype, tensor.device, nbytes, weakref.ref(tensor), tensor._version)
+        return Parked(buf, src.shape, src.dtype, tensor.device, nbytes, weakref.ref(tensor), tensor._version,
+                      stride=src.stride())
 
     def reload(self, parked: Parked) -> None:
         if parked.reloaded is not None or parked.alive_source() is not None:
             return
         assert parked.buffer is not None
-        parked.reloaded = parked.buffer.view(parked.dtype, parked.shape).clone().to(parked.device)
+        view = host_view(parked.buffer, parked.dtype, parked.shape, parked.stride or ())
+        out = torch.empty_strided(parked.shape, view.stride(), dtype=parked.dtype, device=parked.device)
+        parked.reloaded = out.copy_(view)
         parked.fetches_left = parked.users
         self.stats.bytes_reloaded += parked.nbytes
 

@@ -337,8 +337,9 @@ class AdapterConformance:
             else:
                 # Sub-block modes: at the tiny preset's widths one FFN's activations can be smaller than the
                 # attention backward's own workspace, which then sets the peak; the peak must not rise
-                # (beyond 1%: the recompute's transient), and the real-size benchmarks show the drop.
-                assert result.peak_bytes <= base_peak * 1.01, (
+                # (beyond 3%: the recompute's and reload's transients), and the real-size benchmarks show
+                # the drop.
+                assert result.peak_bytes <= base_peak * 1.03, (
                     f"{combo}: peak {result.peak_bytes} rose above the unmodified peak {base_peak}"
                 )
         for combo, result in full:
