@@ -114,7 +114,7 @@ def _attention_modules(model: nn.Module, adapter: FamilyAdapter | None) -> list[
         )
     modules: list[nn.Module] = []
     for _, _, block in adapter.iter_blocks(model):
-        spec = adapter.blocks.get(type(block).__name__)
+        spec = adapter.spec_for(block)
         if spec is None:
             continue
         for region in spec.attention:
@@ -163,7 +163,7 @@ def _require_ffn(model: nn.Module, adapter: FamilyAdapter | None, backend: Backe
             f"boundary. Use the whole-block backend 'torch' instead."
         )
     for path, _, block in adapter.iter_blocks(model):
-        if type(block).__name__ not in adapter.blocks:
+        if adapter.spec_for(block) is None:
             raise UnsupportedBoundaryError(
                 f"gradient_checkpointing_backend={backend.value!r}: block class {type(block).__name__} in "
                 f"{path!r} is not declared by family {adapter.name!r}, so it has no known FFN boundary."
@@ -189,7 +189,8 @@ def _plan(engine: RegionEngine, model: nn.Module, cfg: MemfitConfig, adapter: Fa
         assert adapter is not None
         for (path, index), _slot in plan.items():
             block = lists[path][index]
-            spec = adapter.blocks[type(block).__name__]
+            spec = adapter.spec_for(block)
+            assert spec is not None  # checked by _require_ffn
             for r, region in enumerate(spec.ffn):
                 chain = [block.get_submodule(p) for p in region]
                 for module, site in chain_sites(("ffn", path, index, r), chain, "ffn"):

@@ -113,6 +113,15 @@ class FamilyAdapter:
         names = {cls.__name__ for cls in type(model).__mro__}
         return any(name in names for name in self.model_classes)
 
+    def spec_for(self, block: nn.Module) -> BlockSpec | None:
+        """The declared :class:`BlockSpec` of ``block``'s class, looked up along its MRO (so wrappers that
+        subclass the block's class, such as FSDP2's ``fully_shard``, still match); None if undeclared."""
+        for cls in type(block).__mro__:
+            spec = self.blocks.get(cls.__name__)
+            if spec is not None:
+                return spec
+        return None
+
     @property
     def has_ffn(self) -> bool:
         return any(spec.ffn for spec in self.blocks.values())

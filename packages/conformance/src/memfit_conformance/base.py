@@ -170,13 +170,13 @@ class AdapterConformance:
 
     def test_every_block_class_declared(self, model: nn.Module) -> None:
         for path, index, block in self.adapter.iter_blocks(model):
-            assert type(block).__name__ in self.adapter.blocks, (
+            assert self.adapter.spec_for(block) is not None, (
                 f"{path}[{index}] is a {type(block).__name__}, which the adapter does not declare"
             )
 
     def test_region_paths_resolve(self, model: nn.Module) -> None:
         for path, index, block in self.adapter.iter_blocks(model):
-            spec = self.adapter.blocks[type(block).__name__]
+            spec = self.adapter.spec_for(block)
             for kind, regions in (("ffn", spec.ffn), ("attention", spec.attention)):
                 for region in regions:
                     assert region, f"empty {kind} region declared for {type(block).__name__}"
@@ -357,7 +357,7 @@ class AdapterConformance:
             if combo.backend.ffn_only:
                 for s in starts:
                     for i in range(s, min(s + interval, len(blocks))):
-                        total += len(self.adapter.blocks[type(blocks[i]).__name__].ffn)
+                        total += len(self.adapter.spec_for(blocks[i]).ffn)
             else:
                 total += len(starts)
         return total
@@ -370,7 +370,7 @@ class AdapterConformance:
             for s in range(0, len(blocks), step):
                 for i in range(s, min(s + interval, len(blocks))):
                     if combo.backend.ffn_only:
-                        total += sum(len(r) for r in self.adapter.blocks[type(blocks[i]).__name__].ffn)
+                        total += sum(len(r) for r in self.adapter.spec_for(blocks[i]).ffn)
                     else:
                         total += 1
         return total
