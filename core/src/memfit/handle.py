@@ -37,6 +37,7 @@ class MemfitHandle:
             "calls": s.calls,
             "recomputes": s.recomputes,
             "unused": s.unused,
+            "chain_breaks": s.chain_breaks,
             "entries": s.entries,
             "entry_bytes": s.entry_bytes,
             "saved_tensors_replaced": s.holders,
@@ -69,7 +70,7 @@ class MemfitHandle:
 
     def reset_stats(self) -> None:
         s = self._engine.stats
-        s.frames = s.calls = s.recomputes = s.unused = s.entries = s.entry_bytes = s.holders = 0
+        s.frames = s.calls = s.recomputes = s.unused = s.chain_breaks = s.entries = s.entry_bytes = s.holders = 0
         s.by_scope.clear()
         self._engine.undeclared_block_calls = 0
         if self._session is not None:

@@ -85,6 +85,9 @@ class FrameStats:
     # frames freed without ever being recomputed: their outputs never reached the loss (e.g. the text
     # stream of a double-stream model's last block), so backward never needed them
     unused: int = 0
+    # calls that continued a sub-block chain without consuming any output of the chain so far: the
+    # declared chain is not a chain (still correct — the input is kept as an entry — but it saves less)
+    chain_breaks: int = 0
     holders: int = 0
     by_scope: dict[str, int] = field(default_factory=dict)
 
@@ -143,6 +146,8 @@ class Frame:
                 leaves.append(self._find_output(x) or ("entry", self._entry_index(x)))
             else:
                 leaves.append(("const", x))
+        if self.calls and self.scope != "block" and not any(leaf[0] == "ref" for leaf in leaves):
+            self.stats.chain_breaks += 1
         call = _Call(module, spec, leaves, CallContext.capture(tensors))
         self.calls.append(call)
         index = len(self.calls) - 1

@@ -213,6 +213,11 @@ class AdapterConformance:
             return
         expected = self.expected_frames(model, combo)
         assert stats["undeclared_block_calls"] == 0, "the model checkpointed blocks the adapter did not declare"
+        assert stats["chain_breaks"] == 0, (
+            f"{combo}: a declared region chain is not a chain: a later module of it did not consume the output "
+            f"of the earlier ones (something else runs in between). Declare the modules as separate regions, "
+            f"or only the consecutive part."
+        )
         assert stats["frames"] == expected, (
             f"{combo}: {stats['frames']} regions ran, the declarations imply {expected}: a declared region "
             f"was not called as a chain of consecutive calls (unsafe or wrong boundary) or never ran"
