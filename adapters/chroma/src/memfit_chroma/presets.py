@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from diffusers import ChromaTransformer2DModel
+
+from memfit.adapters.building import near_square_grid, preset_builders
 
 # Small enough that the whole conformance kit runs in seconds on a laptop CPU, big enough that every
 # interval/stride combination of the kit (intervals 1-3, strides up to 6) has full and partial chunks
@@ -30,30 +31,8 @@ FULL = dict(
 FULL_TEXT_TOKENS = 512
 
 
-def _build(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device) -> ChromaTransformer2DModel:
-    with torch.device(device):
-        model = ChromaTransformer2DModel(**config)
-    return model.to(dtype=dtype)
-
-
-def build_tiny(*, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               seed: int = 0) -> ChromaTransformer2DModel:
-    torch.manual_seed(seed)
-    return _build(TINY, dtype, device)
-
-
-def build_full(*, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-               seed: int = 0) -> ChromaTransformer2DModel:
-    torch.manual_seed(seed)
-    return _build(FULL, dtype, device)
-
-
-def latent_grid(tokens: int) -> tuple[int, int]:
-    """A near-square (h, w) packed-latent grid with h*w == tokens (tokens is rounded to a product)."""
-    h = max(1, int(math.isqrt(tokens)))
-    while tokens % h:
-        h -= 1
-    return h, tokens // h
+build_tiny, build_full = preset_builders(ChromaTransformer2DModel, TINY, FULL)
+latent_grid = near_square_grid
 
 
 def make_inputs(model: ChromaTransformer2DModel, *, tokens: int | None = None, batch: int = 1,

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
+
+from memfit.adapters.building import near_square_grid, preset_builders
 
 # diffusers is imported inside the builders: adapter discovery (entry points) must stay cheap.
 
@@ -22,37 +23,8 @@ FULL = dict(
 )
 
 
-def _build(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device):
-    from diffusers import FluxTransformer2DModel
-
-    # Build directly in the target dtype/device (no fp32 copy on the host, no cast afterwards).
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        with torch.device(device):
-            return FluxTransformer2DModel(**config)
-    finally:
-        torch.set_default_dtype(previous)
-
-
-def build_tiny(*, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               seed: int = 0):
-    torch.manual_seed(seed)
-    return _build(TINY, dtype, device)
-
-
-def build_full(*, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-               seed: int = 0):
-    torch.manual_seed(seed)
-    return _build(FULL, dtype, device)
-
-
-def latent_grid(tokens: int) -> tuple[int, int]:
-    """A near-square (h, w) packed-latent grid with h*w == tokens (tokens is rounded to a product)."""
-    h = max(1, int(math.isqrt(tokens)))
-    while tokens % h:
-        h -= 1
-    return h, tokens // h
+build_tiny, build_full = preset_builders("diffusers:FluxTransformer2DModel", TINY, FULL)
+latent_grid = near_square_grid
 
 
 def make_inputs(model, *, tokens: int | None = None, batch: int = 1,

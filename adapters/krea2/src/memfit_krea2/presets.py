@@ -14,11 +14,12 @@ documentation's example size and the usual LoRA/fine-tuning resolution; the full
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 from diffusers import Krea2Transformer2DModel
+
+from memfit.adapters.building import near_square_grid, preset_builders
 
 # Pixels per packed token along each axis: VAE factor 8 x patch size 2 (diffusers Krea2Pipeline).
 VAE_SCALE_FACTOR = 8
@@ -59,39 +60,8 @@ FULL = dict(
 )
 
 
-def _build(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device) -> Krea2Transformer2DModel:
-    with torch.device(device):
-        model = Krea2Transformer2DModel(**config)
-    # Cast as `from_pretrained(torch_dtype=...)` does: parameters of `_keep_in_fp32_modules` (the RMSNorm
-    # scales) stay fp32, everything else gets ``dtype`` (the model has no buffers). (`model.to(dtype)` would cast the norms too, and warns.)
-    keep = model._keep_in_fp32_modules or []
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            target = torch.float32 if any(k in name.split(".") for k in keep) else dtype
-            param.data = param.data.to(target)
-    return model
-
-
-def build_tiny(*, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               seed: int = 0) -> Krea2Transformer2DModel:
-    torch.manual_seed(seed)
-    return _build(TINY, dtype, device)
-
-
-def build_full(*, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-               seed: int = 0) -> Krea2Transformer2DModel:
-    torch.manual_seed(seed)
-    return _build(FULL, dtype, device)
-
-
-def latent_grid(tokens: int) -> tuple[int, int]:
-    """Packed-token grid ``(grid_h, grid_w)`` with ``grid_h * grid_w == tokens``, as square as possible."""
-    if tokens < 1:
-        raise ValueError(f"tokens must be >= 1, got {tokens}")
-    h = math.isqrt(tokens)
-    while tokens % h:
-        h -= 1
-    return h, tokens // h
+build_tiny, build_full = preset_builders(Krea2Transformer2DModel, TINY, FULL)
+latent_grid = near_square_grid
 
 
 def image_size(tokens: int) -> tuple[int, int]:

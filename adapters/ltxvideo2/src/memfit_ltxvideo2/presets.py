@@ -30,6 +30,8 @@ from typing import Any
 import torch
 from diffusers import LTX2VideoTransformer3DModel
 
+from memfit.adapters.building import preset_builders
+
 FPS = 24.0
 
 # Tiny: every stream and every attention present, widths of a few units. Constraints the model
@@ -73,23 +75,7 @@ FULL_TEXT_TOKENS = 1024
 TINY_TEXT_TOKENS = 8
 
 
-def _build(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device) -> LTX2VideoTransformer3DModel:
-    with torch.device(device):
-        model = LTX2VideoTransformer3DModel(**config)
-    # Skip a no-op cast: diffusers warns on every `ModelMixin.to(dtype)` call.
-    return model if model.dtype == dtype else model.to(dtype=dtype)
-
-
-def build_tiny(*, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               seed: int = 0) -> LTX2VideoTransformer3DModel:
-    torch.manual_seed(seed)
-    return _build(TINY, dtype, device)
-
-
-def build_full(*, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-               seed: int = 0) -> LTX2VideoTransformer3DModel:
-    torch.manual_seed(seed)
-    return _build(FULL, dtype, device)
+build_tiny, build_full = preset_builders(LTX2VideoTransformer3DModel, TINY, FULL)
 
 
 def _divisors(n: int) -> list[int]:

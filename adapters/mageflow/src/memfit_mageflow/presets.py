@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
 
+from memfit.adapters.building import near_square_grid, preset_builders
 from memfit_mageflow.model import MageFlowTransformer2DModel, lengths_to_cu_seqlens
 
 TINY = dict(
@@ -21,32 +21,8 @@ FULL = dict(
 )
 
 
-def _build(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device) -> MageFlowTransformer2DModel:
-    with torch.device(device):
-        model = MageFlowTransformer2DModel(**config)
-    if next(model.parameters()).dtype != dtype:
-        model = model.to(dtype=dtype)
-    return model
-
-
-def build_tiny(*, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               seed: int = 0) -> MageFlowTransformer2DModel:
-    torch.manual_seed(seed)
-    return _build(TINY, dtype, device)
-
-
-def build_full(*, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-               seed: int = 0) -> MageFlowTransformer2DModel:
-    torch.manual_seed(seed)
-    return _build(FULL, dtype, device)
-
-
-def latent_grid(tokens: int) -> tuple[int, int]:
-    """A near-square (h, w) latent grid with h*w == tokens."""
-    h = max(1, int(math.isqrt(tokens)))
-    while tokens % h:
-        h -= 1
-    return h, tokens // h
+build_tiny, build_full = preset_builders(MageFlowTransformer2DModel, TINY, FULL)
+latent_grid = near_square_grid
 
 
 def sample_grids(tokens: int, batch: int) -> list[tuple[int, int]]:

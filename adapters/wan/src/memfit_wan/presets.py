@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 from diffusers import WanTransformer3DModel
-from torch import nn
+
+from memfit.adapters.building import preset_builders
 
 TINY = dict(
     patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
@@ -50,42 +51,7 @@ MIN_FRAMES = 3
 TEXT_TOKENS_FULL = 512  # umT5 prompts are padded to 512 tokens in the Wan pipelines
 
 
-def _cast(model: WanTransformer3DModel, dtype: torch.dtype) -> None:
-    """Cast like ``from_pretrained(torch_dtype=dtype)`` does: the model's ``_keep_in_fp32_modules`` (RoPE
-    tables, time embedder, modulation tables, block norms) stay float32, everything else becomes ``dtype``.
-    (``model.to(dtype)`` would cast those too, and diffusers warns about it.)"""
-    keep = tuple(model._keep_in_fp32_modules or ())
-    for module_name, module in model.named_modules():
-        for slot in (module._parameters, module._buffers):
-            for name, tensor in slot.items():
-                if tensor is None or not tensor.is_floating_point():
-                    continue
-                parts = f"{module_name}.{name}".split(".")
-                target = torch.float32 if any(k in parts for k in keep) else dtype
-                if tensor.dtype != target:
-                    if isinstance(tensor, nn.Parameter):
-                        tensor.data = tensor.data.to(target)
-                    else:
-                        slot[name] = tensor.to(target)
-
-
-def _build(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device) -> WanTransformer3DModel:
-    with torch.device(device):
-        model = WanTransformer3DModel(**config)
-    _cast(model, dtype)
-    return model
-
-
-def build_tiny(*, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               seed: int = 0) -> WanTransformer3DModel:
-    torch.manual_seed(seed)
-    return _build(TINY, dtype, device)
-
-
-def build_full(*, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-               seed: int = 0) -> WanTransformer3DModel:
-    torch.manual_seed(seed)
-    return _build(FULL, dtype, device)
+build_tiny, build_full = preset_builders(WanTransformer3DModel, TINY, FULL)
 
 
 def latent_grid(tokens: int) -> tuple[int, int, int]:

@@ -17,12 +17,13 @@ a near-square token grid ``h x w`` with ``h * w == tokens`` (see :func:`latent_g
 
 from __future__ import annotations
 
-import math
 from functools import partial
 from typing import Any
 
 import torch
 from diffusers import ZImageTransformer2DModel
+
+from memfit.adapters.building import near_square_grid, preset_builders
 
 # The model pads every per-sample sequence (image, caption, SigLIP) to a multiple of this many tokens.
 SEQ_MULTI_OF = 32
@@ -43,36 +44,28 @@ FULL = dict(
 )
 
 
-def _build(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device) -> ZImageTransformer2DModel:
-    with torch.device(device):
-        model = ZImageTransformer2DModel(**config)
-    return model.to(dtype=dtype)
-
-
-def build_tiny(*, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               seed: int = 0) -> ZImageTransformer2DModel:
-    torch.manual_seed(seed)
-    model = _build(TINY, dtype, device)
+def _give_pad_tokens_values(model: ZImageTransformer2DModel) -> None:
     # The pad tokens are zero-initialised in diffusers; give them values so that a wrong gradient
     # through the padded positions cannot hide behind zeros.
     with torch.no_grad():
         for name in ("x_pad_token", "cap_pad_token", "siglip_pad_token"):
-            getattr(model, name).normal_()
+            token = getattr(model, name, None)
+            if token is not None:
+                token.normal_()
+
+
+_build_tiny, build_full = preset_builders(ZImageTransformer2DModel, TINY, FULL)
+
+
+def build_tiny(**kwargs: Any) -> ZImageTransformer2DModel:
+    model = _build_tiny(**kwargs)
+    _give_pad_tokens_values(model)
     return model
 
 
-def build_full(*, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-               seed: int = 0) -> ZImageTransformer2DModel:
-    torch.manual_seed(seed)
-    return _build(FULL, dtype, device)
-
-
 def latent_grid(tokens: int) -> tuple[int, int]:
-    """A near-square (h, w) token grid with h*w == tokens (tokens is rounded to a product)."""
-    h = max(1, int(math.isqrt(max(1, tokens))))
-    while tokens % h:
-        h -= 1
-    return h, max(1, tokens // h)
+    """A near-square (h, w) token grid with h*w == tokens (at least one token)."""
+    return near_square_grid(max(1, tokens))
 
 
 def caption_lengths(text_tokens: int, batch: int) -> list[int]:

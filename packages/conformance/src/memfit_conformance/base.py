@@ -201,7 +201,13 @@ class AdapterConformance:
             gc.collect()  # the step's graph is gone: every frame was either recomputed or freed unused
             stats = handle.stats()
         if combo.offloads:
-            assert stats["bytes_offloaded"] > 0, f"{combo}: nothing was parked"
+            # The last parking region of a step is never parked (backward needs it first): a plan with a
+            # single region and no attention offload parks nothing, by design.
+            single = combo.backend is not None and not combo.offload_attention and \
+                self.expected_frames(model, combo) <= 1
+            assert (stats["bytes_offloaded"] == 0) if single else (stats["bytes_offloaded"] > 0), (
+                f"{combo}: {stats['bytes_offloaded']} bytes parked"
+            )
             assert stats["host_buffers_in_use"] == 0, f"{combo}: host buffers not returned after backward"
         if combo.offload_attention:
             expect_attn = combo.backend in (None, Backend.TORCH_FFN, Backend.UNSLOTH_FFN) or combo.stride
