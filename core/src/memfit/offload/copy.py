@@ -196,9 +196,13 @@ class CopyEngine:
         self.reload(parked)
         out = parked.reloaded
         assert out is not None
-        self._wait(torch.cuda.current_stream(parked.device), parked.h2d_done)
+        self._wait_for_reload(parked)
         _consume(parked)
         return out
+
+    def _wait_for_reload(self, parked: Parked) -> None:
+        """Make the current stream wait until ``parked``'s reload has landed."""
+        self._wait(torch.cuda.current_stream(parked.device), parked.h2d_done)
 
     def _wait(self, stream: Any, event: Any) -> None:
         if event.query():  # already complete (the usual case when reloads run ahead): nothing to wait for
@@ -262,16 +266,8 @@ class SyncCopyEngine(CopyEngine):
         parked.fetches_left = parked.users
         self.stats.bytes_reloaded += parked.nbytes
 
-    def fetch(self, parked: Parked) -> torch.Tensor:
-        source = parked.alive_source()
-        if source is not None:
-            self.stats.reloads_skipped += 1
-            return source
-        self.reload(parked)
-        out = parked.reloaded
-        assert out is not None
-        _consume(parked)
-        return out
+    def _wait_for_reload(self, parked: Parked) -> None:
+        return None  # synchronous copies: the reload has landed
 
     def release(self, parked: Parked) -> None:
         buf, parked.buffer = parked.buffer, None
