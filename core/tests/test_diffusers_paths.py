@@ -115,3 +115,21 @@ def test_user_gradient_checkpointing_state_is_restored():
     memfit.apply(model, ON).remove()
     assert model.is_gradient_checkpointing
     assert model.transformer_blocks[0].__dict__.get("_gradient_checkpointing_func") is func
+
+
+def test_models_own_checkpointing_is_switched_off_while_ffn_regions_are_hooked():
+    from memfit import MemfitWarning
+
+    preset = memfit_flux.ADAPTER.presets["tiny"]
+    model = preset.build()
+    inputs = preset.inputs(model, tokens=16, generator=torch.Generator().manual_seed(0))
+    ref = _step(model, inputs)
+    model.enable_gradient_checkpointing()  # diffusers' own, torch.utils.checkpoint underneath
+    with pytest.warns(MemfitWarning, match="own gradient checkpointing switched on") as record:
+        handle = memfit.apply(model, {**ON, "gradient_checkpointing_backend": "torch-ffn"})
+    assert len(record) == 1
+    with handle:
+        assert not model.is_gradient_checkpointing
+        _same(ref, _step(model, inputs))
+        assert handle.stats()["frames"] > 0
+    assert model.is_gradient_checkpointing  # restored by remove()

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import sys
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -27,6 +28,7 @@ from torch import nn
 from memfit.engine import state
 from memfit.engine.frame import Frame, FrameStats
 from memfit.engine.stash import DeviceStash, Stash
+from memfit.errors import MemfitWarning
 
 
 @dataclass(frozen=True)
@@ -94,6 +96,8 @@ class RegionEngine:
         self._handles.append(self.model.register_forward_hook(self._model_post_hook, always_call=True))
         if self.block_sites or self.block_entry == "diffusers":
             self._install_block_entry()
+        if self.block_entry != "diffusers":
+            self._switch_off_model_checkpointing()
         for module in self.hook_sites:
             self._install_region_hooks(module)
 
@@ -107,6 +111,23 @@ class RegionEngine:
         if self.hook_blocks:
             for module in self.block_sites:
                 self._install_region_hooks(module)
+
+    def _switch_off_model_checkpointing(self) -> None:
+        """Blocks entered through hooks: the model's own checkpointing (diffusers' or transformers'
+        ``gradient_checkpointing`` flags) would checkpoint every block a second time. Turn it off while
+        memfit is applied (``remove()`` restores it) and say so once."""
+        on = [m for m in self.model.modules() if m.__dict__.get("gradient_checkpointing") is True]
+        if not on:
+            return
+        warnings.warn(
+            f"{type(self.model).__name__} had its own gradient checkpointing switched on; memfit switched it off "
+            f"while applied (it would checkpoint every block twice). handle.remove() switches it back on.",
+            MemfitWarning,
+            stacklevel=5,
+        )
+        for module in on:
+            self._snapshots.append(_AttrSnapshot.take(module))
+            module.__dict__["gradient_checkpointing"] = False
 
     def _install_region_hooks(self, module: nn.Module) -> None:
         self._handles.append(module.register_forward_pre_hook(self._region_pre_hook, with_kwargs=True))

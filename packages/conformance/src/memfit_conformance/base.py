@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import gc
+from collections.abc import Mapping
 from typing import Any, ClassVar
 
 import pytest
@@ -163,9 +164,11 @@ class AdapterConformance:
     def test_block_counts_match_config(self, model: nn.Module) -> None:
         config = getattr(model, "config", None)
         for path, key in self.adapter.block_count_config.items():
-            assert config is not None and key in config, f"model config has no key {key!r} for {path!r}"
-            assert len(model.get_submodule(path)) == config[key], (
-                f"{path!r} holds {len(model.get_submodule(path))} blocks but config[{key!r}] = {config[key]}"
+            # diffusers configs are mappings, transformers configs have attributes
+            value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
+            assert value is not None, f"model config has no key {key!r} for {path!r}"
+            assert len(model.get_submodule(path)) == value, (
+                f"{path!r} holds {len(model.get_submodule(path))} blocks but config[{key!r}] = {value}"
             )
 
     def test_every_block_class_declared(self, model: nn.Module) -> None:
