@@ -13,6 +13,7 @@ from torch import nn
 from memfit.adapters.discovery import find_adapter
 from memfit.adapters.spec import FamilyAdapter
 from memfit.config import Backend, MemfitConfig, as_config
+from memfit.distributed import ShardOrderGuard
 from memfit.engine.install import RegionEngine, RegionSite, chain_sites
 from memfit.engine.schedule import plan_blocks
 from memfit.errors import MemfitError, MemfitWarning, NotAvailableError, UnsupportedBoundaryError
@@ -80,6 +81,9 @@ def apply(model: nn.Module, config: MemfitConfig | Mapping[str, Any] | str | Non
     if session is not None:
         engine.step_listeners.append(session)
     engine.install()
+    # FSDP2: memfit goes on after fully_shard; sharding afterwards is refused at the next forward.
+    if cfg.enabled or cfg.offload_attention:
+        engine._handles.append(ShardOrderGuard(model, _watched_blocks(model, adapter)).install())
     if offloader is not None:
         offloader.install()
     handle = MemfitHandle(model, cfg, family, engine, on_remove=lambda: _applied.pop(model, None),
@@ -221,6 +225,11 @@ def _add_site(sites: dict, module: nn.Module, site: RegionSite) -> None:
 def _discover_block_lists(model: nn.Module) -> dict[str, nn.ModuleList]:
     """Generic path: the model's own (top-level) ModuleLists are its block lists."""
     return {name: m for name, m in model.named_children() if isinstance(m, nn.ModuleList) and len(m)}
+
+
+def _watched_blocks(model: nn.Module, adapter: FamilyAdapter | None) -> list[nn.Module]:
+    lists = adapter.resolve_block_lists(model) if adapter is not None else _discover_block_lists(model)
+    return [block for blocks in lists.values() for block in blocks]
 
 
 def _fsdp_checkpointing_applied(model: nn.Module) -> bool:

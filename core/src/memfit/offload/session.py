@@ -56,6 +56,7 @@ class OffloadSession:
         self._timeline: list[weakref.ref] = []
         self._step_parked: list[weakref.ref] = []
         self._param_storages: set[int] = set()
+        self._call_param_storages: set[int] = set()
 
     # -- step boundaries (called by the engine's model hooks) -----------------------------------------------------
 
@@ -65,8 +66,15 @@ class OffloadSession:
         self._timeline = []
         self._step_parked = []
         self._pending = []
-        self._param_storages = {p.untyped_storage().data_ptr() for p in self.model.parameters()}
-        self._param_storages |= {b.untyped_storage().data_ptr() for b in self.model.buffers()}
+        self._param_storages = _storage_ptrs([*self.model.parameters(), *self.model.buffers()])
+
+    def note_parameters(self, module: nn.Module) -> None:
+        """Never park the parameters ``module`` uses in the call starting now.
+
+        FSDP2 swaps in all-gathered (unsharded) parameters for each call and frees them afterwards, so
+        they are looked up per call; replaced, not accumulated (a freed address may later hold an activation).
+        """
+        self._call_param_storages = _storage_ptrs(module.parameters())
 
     def end_step(self) -> None:
         # The last region's entries were never parked: backward needs them first, so a round trip
@@ -100,7 +108,8 @@ class OffloadSession:
             # A broadcast (expanded) view, e.g. an attention mask: its storage is smaller than the tensor,
             # so parking it would copy — and later allocate — far more than it frees.
             return False
-        return storage.data_ptr() not in self._param_storages
+        ptr = storage.data_ptr()
+        return ptr not in self._param_storages and ptr not in self._call_param_storages
 
     def park(self, tensor: torch.Tensor) -> Parked:
         """Park ``tensor`` (or share the parked copy made earlier this step for the same tensor)."""
@@ -178,6 +187,21 @@ class OffloadSession:
 
     def snapshot_timeline(self) -> list[weakref.ref]:
         return self._timeline
+
+
+def _storage_ptrs(tensors: Any) -> set[int]:
+    """Storage addresses of ``tensors``; a DTensor (FSDP2's sharded parameter) counts by its local shard,
+    and a freed storage (an FSDP2 unsharded parameter between calls) is skipped."""
+    ptrs: set[int] = set()
+    for t in tensors:
+        local = getattr(t, "_local_tensor", t)
+        try:
+            ptr = local.untyped_storage().data_ptr()
+        except RuntimeError:
+            continue
+        if ptr:
+            ptrs.add(ptr)
+    return ptrs
 
 
 class OffloadStash:
@@ -293,6 +317,7 @@ class AttentionOffloader:
     def _pre(self, module: nn.Module, args: tuple) -> None:
         if not state.regions_may_open():  # inside a checkpointed region or a recompute: nothing to do
             return
+        self.session.note_parameters(module)
         group = _SavedGroup(self.session)
         hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(group, t), self._unpack)
         hooks.__enter__()
