@@ -191,14 +191,22 @@ def _plan(engine: RegionEngine, model: nn.Module, cfg: MemfitConfig, adapter: Fa
     plan = plan_blocks({p: len(m) for p, m in lists.items()}, interval=cfg.interval, stride=cfg.segment_stride)
     if cfg.backend.ffn_only:
         assert adapter is not None
-        for (path, index), _slot in plan.items():
-            block = lists[path][index]
-            spec = adapter.spec_for(block)
-            assert spec is not None  # checked by _require_ffn
-            for r, region in enumerate(spec.ffn):
-                chain = [block.get_submodule(p) for p in region]
-                for module, site in chain_sites(("ffn", path, index, r), chain, "ffn"):
-                    _add_site(engine.hook_sites, module, site)
+        ffn_adapter = adapter
+
+        def locate() -> dict[nn.Module, RegionSite]:
+            sites: dict[nn.Module, RegionSite] = {}
+            for (path, index), _slot in plan.items():
+                block = lists[path][index]
+                spec = ffn_adapter.spec_for(block)
+                assert spec is not None  # checked by _require_ffn
+                for r, region in enumerate(spec.ffn):
+                    chain = [block.get_submodule(p) for p in region]
+                    for module, site in chain_sites(("ffn", path, index, r), chain, "ffn"):
+                        _add_site(sites, module, site)
+            return sites
+
+        engine.hook_sites = locate()
+        engine.watch(locate)  # follows modules PEFT replaces after apply (LoRA wrappers, unload_lora)
         return
     engine.known_blocks = {block for blocks in lists.values() for block in blocks}
     for (path, index), slot in plan.items():

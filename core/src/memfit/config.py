@@ -72,7 +72,9 @@ class MemfitConfig:
             raise ConfigError(f"memfit config must be a mapping of SPEC keys, got {type(data).__name__}")
         values: dict[str, Any] = {}
         known = {_long_name(f.name): f.name for f in fields(cls)}
-        for key, value in data.items():
+        for raw_key, value in data.items():
+            # SimpleTuner-style configs spell keys as command-line flags ("--gradient_checkpointing")
+            key = raw_key[2:] if isinstance(raw_key, str) and raw_key.startswith("--") else raw_key
             attr = known.get(key) or (key if key in known.values() else None)
             if attr is None:
                 if not strict and not str(key).startswith(_PREFIX):

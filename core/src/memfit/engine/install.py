@@ -81,6 +81,10 @@ class RegionEngine:
         self.known_blocks: set[nn.Module] = set()
         self._open: Frame | None = None
         self._handles: list[torch.utils.hooks.RemovableHandle] = []
+        self._region_handles: dict[nn.Module, list[torch.utils.hooks.RemovableHandle]] = {}
+        self._eager_bodies: list[nn.Module] = []
+        self._locate: Callable[[], dict[nn.Module, RegionSite]] | None = None
+        self.resyncs = 0  # times the sub-block sites were re-resolved (modules replaced after install)
         self._snapshots: list[_AttrSnapshot] = []
         self._local = threading.local()  # stack of (module, frame) begun by pre-hooks
         self.block_entry: str = "none"  # "diffusers" | "hooks" | "none"
@@ -99,7 +103,7 @@ class RegionEngine:
         if self.block_entry != "diffusers":
             self._switch_off_model_checkpointing()
         for module in self.hook_sites:
-            self._install_region_hooks(module)
+            self._install_region_hooks(module, eager_body=True)
 
     def _install_block_entry(self) -> None:
         if self.block_entry == "diffusers":
@@ -129,20 +133,63 @@ class RegionEngine:
             self._snapshots.append(_AttrSnapshot.take(module))
             module.__dict__["gradient_checkpointing"] = False
 
-    def _install_region_hooks(self, module: nn.Module) -> None:
-        self._handles.append(module.register_forward_pre_hook(self._region_pre_hook, with_kwargs=True))
-        self._handles.append(
-            module.register_forward_hook(self._region_post_hook, with_kwargs=True, always_call=True)
+    def _install_region_hooks(self, module: nn.Module, *, eager_body: bool = False) -> None:
+        handles = self._region_handles.setdefault(module, [])
+        handles.append(module.register_forward_pre_hook(eager_hook(self._region_pre_hook), with_kwargs=True))
+        handles.append(
+            module.register_forward_hook(eager_hook(self._region_post_hook), with_kwargs=True, always_call=True)
         )
+        if eager_body and "forward" not in module.__dict__:
+            # Inside a compiled block (compile_repeated_blocks), a sub-block region's body would be compiled
+            # in forward but run eagerly in the recompute, and the two save different tensors. Running the
+            # region eagerly in both keeps them identical (the rest of the block stays compiled).
+            module.forward = eager_hook(module.forward)
+            self._eager_bodies.append(module)
+
+    def _remove_region_hooks(self, module: nn.Module) -> None:
+        for handle in self._region_handles.pop(module, []):
+            handle.remove()
+        if module in self._eager_bodies:
+            self._eager_bodies.remove(module)
+            module.__dict__.pop("forward", None)
 
     def remove(self) -> None:
         self._close_open()
         for handle in self._handles:
             handle.remove()
         self._handles.clear()
+        for module in list(self._region_handles):
+            self._remove_region_hooks(module)
         for snap in self._snapshots:
             snap.restore()
         self._snapshots.clear()
+
+    # -- modules replaced after install (PEFT add_adapter / unload_lora) ------------------------------------------
+
+    def watch(self, locate: Callable[[], dict[nn.Module, RegionSite]]) -> None:
+        """Re-resolve the sub-block sites at every forward start with ``locate`` (declared paths -> modules).
+
+        PEFT's ``add_adapter`` / ``inject_adapter_in_model`` replace a targeted ``nn.Linear`` by a LoRA
+        wrapper that calls the original as ``base_layer``, and ``unload_lora`` puts the original back. A
+        hook left on the old object still fires (or never does) but no longer covers the module at the
+        declared path: the LoRA branch would run outside the region and the next call of the chain would
+        keep its input, silently losing the saving. So the hooks follow the modules.
+        """
+        self._locate = locate
+
+    def _sync_sites(self) -> None:
+        if self._locate is None:
+            return
+        current = self._locate()
+        if current.keys() == self.hook_sites.keys() and all(
+                current[m].modules == self.hook_sites[m].modules for m in current):
+            return
+        for module in list(self.hook_sites):
+            self._remove_region_hooks(module)
+        self.hook_sites = current
+        for module in self.hook_sites:
+            self._install_region_hooks(module, eager_body=True)
+        self.resyncs += 1
 
     # -- block entry through diffusers' gradient checkpointing hook ------------------------------------------------
 
@@ -232,6 +279,7 @@ class RegionEngine:
     def _model_pre_hook(self, module: nn.Module, args: tuple) -> None:
         self._close_open()
         if torch.is_grad_enabled():
+            self._sync_sites()
             for listener in self.step_listeners:
                 listener.new_step()
 
@@ -240,6 +288,11 @@ class RegionEngine:
         failed = output is None and sys.exc_info()[0] is not None
         for listener in self.step_listeners:
             listener.abort_step() if failed else listener.end_step()
+
+
+def eager_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run eagerly even inside a ``torch.compile``d module (a graph break, never traced)."""
+    return torch.compiler.disable(fn, recursive=True)
 
 
 def chain_sites(key_prefix: tuple, chain: Sequence[nn.Module], scope: str) -> list[tuple[nn.Module, RegionSite]]:

@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from memfit.engine import state
+from memfit.engine.install import eager_hook
 from memfit.offload.copy import CopyEngine, Parked
 
 
@@ -306,8 +307,9 @@ class AttentionOffloader:
 
     def install(self) -> None:
         for m in self.modules:
-            self._handles.append(m.register_forward_pre_hook(self._pre))
-            self._handles.append(m.register_forward_hook(self._post, always_call=True))
+            # eager even inside a compiled block: the hooks manage saved-tensor hooks, never traced
+            self._handles.append(m.register_forward_pre_hook(eager_hook(self._pre)))
+            self._handles.append(m.register_forward_hook(eager_hook(self._post), always_call=True))
 
     def remove(self) -> None:
         for h in self._handles:
