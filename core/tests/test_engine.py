@@ -33,16 +33,6 @@ def assert_same(a, b):
         assert torch.equal(a[2][name], b[2][name]), name
 
 
-@pytest.fixture
-def model():
-    return build()
-
-
-@pytest.fixture
-def x():
-    return torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
-
-
 @pytest.mark.parametrize("backend", ["torch", "torch-ffn"])
 @pytest.mark.parametrize(("interval", "stride"), [(1, None), (2, None), (3, 3), (2, 5), (6, None)])
 def test_hooks_entry_matches_reference(model, x, backend, interval, stride):

@@ -17,7 +17,7 @@ from memfit.offload.copy import SyncCopyEngine
 from memfit.offload.pool import PinnedBucketPool
 
 from test_engine import assert_same, step
-from toy import TOY, build
+from toy import TOY
 
 ON = {"gradient_checkpointing": True}
 
@@ -34,16 +34,6 @@ def make_engine(**kw) -> SyncCopyEngine:
 def offload_apply(model, config, **kw):
     return memfit.apply(model, config, adapter=TOY, copy_engine=kw.pop("engine", None) or make_engine(),
                         min_offload_bytes=kw.pop("min_offload_bytes", 0), **kw)
-
-
-@pytest.fixture
-def model():
-    return build()
-
-
-@pytest.fixture
-def x():
-    return torch.randn(2, 8, 16, generator=torch.Generator().manual_seed(1))
 
 
 CONFIGS = [

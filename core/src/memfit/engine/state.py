@@ -37,15 +37,6 @@ def recompute_scope() -> Iterator[None]:
         _local.recompute_depth -= 1
 
 
-@contextlib.contextmanager
-def region_call_scope() -> Iterator[None]:
-    _local.call_depth = getattr(_local, "call_depth", 0) + 1
-    try:
-        yield
-    finally:
-        _local.call_depth -= 1
-
-
 def enter_region_call() -> None:
     _local.call_depth = getattr(_local, "call_depth", 0) + 1
 
