@@ -53,3 +53,13 @@ def test_list_shows_flux(capsys):
                                              ("3 MiB", 3 * 2**20)])
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
+
+
+def test_ladder_order_follows_the_spec():
+    import memfit_flux
+    from memfit.fit import ladder
+
+    names = [r.name for r in ladder(memfit_flux.ADAPTER, offload=True)]
+    assert names == ["none", "torch-ffn", "torch", "unsloth-ffn", "unsloth"]
+    assert [r.name for r in ladder(memfit_flux.ADAPTER)] == ["none", "torch-ffn", "torch"]
+    assert [r.name for r in ladder(None, offload=True)] == ["none", "torch", "unsloth"]

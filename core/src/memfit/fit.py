@@ -1,9 +1,8 @@
 """The fit finder: walk SPEC §1's decision ladder on real steps and recommend a configuration.
 
-Ladder: leave checkpointing off if it fits; else ``torch-ffn``; else ``torch``; (the offload
-rungs ``unsloth-ffn`` and ``unsloth`` join when the offload engine is available); once a
-whole-block rung fits, raise the interval (2, 3, …) on families that support it to win
-speed back, keeping the fastest configuration that still fits.
+Ladder: leave checkpointing off if it fits; else ``torch-ffn``; else ``torch``; else (on CUDA)
+``unsloth-ffn``, then ``unsloth``; once the ``torch`` rung fits, raise the interval (2, 3, …) on
+families that support it to win speed back, keeping the fastest configuration that still fits.
 
 What "fits" means: on CUDA, the step's peak allocated memory is within the budget; on a
 CPU-only machine (no real peak to read), the activation bytes held for backward are.
@@ -83,12 +82,21 @@ class FitReport:
         }
 
 
-def ladder(adapter: FamilyAdapter | None) -> list[Rung]:
-    """The base rungs in SPEC §1 order, limited to what the family declares and this version runs."""
+def ladder(adapter: FamilyAdapter | None, *, offload: bool = False) -> list[Rung]:
+    """The base rungs in SPEC §1 order, limited to what the family declares.
+
+    Args:
+        offload: include the offload rungs (``unsloth-ffn``, then ``unsloth``); they need CUDA.
+    """
+    has_ffn = adapter is not None and adapter.has_ffn
     rungs = [Rung.of(None)]
-    if adapter is not None and adapter.has_ffn:
+    if has_ffn:
         rungs.append(Rung.of(Backend.TORCH_FFN))
     rungs.append(Rung.of(Backend.TORCH))
+    if offload:
+        if has_ffn:
+            rungs.append(Rung.of(Backend.UNSLOTH_FFN))
+        rungs.append(Rung.of(Backend.UNSLOTH))
     return rungs
 
 
@@ -117,7 +125,7 @@ def find_fit(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], 
         return result
 
     first_fit: RungResult | None = None
-    for rung in ladder(adapter):
+    for rung in ladder(adapter, offload=device.type == "cuda"):
         result = run(rung)
         if result.fits:
             first_fit = result
