@@ -62,3 +62,15 @@ def test_render_synthetic_with_oom_row(tmp_path):
     md = (tmp_path / "synthetic-full-x.md").read_text()
     assert "| unsloth | OOM |" in md and "- BUG torch" in md
     assert (tmp_path / "synthetic-full-x-s-1.png").exists()
+
+
+def test_synthetic_all_regimes_cpu(tmp_path):
+    from memfit_benchmarks.__main__ import main
+
+    written = main(["--regime", "all", "--device", "cpu", "--shapes", "tiny", "--steps", "1", "--warmup", "0",
+                    "--out", str(tmp_path)])
+    assert [json.loads(p.read_text())["regime"] for p in written] == ["lora", "frozen", "full"]
+    for p in written:
+        rows = json.loads(p.read_text())["results"][0]["rows"]
+        assert [r["mode"] for r in rows][:3] == ["none", "torch-ffn", "torch"] and not any(r["oom"] for r in rows)
+        assert (tmp_path / f"{p.stem}.md").exists()
