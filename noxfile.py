@@ -64,6 +64,10 @@ def gpu(session: nox.Session, adapter: str) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Benchmark sweeps on a GPU machine; results as JSON + markdown under benchmarks/results/."""
+    """Benchmark sweeps on a GPU machine; results as JSON + markdown + PNG under benchmarks/results/.
+
+    ``nox -s bench -- --regime all`` runs the synthetic sweep in the three regimes; ``nox -s bench --
+    --suite families --family all`` runs every family at its published size (memfit_benchmarks.families).
+    """
     session.run(sys.executable, "-m", "memfit_benchmarks", *session.posargs, env={"PYTHONUNBUFFERED": "1"},
                 external=True)

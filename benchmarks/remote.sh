@@ -2,7 +2,7 @@
 # Entry point on the GPU machine (no network, its own Python with torch): install the carried wheels
 # next to the machine's torch, then run the nox GPU sessions and the benchmarks. Output goes to $OUT.
 #   Here:   rm -f .whl/memfit*; uv build --all-packages -o .whl/ && rm -f .whl/*.tar.gz
-#   There:  bash benchmarks/remote.sh [nox sessions...]   (default: gpu bench)
+#   There:  bash benchmarks/remote.sh [nox sessions... | bench-families]   (default: gpu bench)
 set -uo pipefail
 OUT="${OUT:-/tmp/memfit-out}"
 mkdir -p "$OUT"
@@ -22,7 +22,10 @@ status=0
 for s in "${sessions[@]}"; do
     log="$OUT/nox-$(echo "$s" | tr -c 'A-Za-z0-9._-' '_').log"
     if [ "$s" = bench ]; then
-        python3 -m nox -s bench -- --out "$OUT" 2>&1 | tee "$log" || status=1
+        python3 -m nox -s bench -- --out "$OUT" --regime all 2>&1 | tee "$log" || status=1
+    elif [ "$s" = bench-families ]; then
+        python3 -m nox -s bench -- --suite families --family "${FAMILIES:-all}" --out "$OUT" 2>&1 | tee "$log" \
+            || status=1
     else
         python3 -m nox -s "$s" 2>&1 | tee "$log" || status=1
     fi

@@ -1,21 +1,30 @@
-"""``python -m memfit_benchmarks``: the synthetic sweep (SPEC §6 shapes, LoRA on a frozen bf16 stack).
+"""``python -m memfit_benchmarks``: the synthetic sweep (SPEC §6 shapes) in one or all training regimes.
 
-Writes ``synthetic-<date>.json`` and ``synthetic-<date>.md`` to ``--out`` (default benchmarks/results).
+    python -m memfit_benchmarks --regime all --out benchmarks/results       # lora, frozen, full: one process
+    python -m memfit_benchmarks --suite families --family all --out DIR     # = python -m memfit_benchmarks.families
+
+Regimes: ``lora`` (frozen bf16 base + PEFT LoRA r16), ``frozen`` (frozen base, only ``hidden_states``
+requires grad), ``full`` (every weight trainable, a foreach AdamW step inside the timed step). Each regime
+writes ``synthetic-<regime>-<date>.json`` (with a ``regime`` field) and, through the renderer,
+``synthetic-<regime>-<date>.md`` and one PNG per shape to ``--out`` (default benchmarks/results).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import datetime as dt
+import gc
 import json
 import os
 import platform
+import sys
 from pathlib import Path
 
 import torch
 
 from memfit_benchmarks.report import render_markdown
-from memfit_benchmarks.runner import MODES, add_ratios, measure_mode, pinned_bandwidth
+from memfit_benchmarks.runner import MODES, add_ratios, is_offload, measure_mode, pinned_bandwidth
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
 
 # (label, width, depth, tokens): width 3072 at 1024/4096/16384 tokens (2x2-packed 64², 128², 256² latents),
@@ -28,6 +37,17 @@ SHAPES = [
 ]
 
 
+TINY_SHAPE = ("64w x2, 64 tok (CPU smoke)", 64, 2, 64)
+
+REGIMES = {
+    "lora": "frozen {dtype} base + LoRA r16 (peft), batch 1, loss = mean(out^2), forward+backward",
+    "frozen": "frozen {dtype} base, only hidden_states requires grad, batch 1, loss = mean(out^2), "
+              "forward+backward",
+    "full": "every weight trainable ({dtype}), forward+backward+AdamW step (foreach, lr 1e-6) inside the timed "
+            "step, batch 1, loss = mean(out^2)",
+}
+
+
 def add_lora(model: torch.nn.Module, rank: int = 16) -> None:
     from peft import LoraConfig, inject_adapter_in_model
 
@@ -37,21 +57,58 @@ def add_lora(model: torch.nn.Module, rank: int = 16) -> None:
         p.requires_grad_("lora_" in name)
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__)
+def prepare(model: torch.nn.Module, batch: dict, regime: str):
+    """Set up ``model``/``batch`` for ``regime``; returns the optimizer factory (``full`` only)."""
+    if regime == "lora":
+        add_lora(model)
+        return None
+    if regime == "frozen":
+        model.requires_grad_(False)
+        batch["hidden_states"].requires_grad_(True)
+        return None
+    if regime == "full":
+        model.requires_grad_(True)
+        return lambda: torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
+    raise ValueError(f"unknown regime {regime!r}")
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--suite", choices=("synthetic", "families"), default="synthetic")
+    known, rest = pre.parse_known_args(argv)
+    if known.suite == "families":
+        from memfit_benchmarks import families
+
+        return families.main(rest)
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--suite", choices=("synthetic", "families"), default="synthetic",
+                        help="families: every remaining argument goes to python -m memfit_benchmarks.families")
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--shapes", default=None, help="comma-separated shape indices (default: all)")
+    parser.add_argument("--shapes", default=None,
+                        help="comma-separated shape indices (default: all), or 'tiny' (CPU smoke shape)")
+    parser.add_argument("--regime", default="lora", choices=(*REGIMES, "all"),
+                        help="lora | frozen | full, or all (the three in one process, one JSON per regime)")
+    parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    args = parser.parse_args()
-    if not torch.cuda.is_available():
-        raise SystemExit("the benchmark needs CUDA")
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("the benchmark needs CUDA (or --device cpu --shapes tiny for a smoke run)")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    torch.backends.cuda.enable_cudnn_sdp(False)
+    if cuda:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    dtype = torch.bfloat16 if cuda else torch.float32
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    if args.shapes == "tiny":
+        shapes = [TINY_SHAPE]
+    else:
+        shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
+    regimes = list(REGIMES) if args.regime == "all" else [args.regime]
     try:
         import diffusers
 
@@ -61,41 +118,54 @@ def main() -> None:
     meta = {
         "suite": "synthetic",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(),
+        "device": torch.cuda.get_device_name() if cuda else "cpu",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "diffusers": diffusers_version,
         "python": platform.python_version(),
         "git_commit": os.environ.get("MEMFIT_GIT_COMMIT"),
-        "sdpa_backend": "flash (cuDNN SDPA disabled)",
-        "regime": "frozen bf16 base + LoRA r16 (peft), batch 1, loss = mean(out^2), forward+backward",
+        "sdpa_backend": "flash (cuDNN SDPA disabled)" if cuda else "default (CPU)",
         "steps": args.steps,
         "warmup": args.warmup,
-        "pinned_bandwidth": pinned_bandwidth(),
+        "pinned_bandwidth": pinned_bandwidth() if cuda else None,
     }
     print(json.dumps(meta, indent=1), flush=True)
-    results = []
-    for label, width, depth, tokens in shapes:
-        model = build(dim=width, depth=depth)
-        add_lora(model)
-        batch = inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
-        rows = []
-        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-            for mode in MODES:
-                row = measure_mode(model, batch, SYNTHETIC.loss, mode, adapter=SYNTHETIC, warmup=args.warmup,
-                                   steps=args.steps)
-                print(f"[{label}] {mode.name}: {row.get('step_s', 'OOM')} s, "
-                      f"peak {row.get('peak_allocated', 0) / 2**30:.2f} GiB", flush=True)
-                rows.append(row)
-        add_ratios(rows)
-        results.append({"shape": label, "width": width, "depth": depth, "tokens": tokens, "rows": rows})
-        del model, batch
-        torch.cuda.empty_cache()
-    payload = {**meta, "results": results}
-    stamp = meta["date"][:10]
-    (out / f"synthetic-{stamp}.json").write_text(json.dumps(payload, indent=1))
-    (out / f"synthetic-{stamp}.md").write_text(render_markdown(payload))
-    print(render_markdown(payload), flush=True)
+    written = []
+    for regime in regimes:
+        results = []
+        for label, width, depth, tokens in shapes:
+            model = build(dim=width, depth=depth, dtype=dtype, device=str(device))
+            batch = inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
+            optimizer_factory = prepare(model, batch, regime)
+            rows = []
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if cuda else contextlib.nullcontext():
+                for mode in MODES:
+                    if is_offload(mode) and not cuda:
+                        continue
+                    row = measure_mode(model, batch, SYNTHETIC.loss, mode, adapter=SYNTHETIC, warmup=args.warmup,
+                                       steps=args.steps, optimizer_factory=optimizer_factory)
+                    peak = row.get("peak_allocated")
+                    print(f"[{regime}] [{label}] {mode.name}: {row.get('step_s', 'OOM')} s, peak "
+                          + ("n/a" if peak is None else f"{peak / 2**30:.2f} GiB"), flush=True)
+                    rows.append(row)
+            add_ratios(rows)
+            results.append({"shape": label, "width": width, "depth": depth, "tokens": tokens, "rows": rows})
+            del model, batch, optimizer_factory
+            gc.collect()
+            if cuda:
+                torch.cuda.empty_cache()
+        payload = {**meta, "regime": regime,
+                   "regime_description": REGIMES[regime].format(dtype=str(dtype).removeprefix("torch.")),
+                   "results": results}
+        stamp = meta["date"][:10]
+        path = out / f"synthetic-{regime}-{stamp}.json"
+        path.write_text(json.dumps(payload, indent=1))
+        written.append(path)
+        print(render_markdown(payload), flush=True)
+    from memfit_benchmarks.render import render_files
+
+    render_files(written)
+    return written
 
 
 if __name__ == "__main__":

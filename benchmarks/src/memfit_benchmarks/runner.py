@@ -2,7 +2,7 @@
 
 Every row of one shape is measured in the same process on the same model, one mode after
 the other (``memfit.apply`` → warm-up steps → timed steps → ``remove``), so ratios between
-rows are like for like. Step time is the median of CUDA-event timings; peaks come from
+rows are like for like. Step time is the median of CUDA-event timings (``perf_counter`` off CUDA); peaks come from
 the caching allocator; offload rows also report bytes parked per step, exposed copy time
 (the compute stream's waits on copies) and the pinned pool's counters.
 """
@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import statistics
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -88,37 +89,81 @@ def pinned_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float
     return {"d2h_gbs": timed(d2h, nbytes), "h2d_gbs": timed(h2d, nbytes), "both_gbs": timed(both, 2 * nbytes)}
 
 
-def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], mode: Mode, *,
-                 adapter: FamilyAdapter | None, warmup: int = 2, steps: int = 5) -> dict[str, Any]:
-    """One row: median step time, peaks, offload telemetry. OOM is recorded, not raised."""
+def is_offload(mode: Mode) -> bool:
+    """Whether a mode parks tensors in pinned host memory (needs CUDA)."""
+    cfg = mode.config or {}
+    return str(cfg.get("gradient_checkpointing_backend", "")).startswith("unsloth") or bool(
+        cfg.get("gradient_checkpointing_offload_attention"))
+
+
+def _device_of(model: nn.Module, inputs: dict[str, Any]) -> torch.device:
+    for value in inputs.values():
+        if isinstance(value, torch.Tensor):
+            return value.device
+    return next(model.parameters()).device
+
+
+def _free(cuda: bool) -> None:
     gc.collect()
-    torch.cuda.empty_cache()
-    handle = memfit.apply(model, mode.config, adapter=adapter) if mode.config else None
+    if cuda:
+        torch.cuda.empty_cache()
+
+
+def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], mode: Mode, *,
+                 adapter: FamilyAdapter | None, warmup: int = 2, steps: int = 5,
+                 optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None) -> dict[str, Any]:
+    """One row: median step time, peaks, offload telemetry. OOM is recorded, not raised.
+
+    On CUDA the step is timed with CUDA events and peaks come from the caching allocator; on any other
+    device the step is timed with ``time.perf_counter`` and the peaks are ``None`` (CPU smoke runs).
+    ``optimizer_factory``: when given, a fresh optimizer is made for this row and its ``step()`` runs
+    inside every (timed) step, after backward; it and its state are freed when the row ends.
+    """
+    cuda = _device_of(model, inputs).type == "cuda"
+    _free(cuda)
+    handle = None
+    optimizer = None
+    oom = False
     try:
+        handle = memfit.apply(model, mode.config, adapter=adapter) if mode.config else None
+        optimizer = optimizer_factory() if optimizer_factory is not None else None
+        leaf_inputs = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+
         def step() -> None:
             model.zero_grad(set_to_none=True)
+            for tensor in leaf_inputs:
+                tensor.grad = None
             loss_fn(model(**inputs)).backward()
+            if optimizer is not None:
+                optimizer.step()
 
         for _ in range(warmup):
             step()
-        torch.cuda.synchronize()
-        torch.cuda.reset_peak_memory_stats()
+        if cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
         if handle is not None:
             handle.reset_stats()
         times = []
         for _ in range(steps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            step()
-            end.record()
-            torch.cuda.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
+            if cuda:
+                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                start.record()
+                step()
+                end.record()
+                torch.cuda.synchronize()
+                times.append(start.elapsed_time(end) / 1e3)
+            else:
+                t0 = time.perf_counter()
+                step()
+                times.append(time.perf_counter() - t0)
         row: dict[str, Any] = {
             "mode": mode.name,
             "config": mode.config,
             "step_s": statistics.median(times),
-            "peak_allocated": torch.cuda.max_memory_allocated(),
-            "peak_reserved": torch.cuda.max_memory_reserved(),
+            "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None,
+            "peak_reserved": torch.cuda.max_memory_reserved() if cuda else None,
+            "timing": "cuda-events" if cuda else "perf_counter",
             "oom": False,
         }
         if handle is not None:
@@ -136,19 +181,35 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
                 )
         return row
     except torch.OutOfMemoryError:
-        return {"mode": mode.name, "config": mode.config, "oom": True}
+        oom = True  # the traceback (and the activations its frames hold) is released when this clause ends
     finally:
         model.zero_grad(set_to_none=True)
+        for value in inputs.values():
+            if isinstance(value, torch.Tensor) and value.requires_grad:
+                value.grad = None
+        if optimizer is not None:
+            optimizer.state.clear()
+        optimizer = None
         if handle is not None:
             handle.remove()
+        _free(cuda)
+    assert oom
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    return {"mode": mode.name, "config": mode.config, "oom": True}
 
 
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """``x_none`` and ``x_torch`` step-time ratios within one run."""
-    by = {r["mode"]: r for r in rows if not r.get("oom")}
+    """Step-time ratios ``x_none`` / ``x_torch`` / ``x_torch_ffn`` and peak ratios ``peak_x_none`` /
+    ``peak_x_torch`` (when peaks were measured) to the rows of the same run."""
+    by = {r["mode"]: r for r in rows if not r.get("oom") and "step_s" in r}
     for r in rows:
-        if r.get("oom"):
+        if r.get("oom") or "step_s" not in r:
             continue
         for ref in ("none", "torch", "torch-ffn"):
-            if ref in by:
-                r[f"x_{ref.replace('-', '_')}"] = r["step_s"] / by[ref]["step_s"]
+            if ref not in by:
+                continue
+            key = ref.replace("-", "_")
+            r[f"x_{key}"] = r["step_s"] / by[ref]["step_s"]
+            if ref != "torch-ffn" and r.get("peak_allocated") and by[ref].get("peak_allocated"):
+                r[f"peak_x_{key}"] = r["peak_allocated"] / by[ref]["peak_allocated"]

@@ -1,0 +1,104 @@
+"""``python -m memfit_benchmarks.render results/*.json``: markdown tables and PNG plots from results JSON.
+
+For each JSON file, ``<stem>.md`` is written next to it (or under ``--out``): the synthetic kind through
+``report.render_markdown``, a family through ``report.render_family_markdown``; rows whose peak is at or
+above the ``none`` row's are listed as ``BUG`` lines. One PNG per shape (synthetic) or per family:
+peak allocated GiB against step time, one labelled point per mode, OOM modes named in the title.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+from memfit_benchmarks.report import GIB, render_family_markdown, render_markdown
+
+
+def _slug(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+
+
+def plot_rows(rows: list[dict[str, Any]], title: str, path: Path) -> Path:
+    """Peak allocated memory vs step time, one labelled point per mode; OOM modes in the title."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    ooms = [r["mode"] for r in rows if r.get("oom")]
+    measured = [r for r in rows if not r.get("oom") and "step_s" in r]
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    try:
+        no_peak = [r for r in measured if r.get("peak_allocated") is None]
+        for r in measured:
+            if r.get("peak_allocated") is None:
+                continue
+            x, y = r["step_s"] * 1e3, r["peak_allocated"] / GIB
+            ax.scatter([x], [y], s=30, color="tab:red" if r["mode"] == "none" else "tab:blue")
+            ax.annotate(r["mode"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
+        none = next((r for r in measured if r["mode"] == "none" and r.get("peak_allocated")), None)
+        if none is not None:
+            ax.axhline(none["peak_allocated"] / GIB, color="tab:red", linestyle=":", linewidth=0.8)
+        if no_peak:
+            ax.text(0.5, 0.5, "peak memory not measured on this device:\n" + ", ".join(
+                f"{r['mode']} {r['step_s'] * 1e3:.1f} ms" for r in no_peak),
+                transform=ax.transAxes, ha="center", va="center", fontsize=8, wrap=True)
+        ax.set_xlabel("step time (ms, median of timed steps)")
+        ax.set_ylabel("peak allocated (GiB)")
+        ax.grid(True, alpha=0.3)
+        full_title = title + (f"\nOOM: {', '.join(ooms)}" if ooms else "")
+        ax.set_title(full_title, fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+    return path
+
+
+def render_payload(payload: dict[str, Any], stem: str, out: Path) -> tuple[Path, list[Path]]:
+    """Write ``<stem>.md`` and the PNGs of one payload under ``out``; returns their paths."""
+    out.mkdir(parents=True, exist_ok=True)
+    pngs = []
+    if payload.get("suite") == "families":
+        text = render_family_markdown(payload)
+        if payload.get("rows"):
+            title = (f"{payload['family']} ({payload['preset']}, {payload['tokens']} tokens) — "
+                     f"{payload['device']}")
+            pngs.append(plot_rows(payload["rows"], title, out / f"{stem}.png"))
+    else:
+        text = render_markdown(payload)
+        regime = payload.get("regime") if payload.get("regime") in ("lora", "frozen", "full") else None
+        for shape in payload["results"]:
+            title = f"synthetic {shape['shape']}" + (f" ({regime})" if regime else "") + f" — {payload['device']}"
+            pngs.append(plot_rows(shape["rows"], title, out / f"{stem}-{_slug(shape['shape'])}.png"))
+    if pngs:
+        text += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
+    md = out / f"{stem}.md"
+    md.write_text(text)
+    return md, pngs
+
+
+def render_files(paths: list[Path | str], out: Path | str | None = None) -> list[Path]:
+    """Render each results JSON; returns every file written."""
+    written: list[Path] = []
+    for path in map(Path, paths):
+        payload = json.loads(path.read_text())
+        md, pngs = render_payload(payload, path.stem, Path(out) if out is not None else path.parent)
+        written += [md, *pngs]
+        print(f"rendered {path} -> {md}" + (f" + {len(pngs)} PNG" if pngs else ""), flush=True)
+    return written
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("files", nargs="+", help="results JSON files")
+    parser.add_argument("--out", default=None, help="output folder (default: next to each JSON)")
+    args = parser.parse_args(argv)
+    return render_files(args.files, args.out)
+
+
+if __name__ == "__main__":
+    main()

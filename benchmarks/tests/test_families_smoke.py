@@ -1,0 +1,76 @@
+"""The families runner and the renderer on CPU: tiny Flux + LoRA, non-offload modes, one timed step."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("peft")
+pytest.importorskip("memfit_flux")
+
+
+def test_families_tiny_flux_cpu_and_render(tmp_path):
+    from memfit_benchmarks import families, render
+
+    written = families.main(["--family", "flux", "--preset", "tiny", "--device", "cpu", "--steps", "1",
+                             "--warmup", "1", "--out", str(tmp_path), "--no-render"])
+    assert len(written) == 1
+    data = json.loads(written[0].read_text())
+    assert data["family"] == "flux" and data["preset"] == "tiny" and data["tokens"] == 64
+    assert "error" not in data, data.get("traceback")
+    assert data["lora_targets_count"] > 0 and data["trainable_params"] > 0
+    modes = [r["mode"] for r in data["rows"]]
+    assert modes == ["none", "torch-ffn", "torch", "torch interval 2", "torch interval 2 stride 4"]
+    assert set(data["skipped"]) == {"unsloth-ffn", "unsloth", "offload_attention", "torch-ffn + offload_attention"}
+    for r in data["rows"]:
+        assert not r["oom"] and r["step_s"] > 0 and r["peak_allocated"] is None and r["timing"] == "perf_counter"
+        assert "x_none" in r and "x_torch" in r
+
+    files = render.main([str(written[0])])
+    md = (tmp_path / f"{written[0].stem}.md").read_text()
+    png = tmp_path / f"{written[0].stem}.png"
+    assert png in files and png.stat().st_size > 1000
+    for mode in modes:
+        assert f"| {mode} |" in md
+    assert "BUG" not in md
+
+
+def test_bug_lines_flag_peaks_at_or_above_none():
+    from memfit_benchmarks.report import bug_lines
+
+    rows = [{"mode": "none", "peak_allocated": 100, "step_s": 1.0, "oom": False},
+            {"mode": "torch", "peak_allocated": 50, "step_s": 1.3, "oom": False},
+            {"mode": "unsloth", "peak_allocated": 100, "step_s": 1.3, "oom": False},
+            {"mode": "torch-ffn", "oom": True}]
+    lines = bug_lines(rows)
+    assert len(lines) == 1 and lines[0].startswith("- BUG unsloth")
+
+
+def test_render_synthetic_with_oom_row(tmp_path):
+    from memfit_benchmarks import render
+
+    payload = {"suite": "synthetic", "date": "2026-01-01T00:00:00+00:00", "device": "test", "torch": "x",
+               "cuda": None, "regime": "full", "regime_description": "full", "steps": 1, "warmup": 0,
+               "results": [{"shape": "s 1", "rows": [
+                   {"mode": "none", "step_s": 0.1, "peak_allocated": 2**31, "peak_reserved": 2**31, "oom": False},
+                   {"mode": "torch", "step_s": 0.2, "peak_allocated": 2**32, "peak_reserved": 2**32, "oom": False},
+                   {"mode": "unsloth", "oom": True}]}]}
+    path = tmp_path / "synthetic-full-x.json"
+    path.write_text(json.dumps(payload))
+    render.main([str(path)])
+    md = (tmp_path / "synthetic-full-x.md").read_text()
+    assert "| unsloth | OOM |" in md and "- BUG torch" in md
+    assert (tmp_path / "synthetic-full-x-s-1.png").exists()
+
+
+def test_synthetic_all_regimes_cpu(tmp_path):
+    from memfit_benchmarks.__main__ import main
+
+    written = main(["--regime", "all", "--device", "cpu", "--shapes", "tiny", "--steps", "1", "--warmup", "0",
+                    "--out", str(tmp_path)])
+    assert [json.loads(p.read_text())["regime"] for p in written] == ["lora", "frozen", "full"]
+    for p in written:
+        rows = json.loads(p.read_text())["results"][0]["rows"]
+        assert [r["mode"] for r in rows][:3] == ["none", "torch-ffn", "torch"] and not any(r["oom"] for r in rows)
+        assert (tmp_path / f"{p.stem}.md").exists()
