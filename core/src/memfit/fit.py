@@ -10,7 +10,7 @@ CPU-only machine (no real peak to read), the activation bytes held for backward 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -160,7 +160,3 @@ def format_bytes(n: int | None) -> str:
         if n >= size:
             return f"{n / size:.2f} {unit}"
     return f"{n} B"
-
-
-def rung_names(results: Iterable[RungResult]) -> list[str]:
-    return [r.rung.name for r in results]

@@ -237,11 +237,6 @@ class Frame:
             raise MemfitError("internal error: a recompute did not fill a saved tensor")
         return value
 
-    def prefetch(self) -> None:
-        """Hint that this frame will be recomputed soon (offload stashes start reloading)."""
-        for entry in self.entries:
-            self.stash.prefetch(entry.handle)
-
     def recompute(self) -> None:
         """Replay every call and fill the live holders with the recomputed saved tensors."""
         if self._hooks is not None or not self.closed:
