@@ -7,7 +7,7 @@ from typing import Any
 import torch
 from diffusers import ChromaTransformer2DModel
 
-from memfit.adapters.building import near_square_grid, preset_builders
+from memfit.adapters.building import near_square_grid, packed_image_ids, preset_builders
 
 # Small enough that the whole conformance kit runs in seconds on a laptop CPU, big enough that every
 # interval/stride combination of the kit (intervals 1-3, strides up to 6) has full and partial chunks
@@ -55,15 +55,12 @@ def make_inputs(model: ChromaTransformer2DModel, *, tokens: int | None = None, b
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
-    img_ids = torch.zeros(h, w, 3)
-    img_ids[..., 1] = torch.arange(h)[:, None]
-    img_ids[..., 2] = torch.arange(w)[None, :]
     inputs: dict[str, Any] = dict(
         hidden_states=randn(batch, h * w, cfg.in_channels),
         encoder_hidden_states=randn(batch, text_tokens, cfg.joint_attention_dim),
         # the pipeline passes sigma in [0, 1]; the model multiplies by 1000 itself
         timestep=torch.rand(batch, generator=generator).to(device=device, dtype=dtype),
-        img_ids=img_ids.reshape(h * w, 3).to(device),  # float32: exact positions on any grid
+        img_ids=packed_image_ids(h, w).to(device),  # float32: exact positions on any grid
         txt_ids=torch.zeros(text_tokens, 3, device=device),
         return_dict=False,
     )

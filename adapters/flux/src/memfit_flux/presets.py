@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from memfit.adapters.building import near_square_grid, preset_builders
+from memfit.adapters.building import near_square_grid, packed_image_ids, preset_builders
 
 # diffusers is imported inside the builders: adapter discovery (entry points) must stay cheap.
 
@@ -40,15 +40,12 @@ def make_inputs(model, *, tokens: int | None = None, batch: int = 1,
     def randn(*shape: int) -> torch.Tensor:
         return torch.randn(*shape, generator=generator).to(device=device, dtype=dtype)
 
-    img_ids = torch.zeros(h, w, 3)
-    img_ids[..., 1] = torch.arange(h)[:, None]
-    img_ids[..., 2] = torch.arange(w)[None, :]
     inputs = dict(
         hidden_states=randn(batch, h * w, cfg.in_channels),
         encoder_hidden_states=randn(batch, text_tokens, cfg.joint_attention_dim),
         pooled_projections=randn(batch, cfg.pooled_projection_dim),
         timestep=torch.rand(batch, generator=generator).to(device=device, dtype=dtype),
-        img_ids=img_ids.reshape(h * w, 3).to(device),
+        img_ids=packed_image_ids(h, w).to(device),
         txt_ids=torch.zeros(text_tokens, 3, device=device),
         return_dict=False,
     )

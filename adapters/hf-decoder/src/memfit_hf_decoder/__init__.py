@@ -20,6 +20,7 @@ therefore enters each decoder layer through removable forward hooks and never to
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -63,9 +64,6 @@ _BLOCKS = {
     "Qwen3DecoderLayer": BlockSpec(ffn=(("mlp",),), attention=(("self_attn",),)),
     "LlamaDecoderLayer": BlockSpec(ffn=(("mlp",),), attention=(("self_attn",),)),
 }
-_VERIFIED = ("transformers 5.24.0",)
-_NOTES = ("HF transformers decoder; blocks entered through forward hooks (HF's gradient_checkpointing flags "
-          "are never switched on). Verified with transformers 5.24.0.")
 
 ADAPTER = FamilyAdapter(
     name="hf-decoder",
@@ -75,7 +73,7 @@ ADAPTER = FamilyAdapter(
     # The model calls its layers back to back, each layer's output is the next one's hidden_states; the
     # causal mask, position ids and rotary (cos, sin) are computed once before the loop (chunk entries).
     supports_interval=True,
-    verified_diffusers=_VERIFIED,
+    verified_diffusers=("transformers 5.24.0",),
     block_count_config={"layers": "num_hidden_layers"},
     presets={
         "tiny": Preset(build=build_tiny, inputs=make_inputs, default_tokens=16,
@@ -86,17 +84,17 @@ ADAPTER = FamilyAdapter(
                        description="Qwen3-4B (Z-Image's text encoder): 36 layers, width 2560 (random weights)"),
     },
     loss=decoder_loss,
-    notes=_NOTES,
+    notes=("HF transformers decoder; blocks entered through forward hooks (HF's gradient_checkpointing flags "
+           "are never switched on). Verified with transformers 5.24.0."),
     block_entry="hooks",
 )
 
-CAUSAL_LM_ADAPTER = FamilyAdapter(
+# The causal LM wraps the same decoder under `model`: the same declarations, one level down.
+CAUSAL_LM_ADAPTER = dataclasses.replace(
+    ADAPTER,
     name="hf-decoder-lm",
     model_classes=("Qwen3ForCausalLM", "LlamaForCausalLM"),
     block_lists=("model.layers",),
-    blocks=_BLOCKS,
-    supports_interval=True,
-    verified_diffusers=_VERIFIED,
     block_count_config={"model.layers": "num_hidden_layers"},
     presets={
         "tiny": Preset(build=build_tiny_lm, inputs=make_inputs, default_tokens=16,
@@ -106,9 +104,6 @@ CAUSAL_LM_ADAPTER = FamilyAdapter(
         "full": Preset(build=build_full_lm, inputs=make_inputs, default_tokens=512,
                        description="Qwen3-4B causal LM: 36 layers, width 2560 (random weights)"),
     },
-    loss=decoder_loss,
-    notes=_NOTES,
-    block_entry="hooks",
 )
 
 __all__ = ["ADAPTER", "CAUSAL_LM_ADAPTER", "decoder_loss"]

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from diffusers import Krea2Transformer2DModel
 
-from memfit.adapters.building import near_square_grid, preset_builders
+from memfit.adapters.building import near_square_grid, packed_image_ids, preset_builders
 
 # Pixels per packed token along each axis: VAE factor 8 x patch size 2 (diffusers Krea2Pipeline).
 VAE_SCALE_FACTOR = 8
@@ -108,10 +108,7 @@ def make_inputs(model: Krea2Transformer2DModel, *, tokens: int | None = None, ba
 
     # Rotary coordinates as Krea2Pipeline.prepare_position_ids builds them: text rows all zero,
     # image rows (0, row, col) of the packed grid; one table for the whole [text, image] sequence.
-    image_ids = torch.zeros(h, w, 3)
-    image_ids[..., 1] = torch.arange(h)[:, None]
-    image_ids[..., 2] = torch.arange(w)[None, :]
-    position_ids = torch.cat([torch.zeros(text_tokens, 3), image_ids.reshape(h * w, 3)]).to(device)
+    position_ids = torch.cat([torch.zeros(text_tokens, 3), packed_image_ids(h, w)]).to(device)
     return dict(
         hidden_states=randn(batch, h * w, cfg.in_channels),
         encoder_hidden_states=randn(batch, text_tokens, cfg.num_text_layers, cfg.text_hidden_dim),

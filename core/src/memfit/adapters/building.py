@@ -88,3 +88,12 @@ def near_square_grid(tokens: int) -> tuple[int, int]:
     while tokens % h:
         h -= 1
     return h, tokens // h
+
+
+def packed_image_ids(h: int, w: int) -> torch.Tensor:
+    """Rotary coordinates of an ``h x w`` packed-latent grid, one row ``(0, row, col)`` per token (float32,
+    shape ``(h * w, 3)``): the image position ids Flux-style pipelines build."""
+    ids = torch.zeros(h, w, 3)
+    ids[..., 1] = torch.arange(h)[:, None]
+    ids[..., 2] = torch.arange(w)[None, :]
+    return ids.reshape(h * w, 3)
