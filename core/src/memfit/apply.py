@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 import weakref
 from collections.abc import Mapping
@@ -138,7 +139,7 @@ def _effective_config(model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapte
             MemfitWarning,
             stacklevel=3,
         )
-        return _replace(cfg, enabled=False)
+        return dataclasses.replace(cfg, enabled=False)
     if cfg.backend.ffn_only:
         _require_ffn(model, adapter, cfg.backend)
     if cfg.interval > 1 and not cfg.backend.ffn_only and (adapter is None or not adapter.supports_interval):
@@ -149,8 +150,7 @@ def _effective_config(model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapte
             MemfitWarning,
             stacklevel=3,
         )
-        stride = cfg.segment_stride
-        return _replace(cfg, interval=1, segment_stride=stride)
+        return dataclasses.replace(cfg, interval=1)
     return cfg
 
 
@@ -253,9 +253,3 @@ def _fsdp_checkpointing_applied(model: nn.Module) -> bool:
             if registry and "checkpoint" in registry:
                 return True
     return False
-
-
-def _replace(cfg: MemfitConfig, **changes: Any) -> MemfitConfig:
-    import dataclasses
-
-    return dataclasses.replace(cfg, **changes)

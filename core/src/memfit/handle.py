@@ -74,10 +74,7 @@ class MemfitHandle:
         s.by_scope.clear()
         self._engine.undeclared_block_calls = 0
         if self._session is not None:
-            from memfit.offload.copy import CopyStats
-
-            self._session.copy.stall_ms()
-            self._session.copy.stats = CopyStats()
+            self._session.copy.reset_stats()
             self._session.copy.pool.reset_counters()
         if self._offloader is not None:
             self._offloader.calls = self._offloader.tensors_parked = 0

@@ -106,6 +106,8 @@ class CopyEngine:
         timing: record stall-timing events (cheap; a few events per fetch).
     """
 
+    parks_cpu_tensors = False  # CPU tensors stay where they are: there is no device memory to free
+
     def __init__(self, pool: PinnedBucketPool, *, max_inflight_bytes: int = 2 << 30, timing: bool = True) -> None:
         self.pool = pool
         self.max_inflight_bytes = max_inflight_bytes
@@ -221,6 +223,10 @@ class CopyEngine:
         buf, parked.buffer = parked.buffer, None
         if buf is not None:
             buf.release(ready=parked.h2d_done or parked.d2h_done)
+
+    def reset_stats(self) -> None:
+        """Start counting afresh (timing events still in flight are dropped with the old counters)."""
+        self.stats = CopyStats()
 
     def stall_ms(self) -> float:
         """Milliseconds the compute stream waited on copies (resolved from completed timing events)."""

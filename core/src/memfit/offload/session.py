@@ -99,7 +99,7 @@ class OffloadSession:
     def worth_parking(self, tensor: torch.Tensor) -> bool:
         if isinstance(tensor, nn.Parameter) or tensor.layout != torch.strided:
             return False
-        if tensor.device.type == "cpu" and not getattr(self.copy, "parks_cpu_tensors", False):
+        if tensor.device.type == "cpu" and not self.copy.parks_cpu_tensors:
             return False
         logical = tensor.numel() * tensor.element_size()
         if logical < self.min_offload_bytes:
