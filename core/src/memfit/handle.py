@@ -69,9 +69,7 @@ class MemfitHandle:
         return out
 
     def reset_stats(self) -> None:
-        s = self._engine.stats
-        s.frames = s.calls = s.recomputes = s.unused = s.chain_breaks = s.entries = s.entry_bytes = s.holders = 0
-        s.by_scope.clear()
+        self._engine.stats.reset()
         self._engine.undeclared_block_calls = 0
         if self._session is not None:
             self._session.copy.reset_stats()

@@ -31,7 +31,7 @@ all raise :class:`~memfit.errors.MemfitError` instead of producing wrong gradien
 from __future__ import annotations
 
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -90,6 +90,14 @@ class FrameStats:
     chain_breaks: int = 0
     holders: int = 0
     by_scope: dict[str, int] = field(default_factory=dict)
+
+    def reset(self) -> None:
+        """Zero every counter in place (live frames keep updating this same object)."""
+        for f in fields(self):
+            if f.name == "by_scope":
+                self.by_scope.clear()
+            else:
+                setattr(self, f.name, 0)
 
 
 class Frame:
