@@ -3,6 +3,7 @@
 # next to the machine's torch, then run the nox GPU sessions and the benchmarks. Output goes to $OUT.
 #   Here:   rm -f .whl/memfit*; uv build --all-packages -o .whl/ && rm -f .whl/*.tar.gz
 #   There:  bash benchmarks/remote.sh [nox sessions... | bench-families]   (default: gpu bench)
+#           bash benchmarks/remote.sh lease --budget 570 PHASE...          (memfit_benchmarks.lease)
 set -uo pipefail
 OUT="${OUT:-/tmp/memfit-out}"
 mkdir -p "$OUT"
@@ -16,6 +17,10 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
     python3 -c "import torch, diffusers; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'diffusers', diffusers.__version__)"
     git rev-parse HEAD 2>/dev/null || true
 } | tee "$OUT/env.txt"
+if [ "${1:-}" = lease ]; then  # python -m memfit_benchmarks.lease: phases, GPU lanes, one deadline, one archive
+    shift
+    exec python3 -m memfit_benchmarks.lease --out "$OUT" "$@"
+fi
 sessions=("$@")
 [ ${#sessions[@]} -eq 0 ] && sessions=(gpu bench)
 status=0

@@ -87,8 +87,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--shapes", default=None,
                         help="comma-separated shape indices (default: all), or 'tiny' (CPU smoke shape)")
-    parser.add_argument("--regime", default="lora", choices=(*REGIMES, "all"),
-                        help="lora | frozen | full, or all (the three in one process, one JSON per regime)")
+    parser.add_argument("--regime", default="lora",
+                        help="lora | frozen | full, a comma-separated list of them, or all (one process, one JSON "
+                             "per regime)")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
@@ -108,7 +109,10 @@ def main(argv: list[str] | None = None) -> list[Path]:
         shapes = [TINY_SHAPE]
     else:
         shapes = SHAPES if args.shapes is None else [SHAPES[int(i)] for i in args.shapes.split(",")]
-    regimes = list(REGIMES) if args.regime == "all" else [args.regime]
+    regimes = list(REGIMES) if args.regime == "all" else [r.strip() for r in args.regime.split(",")]
+    unknown = [r for r in regimes if r not in REGIMES]
+    if unknown:
+        parser.error(f"unknown regime(s) {unknown}: choose from {sorted(REGIMES)} or 'all'")
     try:
         import diffusers
 

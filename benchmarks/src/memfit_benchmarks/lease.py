@@ -1,0 +1,141 @@
+"""Run a batch of GPU jobs inside one device lease: phases in order, GPU lanes in parallel, one deadline.
+
+    python -m memfit_benchmarks.lease --budget 570 --out "$OUT" fsdp2 "0:gpu 0:bench-frozen 1:families"
+
+Each positional argument is a *phase*; phases run one after the other. A phase is a space-separated list of
+``[GPU:]JOB[@SECONDS]`` items (``@SECONDS`` caps that job below the deadline): items on the same GPU run one after the other (a lane), lanes on different GPUs run at the
+same time, each pinned to its GPU with ``CUDA_VISIBLE_DEVICES``; an item without ``GPU:`` sees every GPU (used
+for the 2-rank FSDP2 run). Every job is cut at the deadline (``--budget`` seconds from the start), so there is
+always time left to pack the results: everything under ``--out`` ends up in ``results.tar.gz`` plus a
+``summary.txt`` (the device tool returns at most 8 files). Jobs:
+
+- ``gpu`` / ``gpu-<adapter>``: ``nox -s gpu`` (all adapters) or one adapter's GPU half of the kit
+- ``bench-<regime>[,<regime>]``: the synthetic sweep in those regimes (lora, frozen, full)
+- ``families[=<f1>,<f2>]``: every family (or those named) at its published size
+- ``fsdp2``: ``memfit_benchmarks.fsdp2 --nproc 2 --preset full``
+- ``auto``: the ``auto``-planner sweep (``memfit_benchmarks.auto_sweep``)
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import subprocess
+import sys
+import tarfile
+import threading
+import time
+from pathlib import Path
+
+
+def job_command(job: str, out: Path) -> list[str]:
+    """The command line of one named job, writing its results under ``out``."""
+    py = sys.executable
+    nox = [py, "-m", "nox", "-s"]
+    if job == "gpu":
+        return [*nox, "gpu"]
+    if job.startswith("gpu-"):
+        return [*nox, f"gpu(adapter='{job.removeprefix('gpu-')}')"]
+    if job.startswith("bench-"):
+        return [*nox, "bench", "--", "--regime", job.removeprefix("bench-"), "--out", str(out / "synthetic")]
+    if job == "families" or job.startswith("families="):
+        family = job.partition("=")[2] or "all"
+        return [*nox, "bench", "--", "--suite", "families", "--family", family, "--out", str(out / "families")]
+    if job == "fsdp2":
+        return [py, "-m", "memfit_benchmarks.fsdp2", "--nproc", "2", "--preset", "full", "--out", str(out / "fsdp2")]
+    if job == "auto":
+        return [py, "-m", "memfit_benchmarks.auto_sweep", "--out", str(out / "auto")]
+    raise SystemExit(f"unknown job {job!r} (see python -m memfit_benchmarks.lease --help)")
+
+
+def parse_phase(phase: str) -> dict[str | None, list[str]]:
+    """``"0:gpu 1:families fsdp2"`` → ``{"0": ["gpu"], "1": ["families"], None: ["fsdp2"]}``."""
+    lanes: dict[str | None, list[str]] = {}
+    for item in phase.split():
+        gpu, sep, job = item.partition(":")
+        lanes.setdefault(gpu if sep else None, []).append(job if sep else gpu)
+    return lanes
+
+
+class Lease:
+    """Runs phases against one deadline and keeps a line per job for the summary."""
+
+    def __init__(self, out: Path, budget_s: float, *, min_job_s: float = 5.0) -> None:
+        self.out = out
+        self.min_job_s = min_job_s  # a job that would get less than this is not started
+        self.deadline = time.monotonic() + budget_s
+        self.summary: list[str] = []
+        self._lock = threading.Lock()
+
+    def _run_job(self, item: str, gpu: str | None) -> None:
+        job, _, cap = item.partition("@")
+        left = self.deadline - time.monotonic()
+        if cap:
+            left = min(left, float(cap))
+        if left < self.min_job_s:
+            self._note(f"SKIPPED {job} (gpu {gpu or 'all'}): no time left")
+            return
+        env = dict(os.environ)
+        if gpu is not None:
+            env["CUDA_VISIBLE_DEVICES"] = gpu
+        log = self.out / "logs" / f"{job.replace('=', '_').replace(',', '_')}-gpu{gpu or 'all'}.log"
+        log.parent.mkdir(parents=True, exist_ok=True)
+        start = time.monotonic()
+        with log.open("w") as fh:
+            proc = subprocess.Popen(job_command(job, self.out), stdout=fh, stderr=subprocess.STDOUT, env=env)
+            try:
+                rc = proc.wait(timeout=left)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                rc = "timeout"
+        tail = log.read_text(errors="replace").strip().splitlines()[-3:]
+        self._note(f"{job} (gpu {gpu or 'all'}): rc={rc} in {time.monotonic() - start:.0f} s | " + " / ".join(tail))
+
+    def _note(self, line: str) -> None:
+        with self._lock:
+            self.summary.append(line)
+            print(line, flush=True)
+
+    def run_phase(self, phase: str) -> None:
+        def lane(gpu: str | None, jobs: list[str]) -> None:
+            for job in jobs:
+                self._run_job(job, gpu)
+
+        threads = [threading.Thread(target=lane, args=item) for item in parse_phase(phase).items()]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+
+    def pack(self) -> Path:
+        (self.out / "summary.txt").write_text("\n".join(self.summary) + "\n")
+        archive = self.out / "results.tar.gz"
+        members = [p for p in self.out.iterdir() if p.name not in {archive.name, "summary.txt", "env.txt"}]
+        with tarfile.open(archive, "w:gz") as tar:
+            for path in members:
+                tar.add(path, arcname=path.name)
+        for path in members:  # only the archive, summary and env travel back (8 files at most)
+            subprocess.run(["rm", "-rf", str(path)], check=False)
+        return archive
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--budget", type=float, required=True, help="seconds until every job is cut")
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("phases", nargs="+")
+    args = parser.parse_args(argv)
+    for phase in args.phases:  # fail on a typo before any GPU time is spent
+        for jobs in parse_phase(phase).values():
+            for job in jobs:
+                job_command(job.partition("@")[0], args.out)
+    args.out.mkdir(parents=True, exist_ok=True)
+    lease = Lease(args.out, args.budget)
+    for phase in args.phases:
+        lease.run_phase(phase)
+    print(f"packed {lease.pack()}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,39 @@
+"""The lease driver: phase parsing, job commands, the deadline and the single archive."""
+
+import sys
+import tarfile
+
+import pytest
+
+from memfit_benchmarks import lease
+
+
+def test_parse_phase_groups_jobs_into_gpu_lanes():
+    assert lease.parse_phase("0:gpu 1:families=flux,wan 0:bench-lora fsdp2") == {
+        "0": ["gpu", "bench-lora"], "1": ["families=flux,wan"], None: ["fsdp2"]}
+
+
+def test_job_commands(tmp_path):
+    assert lease.job_command("gpu-flux", tmp_path)[-1] == "gpu(adapter='flux')"
+    assert lease.job_command("bench-lora,full", tmp_path)[-4:] == ["--regime", "lora,full", "--out",
+                                                                  str(tmp_path / "synthetic")]
+    assert "wan,flux" in lease.job_command("families=wan,flux", tmp_path)
+    with pytest.raises(SystemExit, match="unknown job 'benchh'"):
+        lease.job_command("benchh", tmp_path)
+
+
+def test_deadline_cuts_jobs_and_everything_is_packed(tmp_path, monkeypatch):
+    scripts = {"fast": "print('done fast')", "slow": "import time; time.sleep(60)"}
+    monkeypatch.setattr(lease, "job_command", lambda job, out: [sys.executable, "-c", scripts[job]])
+    run = lease.Lease(tmp_path, budget_s=3, min_job_s=0.5)
+    run.run_phase("0:fast 1:slow 0:slow@1")
+    run.run_phase("fast")  # past the deadline: skipped, not started
+    archive = run.pack()
+    summary = (tmp_path / "summary.txt").read_text()
+    assert "fast (gpu 0): rc=0" in summary and "done fast" in summary
+    assert "slow (gpu 1): rc=timeout" in summary
+    assert "slow (gpu 0): rc=timeout in 1 s" in summary  # its own cap, before the deadline
+    assert "SKIPPED fast" in summary
+    with tarfile.open(archive) as tar:
+        assert sorted(tar.getnames())[:1] == ["logs"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["results.tar.gz", "summary.txt"]
