@@ -14,6 +14,7 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
 - ``families[=<f1>,<f2>]``: every family (or those named) at its published size
 - ``fsdp2``: ``memfit_benchmarks.fsdp2 --nproc 2 --preset full``
 - ``auto``: the ``auto``-planner sweep (``memfit_benchmarks.auto_sweep``)
+- ``diagnose[=<family>]``: host vs GPU time and a profile per mode (``memfit_benchmarks.diagnose``)
 """
 
 from __future__ import annotations
@@ -43,6 +44,9 @@ def job_command(job: str, out: Path) -> list[str]:
         return [*nox, "bench", "--", "--suite", "families", "--family", family, "--out", str(out / "families")]
     if job == "fsdp2":
         return [py, "-m", "memfit_benchmarks.fsdp2", "--nproc", "2", "--preset", "full", "--out", str(out / "fsdp2")]
+    if job == "diagnose" or job.startswith("diagnose="):
+        family = job.partition("=")[2] or "flux"
+        return [py, "-m", "memfit_benchmarks.diagnose", "--family", family, "--out", str(out / "diagnose")]
     if job == "auto":
         return [py, "-m", "memfit_benchmarks.auto_sweep", "--out", str(out / "auto")]
     raise SystemExit(f"unknown job {job!r} (see python -m memfit_benchmarks.lease --help)")

@@ -1,0 +1,145 @@
+"""Where does an offload mode's extra step time go? CPU issue time vs GPU time, and a profile per mode.
+
+    python -m memfit_benchmarks.diagnose --family flux --out DIR            # GPU, preset full
+    python -m memfit_benchmarks.diagnose --family flux --preset tiny --device cpu --out DIR   # smoke
+
+Per mode: median over timed steps of the GPU step time (CUDA events) and of the host time spent inside
+``forward`` and ``backward`` calls (``perf_counter``, no synchronisation inside the step): when the host time
+reaches the GPU time, the step is bound by Python/launch overhead, not by kernels or copies. Then one step
+under ``torch.profiler``: the ops with the most self CPU time go to ``diagnose-<family>.md``, and a Chrome
+trace per offload mode to ``trace-<family>-<mode>.json.gz``. Variants (``unsloth[no-timing]`` …) rerun a
+mode with one engine knob changed, to test a hypothesis side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gzip
+import json
+import shutil
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import memfit
+from memfit.config import MemfitConfig
+from memfit.offload.copy import CopyEngine
+from memfit.offload.pool import PinnedBucketPool
+from memfit_benchmarks.families import add_lora
+from memfit_benchmarks.runner import MODES, is_offload
+
+VARIANTS = {
+    # name: (mode name, apply() keyword arguments built from the parsed config)
+    "unsloth[no-timing]": ("unsloth", lambda cfg: {"copy_engine": CopyEngine(PinnedBucketPool.from_config(cfg),
+                                                                             timing=False)}),
+    "unsloth[min 16MiB]": ("unsloth", lambda cfg: {"min_offload_bytes": 16 << 20}),
+}
+
+
+def _sync(cuda: bool) -> None:
+    if cuda:
+        torch.cuda.synchronize()
+
+
+def measure(model, batch, loss_fn, config, apply_kwargs, *, adapter, cuda: bool, steps: int, warmup: int,
+            trace: Path | None) -> dict[str, Any]:
+    handle = memfit.apply(model, config, adapter=adapter, **apply_kwargs) if config else None
+    fwd, bwd, gpu = [], [], []
+    try:
+        for i in range(warmup + steps + 1):
+            model.zero_grad(set_to_none=True)
+            _sync(cuda)
+            profiling = i == warmup + steps
+            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                          + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])) \
+                if profiling else None
+            if prof is not None:
+                prof.__enter__()
+            start = torch.cuda.Event(enable_timing=True) if cuda else None
+            end = torch.cuda.Event(enable_timing=True) if cuda else None
+            if start is not None:
+                start.record()
+            t0 = time.perf_counter()
+            loss = loss_fn(model(**batch))
+            t1 = time.perf_counter()
+            loss.backward()
+            t2 = time.perf_counter()
+            if end is not None:
+                end.record()
+            _sync(cuda)
+            t3 = time.perf_counter()
+            if prof is not None:
+                prof.__exit__(None, None, None)
+                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+                if trace is not None:
+                    raw = trace.with_suffix("")
+                    prof.export_chrome_trace(str(raw))
+                    with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+                        shutil.copyfileobj(src, dst)
+                    raw.unlink()
+            elif i >= warmup:
+                fwd.append((t1 - t0) * 1e3)
+                bwd.append((t2 - t1) * 1e3)
+                gpu.append(start.elapsed_time(end) if start is not None else (t3 - t0) * 1e3)
+        stats = handle.stats() if handle is not None else {}
+    finally:
+        model.zero_grad(set_to_none=True)
+        if handle is not None:
+            handle.remove()
+    return {"host_forward_ms": statistics.median(fwd), "host_backward_ms": statistics.median(bwd),
+            "step_ms": statistics.median(gpu), "profile_table": table,
+            "stats": {k: v for k, v in stats.items() if isinstance(v, int | float)}}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--family", default="flux")
+    parser.add_argument("--preset", default="full")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument("--tokens", type=int, default=None)
+    parser.add_argument("--modes", default="none,torch,unsloth,torch-ffn,unsloth-ffn,unsloth[no-timing],"
+                                            "unsloth[min 16MiB]")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args(argv)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    if cuda:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    adapter = memfit.available_adapters()[args.family]
+    preset = adapter.presets[args.preset]
+    dtype = torch.bfloat16 if cuda else torch.float32
+    model, _ = add_lora(preset.build(dtype=dtype, device=device), adapter, 16, dtype)
+    batch = preset.inputs(model, tokens=args.tokens or preset.default_tokens, batch=1,
+                          generator=torch.Generator().manual_seed(0))
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    modes = {m.name: m for m in MODES}
+    args.out.mkdir(parents=True, exist_ok=True)
+    results: dict[str, Any] = {}
+    lines = [f"# diagnose {args.family} ({args.preset}) on {torch.cuda.get_device_name() if cuda else 'cpu'}, "
+             f"torch {torch.__version__}\n", "| mode | step ms | host forward ms | host backward ms |",
+             "|---|---|---|---|"]
+    for name in [m.strip() for m in args.modes.split(",")]:
+        base, make_kwargs = VARIANTS.get(name, (name, lambda cfg: {}))
+        mode = modes[base]
+        if is_offload(mode) and not cuda:
+            continue
+        kwargs = make_kwargs(MemfitConfig.from_dict(mode.config)) if mode.config else {}
+        slug = name.replace(" ", "_").replace("[", "-").replace("]", "")
+        trace = args.out / f"trace-{args.family}-{slug}.json.gz" if name in {"torch", "unsloth"} else None
+        r = measure(model, batch, adapter.loss, mode.config, kwargs, adapter=adapter, cuda=cuda, steps=args.steps,
+                    warmup=args.warmup, trace=trace)
+        results[name] = r
+        lines.append(f"| {name} | {r['step_ms']:.1f} | {r['host_forward_ms']:.1f} | {r['host_backward_ms']:.1f} |")
+        print(lines[-1], flush=True)
+    for name, r in results.items():
+        lines += ["", f"## {name}", "", f"stats: `{json.dumps(r['stats'])}`", "", "```", r["profile_table"], "```"]
+    (args.out / f"diagnose-{args.family}.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
