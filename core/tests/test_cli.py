@@ -7,7 +7,7 @@ import pytest
 pytest.importorskip("memfit_flux")
 
 from memfit.cli import main  # noqa: E402
-from memfit.fit import parse_bytes  # noqa: E402
+from memfit.units import parse_bytes  # noqa: E402
 
 
 def test_fit_walks_the_ladder_and_recommends_a_fitting_config(tmp_path, capsys):

@@ -12,13 +12,21 @@ from memfit.accounting import SavedBytesMeter
 from memfit.adapters import BlockSpec, FamilyAdapter, Preset, available_adapters, find_adapter, get_adapter
 from memfit.apply import apply
 from memfit.config import Backend, MemfitConfig
-from memfit.errors import ConfigError, MemfitError, MemfitWarning, NotAvailableError, UnsupportedBoundaryError
+from memfit.errors import (
+                           BudgetError,
+                           ConfigError,
+                           MemfitError,
+                           MemfitWarning,
+                           NotAvailableError,
+                           UnsupportedBoundaryError,
+)
 from memfit.handle import MemfitHandle
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "BudgetError",
     "BlockSpec",
     "ConfigError",
     "FamilyAdapter",

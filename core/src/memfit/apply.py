@@ -13,11 +13,12 @@ from torch import nn
 
 from memfit.adapters.discovery import find_adapter
 from memfit.adapters.spec import FamilyAdapter
+from memfit.auto.controller import AutoController
 from memfit.config import Backend, MemfitConfig, as_config
 from memfit.distributed import ShardOrderGuard
-from memfit.engine.install import RegionEngine, RegionSite, chain_sites
+from memfit.engine.install import RegionEngine, RegionSite, chain_sites, diffusers_block_entry
 from memfit.engine.schedule import plan_blocks
-from memfit.errors import MemfitError, MemfitWarning, NotAvailableError, UnsupportedBoundaryError
+from memfit.errors import ConfigError, MemfitError, MemfitWarning, NotAvailableError, UnsupportedBoundaryError
 from memfit.handle import MemfitHandle
 from memfit.offload.copy import CopyEngine
 from memfit.offload.pool import PinnedBucketPool
@@ -67,6 +68,8 @@ def apply(model: nn.Module, config: MemfitConfig | Mapping[str, Any] | str | Non
     adapter = adapter if adapter is not None else find_adapter(model)
     family = adapter.name if adapter is not None else None
     cfg = _effective_config(model, cfg, adapter)
+    if cfg.enabled and cfg.backend is Backend.AUTO:
+        return _apply_auto(model, cfg, adapter, copy_engine, min_offload_bytes)
     offloads = (cfg.enabled and cfg.backend.offloads_inputs) or cfg.offload_attention
     session = _offload_session(model, cfg, copy_engine, min_offload_bytes) if offloads else None
     if session is not None and cfg.enabled and cfg.backend.offloads_inputs:
@@ -91,6 +94,45 @@ def apply(model: nn.Module, config: MemfitConfig | Mapping[str, Any] | str | Non
                           session=session, offloader=offloader)
     _applied[model] = handle
     return handle
+
+
+def _apply_auto(model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapter | None, copy_engine: CopyEngine | None,
+                min_offload_bytes: int) -> MemfitHandle:
+    """The ``auto`` backend: a controller that plans per block at the first forward of each input shape."""
+    if adapter is None:
+        raise UnsupportedBoundaryError(
+            f"gradient_checkpointing_backend='auto' plans each block and needs the blocks and regions an adapter "
+            f"declares, but {type(model).__name__} has no memfit adapter. Install the adapter for its family "
+            f"(`memfit list`), or use a fixed backend such as 'torch'."
+        )
+    param = next(model.parameters(), None)
+    on_cuda = param is not None and param.is_cuda
+    budget = cfg.memory_budget if cfg.memory_budget is not None else _free_device_memory(model, on_cuda)
+    session = None
+    if copy_engine is not None:
+        session = OffloadSession(copy_engine, model, min_offload_bytes=min_offload_bytes)
+    elif on_cuda:  # the offload policies are offered only where a copy engine can run
+        session = _offload_session(model, cfg, None, min_offload_bytes)
+    controller = AutoController(model, adapter, budget, session=session, min_offload_bytes=min_offload_bytes)
+    controller.install()
+    controller._handles.append(ShardOrderGuard(model, _watched_blocks(model, adapter)).install())
+    handle = MemfitHandle(model, cfg, adapter.name, None, on_remove=lambda: _applied.pop(model, None),
+                          session=session, auto=controller)
+    _applied[model] = handle
+    return handle
+
+
+def _free_device_memory(model: nn.Module, on_cuda: bool) -> int:
+    """The default budget: what this process can still allocate on the model's GPU, plus what it holds."""
+    if not on_cuda:
+        raise ConfigError(
+            "gradient_checkpointing_backend='auto' needs gradient_checkpointing_memory_budget (e.g. \"24GiB\") when "
+            "the model is not on a CUDA device: off CUDA the budget counts activation bytes held for backward, and "
+            "there is no card whose free memory could serve as the default."
+        )
+    device = next(model.parameters()).device
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
 
 
 def _offload_session(model: nn.Module, cfg: MemfitConfig, copy_engine: CopyEngine | None,
@@ -175,9 +217,7 @@ def _require_ffn(model: nn.Module, adapter: FamilyAdapter | None, backend: Backe
 
 
 def _plan(engine: RegionEngine, model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapter | None) -> None:
-    diffusers_entry = bool(getattr(model, "_supports_gradient_checkpointing", False)) and hasattr(
-        model, "enable_gradient_checkpointing"
-    ) and (adapter is None or adapter.block_entry == "auto")
+    diffusers_entry = diffusers_block_entry(model, adapter)
     if adapter is None:
         if not diffusers_entry:
             raise MemfitError(

@@ -68,7 +68,8 @@ def _cmd_list() -> int:
 
 
 def _cmd_fit(args: argparse.Namespace) -> int:
-    from memfit.fit import find_fit, format_bytes, parse_bytes
+    from memfit.fit import find_fit
+    from memfit.units import format_bytes, parse_bytes
 
     adapter = get_adapter(args.family)
     if args.preset not in adapter.presets:

@@ -16,6 +16,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from memfit.errors import ConfigError
+from memfit.units import parse_bytes
 
 
 class Backend(enum.StrEnum):
@@ -25,6 +26,7 @@ class Backend(enum.StrEnum):
     TORCH_FFN = "torch-ffn"  # only the FFN side of each block
     UNSLOTH = "unsloth"  # like torch, plus the block's saved inputs go to pinned CPU memory
     UNSLOTH_FFN = "unsloth-ffn"  # like torch-ffn, plus the FFN's saved inputs go to pinned CPU memory
+    AUTO = "auto"  # a per-block plan under gradient_checkpointing_memory_budget (memfit.auto)
 
     @property
     def ffn_only(self) -> bool:
@@ -51,6 +53,7 @@ class MemfitConfig:
     segment_stride: int | None = None
     offload_attention: bool = False
     offload_pin_memory_max_buckets: int = 12
+    memory_budget: int | None = None  # bytes; the ``auto`` backend's budget (None: the card's free memory)
 
     # -- construction ------------------------------------------------------------------------------------------
 
@@ -122,13 +125,30 @@ class MemfitConfig:
             ),
         )
 
+        if self.backend is Backend.AUTO:
+            fixed = {"gradient_checkpointing_interval": self.interval != 1,
+                     "gradient_checkpointing_segment_stride": self.segment_stride is not None,
+                     "gradient_checkpointing_offload_attention": self.offload_attention}
+            clash = [k for k, set_ in fixed.items() if set_]
+            if clash:
+                raise ConfigError(
+                    f"gradient_checkpointing_backend='auto' plans every block itself (recompute scope, input and "
+                    f"attention offload); {', '.join(clash)} would fix what it chooses. Remove "
+                    f"{'it' if len(clash) == 1 else 'them'}, or pick a fixed backend."
+                )
+        if self.memory_budget is not None:
+            object.__setattr__(self, "memory_budget", _as_bytes("gradient_checkpointing_memory_budget",
+                                                                self.memory_budget))
+
     # -- views -------------------------------------------------------------------------------------------------
 
     def to_dict(self) -> dict[str, Any]:
-        """The trainer-style dict, ready to paste into a config file."""
+        """The trainer-style dict, ready to paste into a config file (an unset memory budget is left out)."""
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
+            if f.name == "memory_budget" and value is None:
+                continue
             if isinstance(value, Backend):
                 value = value.value
             out[_long_name(f.name)] = value
@@ -170,6 +190,18 @@ def _as_int(key: str, value: Any, *, minimum: int) -> int:
             raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{key} must be an integer >= {minimum}, got {value}")
+    return value
+
+
+def _as_bytes(key: str, value: Any) -> int:
+    if isinstance(value, str):
+        try:
+            value = parse_bytes(value)
+        except ValueError:
+            raise ConfigError(f"{key} must be a size such as 24GiB, 512MiB or a number of bytes, got {value!r}") \
+                from None
+    if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+        raise ConfigError(f"{key} must be a positive number of bytes (or a size such as 24GiB), got {value!r}")
     return value
 
 

@@ -29,3 +29,15 @@ class NotAvailableError(MemfitError):
 
 class MemfitWarning(UserWarning):
     """A setting was ignored or disabled on purpose (e.g. interval on a family without interval support)."""
+
+
+class BudgetError(MemfitError):
+    """The ``auto`` backend's memory budget is below the smallest peak any plan reaches.
+
+    Attributes:
+        smallest_peak_bytes: the smallest predicted peak (raise the budget to at least this).
+    """
+
+    def __init__(self, message: str, *, smallest_peak_bytes: int) -> None:
+        super().__init__(message)
+        self.smallest_peak_bytes = smallest_peak_bytes

@@ -141,22 +141,3 @@ def find_fit(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], 
                 candidates.append(result)
     report.recommended = min(candidates, key=lambda r: r.measurement.step_seconds)
     return report
-
-
-def parse_bytes(text: str) -> int:
-    """``"24GiB"``, ``"512MiB"``, ``"1.5GB"``, ``"1000000"`` -> bytes."""
-    units = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
-    s = text.strip().lower().removesuffix("b")
-    for suffix in sorted(units, key=len, reverse=True):
-        if s.endswith(suffix):
-            return int(float(s[: -len(suffix)]) * units[suffix])
-    return int(float(s))
-
-
-def format_bytes(n: int | None) -> str:
-    if n is None:
-        return "-"
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"

@@ -7,6 +7,8 @@ from typing import Any
 
 from torch import nn
 
+from memfit.auto.controller import AutoController
+from memfit.auto.planner import Plan
 from memfit.config import MemfitConfig
 from memfit.engine.install import RegionEngine
 
@@ -17,16 +19,36 @@ class MemfitHandle:
     Use :meth:`remove` (or a ``with`` block) to restore the model exactly as it was.
     """
 
-    def __init__(self, model: nn.Module, config: MemfitConfig, family: str | None, engine: RegionEngine,
-                 on_remove: Callable[[], None], session: Any = None, offloader: Any = None) -> None:
+    def __init__(self, model: nn.Module, config: MemfitConfig, family: str | None, engine: RegionEngine | None,
+                 on_remove: Callable[[], None], session: Any = None, offloader: Any = None,
+                 auto: AutoController | None = None) -> None:
         self.model = model
         self._session = session
-        self._offloader = offloader
+        self._fixed_offloader = offloader
         self.config = config
         self.family = family
-        self._engine = engine
+        self._fixed_engine = engine
+        self._auto = auto
         self._on_remove = on_remove
         self.removed = False
+
+    # The ``auto`` backend swaps engines when it re-plans; the handle always reads the current one.
+    @property
+    def _engine(self) -> RegionEngine:
+        if self._auto is not None:
+            return self._auto.engine
+        assert self._fixed_engine is not None
+        return self._fixed_engine
+
+    @property
+    def _offloader(self) -> Any:
+        return self._auto.offloader if self._auto is not None else self._fixed_offloader
+
+    @property
+    def plan(self) -> Plan | None:
+        """The ``auto`` backend's plan for the latest input shape (None before its first forward, or for a
+        fixed backend)."""
+        return self._auto.plan if self._auto is not None else None
 
     def stats(self) -> dict[str, Any]:
         """Counters since :meth:`apply` (or the last :meth:`reset_stats`): frames, calls, recomputes, entries."""
@@ -42,6 +64,7 @@ class MemfitHandle:
             "entry_bytes": s.entry_bytes,
             "saved_tensors_replaced": s.holders,
             "undeclared_block_calls": self._engine.undeclared_block_calls,
+            **({"replans": self._auto.replans} if self._auto is not None else {}),
             **self._offload_stats(),
         }
 
@@ -91,15 +114,20 @@ class MemfitHandle:
             parts.append("whole-block regions: every block the model checkpoints (diffusers path)")
         if ffn:
             parts.append(f"FFN regions: {len(ffn)}")
+        if self._auto is not None:
+            parts.append(self._auto.describe())
         return "\n".join(parts)
 
     def remove(self) -> None:
         """Remove every hook and restore every attribute memfit touched. Idempotent."""
         if self.removed:
             return
-        self._engine.remove()
-        if self._offloader is not None:
-            self._offloader.remove()
+        if self._auto is not None:
+            self._auto.remove()
+        else:
+            self._engine.remove()
+            if self._offloader is not None:
+                self._offloader.remove()
         if self._session is not None:
             self._session.copy.pool.clear()  # give idle pinned buffers back to the host
         self.removed = True

@@ -39,6 +39,7 @@ class RegionSite:
     modules: tuple[nn.Module, ...]
     position: int
     scope: str
+    stash_factory: Callable[[], Stash] | None = None  # None: the engine's (a per-block plan mixes them)
 
 
 @dataclass
@@ -95,9 +96,12 @@ class RegionEngine:
 
     # -- installation -------------------------------------------------------------------------------------------
 
-    def install(self) -> None:
-        self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook))
-        self._handles.append(self.model.register_forward_hook(self._model_post_hook, always_call=True))
+    def install(self, *, model_hooks: bool = True) -> None:
+        """Install the region hooks. ``model_hooks=False``: whoever installs the engine calls
+        :meth:`begin_forward` / :meth:`end_forward` itself (the ``auto`` controller, which swaps engines)."""
+        if model_hooks:
+            self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook))
+            self._handles.append(self.model.register_forward_hook(self._model_post_hook, always_call=True))
         if self.block_sites or self.block_entry == "diffusers":
             self._install_block_entry()
         if self.block_entry != "diffusers":
@@ -259,7 +263,8 @@ class RegionEngine:
         if frame is not None and frame.key == site.key and frame.expects(module):
             return frame
         self._close_open()
-        frame = Frame(site.key, list(site.modules[site.position:]), site.scope, self.stash_factory(), self.stats)
+        stash = (site.stash_factory or self.stash_factory)()
+        frame = Frame(site.key, list(site.modules[site.position:]), site.scope, stash, self.stats)
         self._open = frame
         return frame
 
@@ -277,15 +282,22 @@ class RegionEngine:
             self._forget(frame)
 
     def _model_pre_hook(self, module: nn.Module, args: tuple) -> None:
+        self.begin_forward()
+
+    def _model_post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.end_forward(failed=output is None and sys.exc_info()[0] is not None)
+
+    def begin_forward(self) -> None:
+        """The model's forward starts."""
         self._close_open()
         if torch.is_grad_enabled():
             self._sync_sites()
             for listener in self.step_listeners:
                 listener.new_step()
 
-    def _model_post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
+    def end_forward(self, *, failed: bool) -> None:
+        """The model's forward returned (or raised: ``failed``)."""
         self._close_open()
-        failed = output is None and sys.exc_info()[0] is not None
         for listener in self.step_listeners:
             listener.abort_step() if failed else listener.end_step()
 
@@ -295,7 +307,14 @@ def eager_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compiler.disable(fn, recursive=True)
 
 
-def chain_sites(key_prefix: tuple, chain: Sequence[nn.Module], scope: str) -> list[tuple[nn.Module, RegionSite]]:
+def chain_sites(key_prefix: tuple, chain: Sequence[nn.Module], scope: str, *,
+                stash_factory: Callable[[], Stash] | None = None) -> list[tuple[nn.Module, RegionSite]]:
     """Sites for a chain of modules that form one region."""
     modules = tuple(chain)
-    return [(m, RegionSite(key_prefix, modules, i, scope)) for i, m in enumerate(modules)]
+    return [(m, RegionSite(key_prefix, modules, i, scope, stash_factory)) for i, m in enumerate(modules)]
+
+
+def diffusers_block_entry(model: nn.Module, adapter: Any) -> bool:
+    """Whether blocks are entered through diffusers' ``gradient_checkpointing_func`` (else: block hooks)."""
+    return bool(getattr(model, "_supports_gradient_checkpointing", False)) and hasattr(
+        model, "enable_gradient_checkpointing") and (adapter is None or adapter.block_entry == "auto")

@@ -26,6 +26,7 @@ immediately when a forward raises: :meth:`OffloadSession.abort_step`).
 from __future__ import annotations
 
 import weakref
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -33,6 +34,7 @@ from torch import nn
 
 from memfit.engine import state
 from memfit.engine.install import eager_hook
+from memfit.engine.stash import DeviceStash
 from memfit.offload.copy import CopyEngine, Parked
 
 
@@ -160,7 +162,8 @@ class OffloadSession:
         """Park ``handle``'s tensor once a later region starts (see :meth:`end_step` for why)."""
         self._pending.append((stash, handle))
 
-    def _flush(self) -> None:
+    def flush_deferred(self) -> None:
+        """A later region starts: the earlier regions' deferred entries are not the last, so park them now."""
         pending, self._pending = self._pending, []
         if not pending:
             return
@@ -174,7 +177,7 @@ class OffloadSession:
 
         A new region means the earlier ones are not the last: their deferred entries are parked now.
         """
-        self._flush()
+        self.flush_deferred()
         self._timeline.append(weakref.ref(region))
         return len(self._timeline) - 1
 
@@ -188,6 +191,18 @@ class OffloadSession:
 
     def snapshot_timeline(self) -> list[weakref.ref]:
         return self._timeline
+
+
+def device_stash_after_parking(session: OffloadSession) -> Callable[[], DeviceStash]:
+    """Stashes for regions that keep their entries on the device in a plan that also parks (``auto``).
+
+    Such a region still ends the deferral of the parked regions before it (see :meth:`OffloadSession.end_step`):
+    only the last region of the step keeps its entries, whatever kind the regions after it are.
+    """
+    def make() -> DeviceStash:
+        session.flush_deferred()
+        return DeviceStash()
+    return make
 
 
 def _storage_ptrs(tensors: Any) -> set[int]:

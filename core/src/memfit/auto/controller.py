@@ -1,0 +1,233 @@
+"""The ``auto`` backend on a model: plan at the first forward of each input shape, install, re-plan on change.
+
+Design notes
+------------
+One pair of model hooks, owned here, drives everything. At a forward with gradients whose input
+signature (tensor shapes, dtypes, devices; plain scalar arguments) differs from the last one, the
+controller takes the current plan's engine off, profiles the bare model (:func:`profile_model`: one
+forward with gradients that holds nothing, one timed forward without), plans
+(:func:`plan_policies`) and installs the new plan's engine, then lets the forward proceed. Profiles
+and plans are cached per signature: switching back to an earlier aspect-ratio bucket re-installs its
+plan without profiling again. Engines are built without model hooks of their own; this controller
+forwards the start and end of each forward to the current one (so swapping engines inside a model
+hook never adds or removes hooks of the module that is being called).
+
+One :class:`~memfit.engine.frame.FrameStats` and one offload session serve every plan, so
+``handle.stats()`` counts across re-plans.
+"""
+
+from __future__ import annotations
+
+import sys
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.adapters.spec import FamilyAdapter
+from memfit.auto.planner import Plan, plan_policies
+from memfit.auto.policy import allowed_policies
+from memfit.auto.profile import ModelProfile, profile_model
+from memfit.engine.frame import FrameStats
+from memfit.engine.install import RegionEngine, RegionSite, chain_sites, diffusers_block_entry
+from memfit.errors import MemfitWarning
+from memfit.offload.session import (
+    AttentionOffloader,
+    OffloadSession,
+    OffloadStash,
+    device_stash_after_parking,
+)
+from memfit.units import format_bytes
+
+
+def input_signature(args: tuple, kwargs: dict) -> tuple:
+    """What a plan depends on: tensor shapes/dtypes/devices and plain scalar arguments."""
+    def sig(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.shape), str(x.dtype), str(x.device))
+        if isinstance(x, (bool, int, float, str, type(None))):
+            return x
+        if isinstance(x, (list, tuple)):
+            return tuple(sig(v) for v in x)
+        if isinstance(x, dict):
+            return tuple(sorted((k, sig(v)) for k, v in x.items()))
+        return type(x).__name__
+    return sig(args), sig(kwargs)
+
+
+class AutoController:
+    """Installs and re-plans the ``auto`` backend on one model.
+
+    Args:
+        model: the transformer (an adapter must declare its blocks).
+        adapter: its family adapter.
+        budget_bytes: the memory budget (peak allocated on CUDA; held activation bytes elsewhere).
+        session: the offload session, or None (then no policy copies to host memory).
+        min_offload_bytes: smaller tensors are never copied.
+        copy_bytes_per_second: pinned copy bandwidth for the cost model (None: measured once on CUDA).
+    """
+
+    def __init__(self, model: nn.Module, adapter: FamilyAdapter, budget_bytes: int, *,
+                 session: OffloadSession | None, min_offload_bytes: int,
+                 copy_bytes_per_second: float | None = None) -> None:
+        self.model = model
+        self.adapter = adapter
+        self.budget_bytes = budget_bytes
+        self.session = session
+        self.min_offload_bytes = min_offload_bytes
+        self.copy_bytes_per_second = copy_bytes_per_second
+        self.stats = FrameStats()
+        self.profiles: dict[tuple, ModelProfile] = {}
+        self.plans: dict[tuple, Plan] = {}
+        self.plan: Plan | None = None
+        self.replans = 0
+        self.engine = self._new_engine(None)
+        self.offloader: AttentionOffloader | None = None
+        self._signature: tuple | None = None
+        self._handles: list[Any] = []
+        self._warned_unneeded = False
+
+    # -- installation -------------------------------------------------------------------------------------------
+
+    def install(self) -> None:
+        self._handles.append(self.model.register_forward_pre_hook(self._pre, with_kwargs=True))
+        self._handles.append(self.model.register_forward_hook(self._post, always_call=True))
+        self.engine.install(model_hooks=False)
+
+    def remove(self) -> None:
+        self._take_off()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _take_off(self) -> None:
+        self.engine.remove()
+        if self.offloader is not None:
+            self.offloader.remove()
+            self.offloader = None
+
+    def _put_on(self, plan: Plan | None) -> None:
+        self.engine = self._new_engine(plan)
+        self.engine.install(model_hooks=False)
+        attention = self._attention_modules(plan) if plan is not None else []
+        if attention:
+            assert self.session is not None
+            self.offloader = AttentionOffloader(self.session, attention)
+            self.offloader.install()
+
+    # -- model hooks --------------------------------------------------------------------------------------------
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if torch.is_grad_enabled():
+            signature = input_signature(args, kwargs)
+            if signature != self._signature:
+                self._switch(signature, args, kwargs)
+        self.engine.begin_forward()
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.engine.end_forward(failed=output is None and sys.exc_info()[0] is not None)
+
+    def _switch(self, signature: tuple, args: tuple, kwargs: dict) -> None:
+        plan = self.plans.get(signature)
+        self._take_off()
+        try:
+            if plan is None:
+                plan = self._make_plan(signature, args, kwargs)
+        finally:  # a BudgetError leaves the previous plan (or none) installed, never a half-removed one
+            self._put_on(plan if plan is not None else self.plan)
+        self._signature, self.plan = signature, plan
+        self.replans += 1
+
+    def _make_plan(self, signature: tuple, args: tuple, kwargs: dict) -> Plan:
+        profile = profile_model(self.model, self.adapter, args, kwargs, min_offload_bytes=self.min_offload_bytes,
+                                copy_bytes_per_second=self._bandwidth())
+        self.profiles[signature] = profile
+        can_offload = self.session is not None
+        plan = plan_policies(profile, self.budget_bytes, allowed=lambda b: allowed_policies(
+            has_ffn=b.has_ffn, has_attention=b.has_attention, can_offload=can_offload))
+        self.plans[signature] = plan
+        if not plan.needed and not self._warned_unneeded:
+            self._warned_unneeded = True
+            warnings.warn(
+                f"gradient_checkpointing_backend='auto': the budget of {format_bytes(plan.budget_bytes)} needs no "
+                f"checkpointing at this input shape (predicted {format_bytes(plan.predicted_peak_bytes)}); nothing "
+                f"is installed. memfit re-plans if the input shape changes.",
+                MemfitWarning, stacklevel=4)
+        return plan
+
+    def _bandwidth(self) -> float | None:
+        if self.session is None:
+            return None
+        if self.copy_bytes_per_second is None:
+            device = next(self.model.parameters()).device
+            # a synchronous engine on CPU tensors (tests) gets a nominal rate: its copies are never hidden anyway
+            self.copy_bytes_per_second = _probe_bandwidth(device) if device.type == "cuda" else 10e9
+        return self.copy_bytes_per_second
+
+    # -- building one plan's engine -------------------------------------------------------------------------------
+
+    def _new_engine(self, plan: Plan | None) -> RegionEngine:
+        engine = RegionEngine(self.model)
+        engine.stats = self.stats
+        if self.session is not None:
+            engine.step_listeners.append(self.session)
+        lists = self.adapter.resolve_block_lists(self.model)
+        engine.known_blocks = {block for blocks in lists.values() for block in blocks}
+        if plan is None or not plan.needed:
+            return engine
+        session = self.session
+        offload = (lambda: OffloadStash(session)) if session is not None else None
+        keep = device_stash_after_parking(session) if session is not None else None
+        for path, blocks in lists.items():
+            for index, block in enumerate(blocks):
+                policy = plan.policy(f"{path}.{index}")
+                if policy.recompute == "block":
+                    engine.block_sites[block] = RegionSite(("block", path, index), (block,), 0, "block",
+                                                           offload if policy.offloads_inputs else keep)
+        engine.block_entry = "diffusers" if engine.block_sites and diffusers_block_entry(
+            self.model, self.adapter) else "hooks"
+
+        def locate() -> dict[nn.Module, RegionSite]:
+            sites: dict[nn.Module, RegionSite] = {}
+            for path, blocks in lists.items():
+                for index, block in enumerate(blocks):
+                    policy = plan.policy(f"{path}.{index}")
+                    spec = self.adapter.spec_for(block)
+                    if policy.recompute != "ffn" or spec is None:
+                        continue
+                    for r, region in enumerate(spec.ffn):
+                        chain = [block.get_submodule(p) for p in region]
+                        sites.update(chain_sites(("ffn", path, index, r), chain, "ffn",
+                                                 stash_factory=offload if policy.offloads_inputs else keep))
+            return sites
+
+        engine.hook_sites = locate()
+        engine.watch(locate)  # PEFT may replace FFN modules after apply
+        return engine
+
+    def _attention_modules(self, plan: Plan) -> list[nn.Module]:
+        modules: list[nn.Module] = []
+        for path, index, block in self.adapter.iter_blocks(self.model):
+            spec = self.adapter.spec_for(block)
+            if spec is not None and plan.policy(f"{path}.{index}").offloads_attention:
+                modules.extend(block.get_submodule(p) for region in spec.attention for p in region)
+        return modules
+
+    def describe(self) -> str:
+        if self.plan is None:
+            return f"auto: budget {format_bytes(self.budget_bytes)}; planned at the first forward with gradients"
+        return self.plan.describe()
+
+
+def _probe_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> float:
+    """Pinned device→host bytes per second (one 64 MiB copy after a warm-up)."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst.copy_(src, non_blocking=True)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    dst.copy_(src, non_blocking=True)
+    end.record()
+    end.synchronize()
+    return nbytes / (start.elapsed_time(end) / 1e3)

@@ -1,0 +1,233 @@
+"""The cheapest per-block plan whose predicted peak fits a memory budget.
+
+Design notes
+------------
+Peak model.  ``static + outside + workspace + Σ kept(block) + max transient(block)``: what every block
+keeps between forward and backward, plus the one block whose activations come back in backward (a
+recompute or a reload happens one region at a time). It is conservative: in backward, the blocks
+after the one being recomputed have already released theirs.
+
+Cost model.  Extra seconds per block: recomputed FLOPs at the profiled rate, plus copy time not hidden
+behind compute (a device→host copy overlaps the block's forward, the reload overlaps roughly twice that
+in backward), plus a small fixed cost per region for the host-side bookkeeping (the constants below, from
+the H200 sweeps: offload regions cost more than recompute ones at short sequences). The fixed costs are
+converted to FLOPs at a nominal rate of the device kind, so that without copies every cost is FLOPs over
+one measured rate and the plan does not depend on that measurement at all; with copies it depends on the
+measured rates only through their powers of two (:func:`memfit.auto.profile.round_to_power_of_two`).
+
+Search.  A multiple-choice knapsack, exact up to the byte granularity: for each possible largest
+transient ``T`` (few distinct values), a dynamic programme over kept bytes (in units of 1/1024 of the
+total, rounded up: never optimistic) picks one policy per block minimising extra seconds. Ties go to
+the less intrusive policy (``BlockPolicy`` order), then to the smaller peak: the same profile and
+budget always give the same plan.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from memfit.auto.policy import BlockPolicy
+from memfit.auto.profile import BlockProfile, ModelProfile
+from memfit.errors import BudgetError
+from memfit.units import format_bytes
+
+RECOMPUTE_REGION_SECONDS = 50e-6  # hooks, frame bookkeeping, replay per recomputed region
+OFFLOAD_REGION_SECONDS = 200e-6  # plus events, pool and stream bookkeeping per parked region
+NOMINAL_FLOPS_PER_SECOND = {"cuda": 4e14, "cpu": 5e10}  # converts the fixed costs above to FLOPs
+_UNITS = 1024
+
+
+@dataclass(frozen=True)
+class Choice:
+    """What one policy does to one block."""
+
+    policy: BlockPolicy
+    kept: int  # bytes held between forward and backward
+    transient: int  # bytes brought back while this block's backward runs
+    seconds: float  # extra step time
+    copied: int  # bytes sent to host memory per step
+
+
+def block_choices(block: BlockProfile, profile: ModelProfile, allowed: tuple[BlockPolicy, ...]) -> list[Choice]:
+    rate = profile.flops_per_second
+    nominal = NOMINAL_FLOPS_PER_SECOND.get(profile.device.split(":")[0], NOMINAL_FLOPS_PER_SECOND["cpu"])
+    bandwidth = profile.copy_bytes_per_second
+    forward_seconds = block.flops / rate
+    out = []
+    for policy in allowed:
+        kept, transient, copied, flops = _effect(policy, block)
+        if policy.recompute:
+            flops += RECOMPUTE_REGION_SECONDS * nominal
+        if copied:
+            flops += OFFLOAD_REGION_SECONDS * nominal
+        seconds = flops / rate
+        if copied:
+            if not bandwidth:
+                continue
+            copy = copied / bandwidth
+            seconds += max(0.0, copy - forward_seconds) + max(0.0, copy - 2 * forward_seconds)
+        out.append(Choice(policy, max(kept, 0), transient if profile.counts_transient else 0, seconds, copied))
+    return out
+
+
+def _effect(policy: BlockPolicy, b: BlockProfile) -> tuple[int, int, int, int]:
+    """(kept, transient, copied bytes, recomputed FLOPs) of ``policy`` on block ``b``."""
+    after_ffn = b.saved_bytes - b.ffn_saved_bytes
+    return {
+        BlockPolicy.KEEP: (b.saved_bytes, 0, 0, 0),
+        BlockPolicy.ATTENTION_OFFLOAD: (b.saved_bytes - b.attention_bytes, b.attention_bytes, b.attention_bytes, 0),
+        BlockPolicy.FFN: (after_ffn + b.ffn_input_bytes, b.ffn_saved_bytes, 0, b.ffn_flops),
+        BlockPolicy.FFN_ATTENTION_OFFLOAD: (after_ffn + b.ffn_input_bytes - b.attention_bytes,
+                                            b.ffn_saved_bytes + b.attention_bytes, b.attention_bytes, b.ffn_flops),
+        BlockPolicy.FFN_OFFLOAD: (after_ffn + b.ffn_input_bytes - b.ffn_input_parkable_bytes, b.ffn_saved_bytes,
+                                  b.ffn_input_parkable_bytes, b.ffn_flops),
+        BlockPolicy.BLOCK: (b.input_bytes, b.saved_bytes, 0, b.flops),
+        BlockPolicy.BLOCK_OFFLOAD: (b.input_bytes - b.input_parkable_bytes, b.saved_bytes, b.input_parkable_bytes,
+                                    b.flops),
+    }[policy]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """One policy per block, with the predictions that chose it."""
+
+    blocks: tuple[tuple[str, BlockPolicy], ...]  # (block name "path.index", policy), in call order
+    budget_bytes: int
+    predicted_peak_bytes: int
+    predicted_extra_seconds: float
+    no_checkpoint_peak_bytes: int
+    smallest_peak_bytes: int
+    copied_bytes: int
+    metric: str  # "peak allocated" (CUDA) or "held activations" (elsewhere)
+
+    @property
+    def needed(self) -> bool:
+        """False when every block keeps everything (the budget needs no checkpointing)."""
+        return any(p is not BlockPolicy.KEEP for _, p in self.blocks)
+
+    def policy(self, name: str) -> BlockPolicy:
+        return dict(self.blocks)[name]
+
+    def counts(self) -> dict[str, int]:
+        c = Counter(p.value for _, p in self.blocks)
+        return {p.value: c[p.value] for p in BlockPolicy if c[p.value]}
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "policies": {name: p.value for name, p in self.blocks},
+            "counts": self.counts(),
+            "budget_bytes": self.budget_bytes,
+            "predicted_peak_bytes": self.predicted_peak_bytes,
+            "predicted_extra_seconds": self.predicted_extra_seconds,
+            "no_checkpoint_peak_bytes": self.no_checkpoint_peak_bytes,
+            "smallest_peak_bytes": self.smallest_peak_bytes,
+            "copied_bytes_per_step": self.copied_bytes,
+            "metric": self.metric,
+        }
+
+    def describe(self) -> str:
+        """Runs of equal policies, e.g. ``transformer_blocks.0-12: ffn``."""
+        lines = [f"auto plan ({self.metric}): predicted {format_bytes(self.predicted_peak_bytes)} within "
+                 f"{format_bytes(self.budget_bytes)} (no checkpointing: {format_bytes(self.no_checkpoint_peak_bytes)}"
+                 f"), +{self.predicted_extra_seconds * 1e3:.1f} ms/step, {format_bytes(self.copied_bytes)} "
+                 f"copied/step"]
+        run: list[Any] = []
+        for name, policy in [*self.blocks, ("", None)]:
+            path, _, index = name.rpartition(".")
+            if run and (policy is not run[2] or path != run[0]):
+                span = run[1] if run[1] == run[3] else f"{run[1]}-{run[3]}"
+                lines.append(f"  {run[0]}.{span}: {run[2].value}")
+                run = []
+            if policy is not None:
+                run = [path, index, policy, index] if not run else [run[0], run[1], policy, index]
+        return "\n".join(lines)
+
+
+def plan_policies(profile: ModelProfile, budget_bytes: int, *,
+                  allowed: Callable[[BlockProfile], tuple[BlockPolicy, ...]]) -> Plan:
+    """The fastest plan (by the cost model) whose predicted peak is within ``budget_bytes``.
+
+    Raises:
+        BudgetError: no plan reaches the budget (the message and ``smallest_peak_bytes`` give the smallest).
+    """
+    options = [block_choices(b, profile, allowed(b)) for b in profile.blocks]
+    base = profile.static_bytes + profile.outside_bytes + profile.workspace_bytes
+    metric = "peak allocated" if profile.static_bytes or profile.workspace_bytes else "held activations"
+    no_checkpoint = base + sum(b.saved_bytes for b in profile.blocks)
+    levels = sorted({c.transient for opts in options for c in opts})
+    smallest = min(base + t + sum(min(c.kept for c in opts if c.transient <= t) for opts in options)
+                   for t in levels if all(any(c.transient <= t for c in opts) for opts in options))
+
+    def make(picks: list[Choice]) -> Plan:
+        return Plan(
+            blocks=tuple((b.name, c.policy) for b, c in zip(profile.blocks, picks, strict=True)),
+            budget_bytes=budget_bytes,
+            predicted_peak_bytes=base + sum(c.kept for c in picks) + max((c.transient for c in picks), default=0),
+            predicted_extra_seconds=sum(c.seconds for c in picks),
+            no_checkpoint_peak_bytes=no_checkpoint, smallest_peak_bytes=smallest,
+            copied_bytes=sum(c.copied for c in picks), metric=metric)
+
+    if no_checkpoint <= budget_bytes:
+        return make([next(c for c in opts if c.policy is BlockPolicy.KEEP) for opts in options])
+    if smallest > budget_bytes:
+        raise BudgetError(
+            f"memory budget {format_bytes(budget_bytes)} is below what any plan reaches: the smallest predicted "
+            f"{metric} is {format_bytes(smallest)} (no checkpointing: {format_bytes(no_checkpoint)}). Raise "
+            f"gradient_checkpointing_memory_budget to at least that, or shrink the step (batch, resolution).",
+            smallest_peak_bytes=smallest)
+    unit = max(1, -(-sum(b.saved_bytes for b in profile.blocks) // _UNITS))
+    best: tuple[float, int, list[Choice]] | None = None
+    for t in levels:
+        picks = _knapsack(options, t, (budget_bytes - base - t) // unit, unit)
+        if picks is None:
+            continue
+        plan = make(picks)
+        key = (round(plan.predicted_extra_seconds, 9), plan.predicted_peak_bytes)
+        if best is None or key < best[:2]:
+            best = (*key, picks)
+    if best is None:  # only the byte rounding stood in the way: take the smallest plan, which fits exactly
+        t = min(t for t in levels if all(any(c.transient <= t for c in opts) for opts in options)
+                and base + t + sum(min(c.kept for c in opts if c.transient <= t) for opts in options) == smallest)
+        return make([min((c for c in opts if c.transient <= t), key=lambda c: c.kept) for opts in options])
+    return make(best[2])
+
+
+def _knapsack(options: list[list[Choice]], transient_cap: int, capacity: int, unit: int) -> list[Choice] | None:
+    """Cheapest picks with every transient ≤ ``transient_cap`` and Σ kept ≤ ``capacity`` units (None: none)."""
+    if capacity < 0:
+        return None
+    inf = float("inf")
+    cost = torch.full((capacity + 1,), inf, dtype=torch.float64)
+    cost[0] = 0.0
+    trail: list[tuple[list[Choice], torch.Tensor]] = []
+    for opts in options:
+        usable = [c for c in opts if c.transient <= transient_cap]
+        if not usable:
+            return None
+        new = torch.full_like(cost, inf)
+        which = torch.full((capacity + 1,), -1, dtype=torch.int64)
+        for k, c in enumerate(usable):
+            w = -(-c.kept // unit)
+            if w > capacity:
+                continue
+            candidate = torch.full_like(cost, inf)
+            candidate[w:] = cost[: capacity + 1 - w] + c.seconds
+            better = candidate < new  # strict: earlier (less intrusive) policies win ties
+            new = torch.where(better, candidate, new)
+            which = torch.where(better, torch.full_like(which, k), which)
+        cost = new
+        trail.append((usable, which))
+    if not torch.isfinite(cost).any():
+        return None
+    w = int(torch.argmin(cost))  # first minimum: the smallest kept bytes among the cheapest
+    picks: list[Choice] = []
+    for usable, which in reversed(trail):
+        c = usable[int(which[w])]
+        picks.append(c)
+        w -= -(-c.kept // unit)
+    return picks[::-1]

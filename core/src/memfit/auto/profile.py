@@ -1,0 +1,326 @@
+"""One profiled forward: what each block saves for backward, its FLOPs, and the calibration.
+
+Design notes
+------------
+Bytes.  A saved-tensor hook sees every tensor autograd saves. It records the tensor's storage
+(once per storage: views and repeated saves count once) against the block, and the FFN or
+attention region, that was running, then returns a placeholder instead of the tensor: nothing is
+held, so profiling needs only the forward's working memory, never the full activations (the very
+model that does not fit must still be profiled). Storages a later block saves again (time embedding,
+rotary tables, text context) are *shared*: no single block's plan frees them. Because nothing is
+held, an address can be reused within the forward; a weak reference to each storage object (one
+Python object per storage, alive while any tensor uses it) tells a live storage from a new one.
+
+Time.  Per-block FLOPs come from ``torch.utils.flop_counter`` (deterministic, so the same model,
+shape and budget give the same plan); one plain forward without gradients, timed per block, turns
+FLOPs into seconds (a single rate, rounded to a power of two). Pinned copy bandwidth is probed once
+per controller, likewise rounded.
+
+Memory.  On CUDA: the bytes allocated before the forward (parameters, gradients, optimizer state,
+inputs) and the forward's own working memory (its peak above that, with nothing held). Off CUDA
+both are 0 and the budget counts activation bytes held for backward.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import weakref
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils.flop_counter import FlopCounterMode
+
+from memfit.adapters.spec import FamilyAdapter
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """One block at one input shape (bytes are distinct storages, parameters and shared tensors excluded)."""
+
+    path: str
+    index: int
+    saved_bytes: int  # everything the block saves for backward
+    input_bytes: int  # the block's own inputs (what a whole-block region keeps)
+    input_parkable_bytes: int  # the part of them in tensors worth a copy (what input offload moves)
+    ffn_saved_bytes: int  # saved only inside FFN regions (freed by FFN recompute)
+    ffn_input_bytes: int  # the FFN regions' inputs (what an FFN region keeps)
+    ffn_input_parkable_bytes: int
+    attention_bytes: int  # saved only inside attention regions, in tensors worth a copy
+    flops: int
+    ffn_flops: int
+    has_ffn: bool
+    has_attention: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.path}.{self.index}"
+
+
+@dataclass(frozen=True)
+class ModelProfile:
+    """Everything the planner needs about one model at one input shape."""
+
+    blocks: tuple[BlockProfile, ...]
+    device: str
+    static_bytes: int  # allocated before the forward (CUDA; 0 elsewhere)
+    outside_bytes: int  # saved outside the blocks, or shared between blocks: held under every plan
+    workspace_bytes: int  # working memory on top of what is held (CUDA; 0 elsewhere)
+    flops_per_second: float
+    copy_bytes_per_second: float | None  # None: no copy engine, offload policies are not offered
+    # CUDA: the budget is the peak, which includes the block whose activations come back in backward.
+    # Elsewhere it counts bytes held between forward and backward, where nothing comes back yet.
+    counts_transient: bool = True
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["blocks"] = [asdict(b) for b in self.blocks]
+        return out
+
+
+def round_to_power_of_two(x: float) -> float:
+    """The power of two nearest to ``x`` (on a log scale): measured rates vary run to run, plans should not."""
+    return float(2.0 ** round(math.log2(x))) if x > 0 else 0.0
+
+
+@dataclass
+class _Storage:
+    nbytes: int
+    block: int | None  # first block that saved it (None: outside every block)
+    ref: weakref.ref  # to the storage object
+    blocks: set[int | None] = field(default_factory=set)
+    scopes: set[str] = field(default_factory=set)  # "ffn", "attention", "other" within its block
+
+
+class _Recorder:
+    """Attributes saved storages to (block, region); see the module notes."""
+
+    def __init__(self, excluded: set[int], n_blocks: int) -> None:
+        self.excluded = excluded
+        self.storages: list[_Storage] = []
+        self.live: dict[tuple[str, int], int] = {}
+        self.block: int | None = None
+        self.scope: list[str] = []
+        self.block_inputs: list[list[int | tuple[int, int]]] = [[] for _ in range(n_blocks)]
+        self.ffn_inputs: list[list[int | tuple[int, int]]] = [[] for _ in range(n_blocks)]
+        # FLOPs from the counter's running total at region entry/exit (its module names are relative to
+        # whichever module was *called*; the profile calls model.forward, so names would not resolve)
+        self.counter: FlopCounterMode | None = None
+        self.block_flops = [0] * n_blocks
+        self.ffn_flops = [0] * n_blocks
+        self._mark: list[int] = []
+
+    def flops_now(self) -> int:
+        return int(self.counter.get_total_flops()) if self.counter is not None else 0
+
+    def _lookup(self, tensor: torch.Tensor, *, create: bool) -> int | None:
+        if tensor.layout != torch.strided or tensor.device.type == "meta":
+            return None
+        storage = tensor.untyped_storage()
+        ptr = storage.data_ptr()
+        if ptr == 0 or ptr in self.excluded:
+            return None
+        key = (tensor.device.type, ptr)
+        i = self.live.get(key)
+        if i is not None and self.storages[i].ref() is not None:
+            return i
+        if not create:
+            return None
+        self.storages.append(_Storage(storage.nbytes(), self.block, weakref.ref(storage)))
+        self.live[key] = len(self.storages) - 1
+        return self.live[key]
+
+    def pack(self, tensor: torch.Tensor) -> None:
+        i = self._lookup(tensor, create=True)
+        if i is not None:
+            s = self.storages[i]
+            s.blocks.add(self.block)
+            if self.block is not None and self.block == s.block:
+                s.scopes.add(self.scope[-1] if self.scope else "other")
+        return None  # nothing is held: see the module notes
+
+    def note_inputs(self, into: list[list[int | tuple[int, int]]], args: Any) -> None:
+        if self.block is None:
+            return
+        for t in _tensors(args):
+            i = self._lookup(t, create=False)
+            # an input nobody saved yet is still kept by a region: remember its size by address
+            into[self.block].append(i if i is not None else (t.untyped_storage().data_ptr(),
+                                                            t.untyped_storage().nbytes()))
+
+    # module hooks: they must return None (a forward hook's return value replaces the module's output)
+    def enter_attention(self, module: nn.Module, args: tuple) -> None:
+        self.scope.append("attention")
+
+    def leave_scope(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.scope.pop()
+
+    def enter_ffn(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        self.note_inputs(self.ffn_inputs, (args, kwargs))
+        self.scope.append("ffn")
+        self._mark.append(self.flops_now())
+
+    def leave_ffn(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.scope.pop()
+        start = self._mark.pop()
+        if self.block is not None:
+            self.ffn_flops[self.block] += self.flops_now() - start
+
+    def enter_block(self, b: int, args: tuple, kwargs: dict) -> None:
+        self.block = b
+        self.note_inputs(self.block_inputs, (args, kwargs))
+        self._mark.append(self.flops_now())
+
+    def leave_block(self, b: int) -> None:
+        self.block_flops[b] += self.flops_now() - self._mark.pop()
+        self.block = None
+
+    def shared(self, i: int) -> bool:
+        return len(self.storages[i].blocks) > 1
+
+    def input_bytes(self, b: int, entries: list[int | tuple[int, int]], *, only_scope: str | None = None,
+                    min_bytes: int = 0) -> int:
+        total, seen = 0, set()
+        for e in entries:
+            if isinstance(e, tuple):
+                if e[0] in self.excluded or ("raw", e[0]) in seen:
+                    continue
+                seen.add(("raw", e[0]))
+                total += e[1] if e[1] >= min_bytes else 0
+                continue
+            s = self.storages[e]
+            if e in seen or self.shared(e) or s.block != b:
+                continue
+            if only_scope is not None and s.scopes != {only_scope}:
+                continue  # also saved outside the region: held whatever the region does
+            seen.add(e)
+            total += s.nbytes if s.nbytes >= min_bytes else 0
+        return total
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    if isinstance(obj, torch.Tensor):
+        return [obj] if not isinstance(obj, nn.Parameter) else []
+    if isinstance(obj, (list, tuple)):
+        return [t for o in obj for t in _tensors(o)]
+    if isinstance(obj, dict):
+        return [t for o in obj.values() for t in _tensors(o)]
+    return []
+
+
+def _regions(block: nn.Module, adapter: FamilyAdapter) -> tuple[list[list[nn.Module]], list[nn.Module]]:
+    spec = adapter.spec_for(block)
+    if spec is None:
+        return [], []
+    ffn = [[block.get_submodule(p) for p in region] for region in spec.ffn]
+    attention = [block.get_submodule(p) for region in spec.attention for p in region]
+    return ffn, attention
+
+
+def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs: dict, *, min_offload_bytes: int,
+                  copy_bytes_per_second: float | None) -> ModelProfile:
+    """Profile ``model(*args, **kwargs)`` (called as ``model.forward``: model hooks do not fire).
+
+    Runs two forwards: one with gradients (bytes and FLOPs, nothing held), one without (time).
+    """
+    blocks = list(adapter.iter_blocks(model))
+    device = next(model.parameters()).device
+    cuda = device.type == "cuda"
+    excluded = {p.untyped_storage().data_ptr() for p in (*model.parameters(), *model.buffers())}
+    rec = _Recorder(excluded, len(blocks))
+    regions = [_regions(block, adapter) for _, _, block in blocks]
+    handles = _profile_hooks(rec, blocks, regions)
+    static = torch.cuda.memory_allocated(device) if cuda else 0
+    if cuda:
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    try:
+        with torch.enable_grad(), FlopCounterMode(display=False) as rec.counter, \
+                torch.autograd.graph.saved_tensors_hooks(rec.pack, _never_unpacked):
+            out = model.forward(*args, **kwargs)
+        del out
+    finally:
+        rec.counter = None
+        for h in handles:
+            h.remove()
+    workspace = torch.cuda.max_memory_allocated(device) - static if cuda else 0
+
+    profiles = []
+    for b, ((path, index, _block), (ffn, attention)) in enumerate(zip(blocks, regions, strict=True)):
+        own = [s for i, s in enumerate(rec.storages) if s.block == b and not rec.shared(i)]
+        profiles.append(BlockProfile(
+            path=path, index=index,
+            saved_bytes=sum(s.nbytes for s in own),
+            input_bytes=rec.input_bytes(b, rec.block_inputs[b]),
+            input_parkable_bytes=rec.input_bytes(b, rec.block_inputs[b], min_bytes=min_offload_bytes),
+            ffn_saved_bytes=sum(s.nbytes for s in own if s.scopes == {"ffn"}),
+            ffn_input_bytes=rec.input_bytes(b, rec.ffn_inputs[b], only_scope="ffn"),
+            ffn_input_parkable_bytes=rec.input_bytes(b, rec.ffn_inputs[b], only_scope="ffn",
+                                                     min_bytes=min_offload_bytes),
+            attention_bytes=sum(s.nbytes for s in own if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes),
+            flops=rec.block_flops[b],
+            ffn_flops=rec.ffn_flops[b],
+            has_ffn=bool(ffn), has_attention=bool(attention),
+        ))
+    outside = sum(s.nbytes for i, s in enumerate(rec.storages) if s.block is None or rec.shared(i))
+    seconds = _time_blocks(model, blocks, args, kwargs, cuda=cuda, device=device)
+    total_flops = sum(p.flops for p in profiles)
+    rate = round_to_power_of_two(total_flops / seconds) if seconds > 0 and total_flops > 0 else 1.0
+    max_input = max((p.input_bytes for p in profiles), default=0)
+    return ModelProfile(
+        blocks=tuple(profiles), device=str(device), static_bytes=static, outside_bytes=outside,
+        # the backward's working memory: the forward's, plus gradient buffers of about two block inputs
+        workspace_bytes=workspace + 2 * max_input if cuda else 0,
+        flops_per_second=rate,
+        copy_bytes_per_second=round_to_power_of_two(copy_bytes_per_second) if copy_bytes_per_second else None,
+        counts_transient=cuda,
+    )
+
+
+def _never_unpacked(_: Any) -> torch.Tensor:
+    raise RuntimeError("memfit's profiling forward holds no activations; its graph must not be backpropagated")
+
+
+def _profile_hooks(rec: _Recorder, blocks: list, regions: list) -> list[Any]:
+    handles = []
+    for b, ((_, _, block), (ffn, attention)) in enumerate(zip(blocks, regions, strict=True)):
+        handles.append(block.register_forward_pre_hook(
+            lambda m, a, k, b=b: rec.enter_block(b, a, k), with_kwargs=True))
+        handles.append(block.register_forward_hook(lambda m, a, o, b=b: rec.leave_block(b), always_call=True))
+        for chain in ffn:
+            handles.append(chain[0].register_forward_pre_hook(rec.enter_ffn, with_kwargs=True))
+            handles.append(chain[-1].register_forward_hook(rec.leave_ffn, always_call=True))
+        for module in attention:
+            handles.append(module.register_forward_pre_hook(rec.enter_attention))
+            handles.append(module.register_forward_hook(rec.leave_scope, always_call=True))
+    return handles
+
+
+def _time_blocks(model: nn.Module, blocks: list, args: tuple, kwargs: dict, *, cuda: bool,
+                 device: torch.device) -> float:
+    """Seconds the blocks take in one forward without gradients (the FLOP rate's denominator)."""
+    marks: list[tuple[Any, Any]] = []
+
+    def now() -> Any:
+        if cuda:
+            event = torch.cuda.Event(enable_timing=True)
+            event.record()
+            return event
+        return time.perf_counter()
+
+    handles = []
+    for _, _, block in blocks:
+        handles.append(block.register_forward_pre_hook(lambda *a: marks.append((now(), None))))
+        handles.append(block.register_forward_hook(lambda *a: marks.__setitem__(-1, (marks[-1][0], now()))))
+    try:
+        with torch.no_grad():
+            model.forward(*args, **kwargs)
+    finally:
+        for h in handles:
+            h.remove()
+    if cuda:
+        torch.cuda.synchronize(device)
+        return sum(start.elapsed_time(end) for start, end in marks if end is not None) / 1e3
+    return sum(end - start for start, end in marks if end is not None)

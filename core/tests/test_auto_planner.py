@@ -1,0 +1,103 @@
+"""The planner alone, on made-up profiles: optimal under its model, within budget, deterministic, clear errors."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from memfit.auto import BlockPolicy, BlockProfile, ModelProfile, plan_policies
+from memfit.auto.planner import block_choices
+from memfit.auto.policy import allowed_policies
+from memfit.errors import BudgetError
+
+MiB = 1 << 20
+
+
+def block(i: int, saved: int, ffn: int, attention: int, flops: int = 10**12) -> BlockProfile:
+    return BlockProfile(path="blocks", index=i, saved_bytes=saved * MiB, input_bytes=8 * MiB,
+                        input_parkable_bytes=8 * MiB, ffn_saved_bytes=ffn * MiB, ffn_input_bytes=8 * MiB,
+                        ffn_input_parkable_bytes=8 * MiB, attention_bytes=attention * MiB, flops=flops,
+                        ffn_flops=flops // 2, has_ffn=True, has_attention=True)
+
+
+def profile(blocks, *, cuda=True, bandwidth=50e9) -> ModelProfile:
+    return ModelProfile(blocks=tuple(blocks), device="cuda:0" if cuda else "cpu", static_bytes=1000 * MiB if cuda else 0,
+                        outside_bytes=16 * MiB, workspace_bytes=64 * MiB if cuda else 0, flops_per_second=1e14,
+                        copy_bytes_per_second=bandwidth, counts_transient=cuda)
+
+
+def everything(b: BlockProfile) -> tuple[BlockPolicy, ...]:
+    return allowed_policies(has_ffn=True, has_attention=True, can_offload=True)
+
+
+def brute_force(prof: ModelProfile, budget: int) -> float | None:
+    """The cheapest predicted extra seconds over every assignment (exponential: tiny profiles only)."""
+    options = [block_choices(b, prof, everything(b)) for b in prof.blocks]
+    base = prof.static_bytes + prof.outside_bytes + prof.workspace_bytes
+    best = None
+    for picks in itertools.product(*options):
+        peak = base + sum(c.kept for c in picks) + max(c.transient for c in picks)
+        if peak <= budget:
+            cost = sum(c.seconds for c in picks)
+            best = cost if best is None else min(best, cost)
+    return best
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.tuples(st.integers(40, 400), st.integers(0, 30), st.integers(0, 30)), min_size=1,
+                      max_size=3), fraction=st.floats(0.05, 1.2))
+def test_plan_is_optimal_under_the_model_and_fits(sizes, fraction):
+    blocks = [block(i, saved, min(ffn * saved // 100, saved // 2), min(att * saved // 100, saved // 3))
+              for i, (saved, ffn, att) in enumerate(sizes)]
+    prof = profile(blocks)
+    no_checkpoint = prof.static_bytes + prof.outside_bytes + prof.workspace_bytes + sum(b.saved_bytes for b in blocks)
+    budget = int(no_checkpoint * fraction)
+    best = brute_force(prof, budget)
+    if best is None:
+        with pytest.raises(BudgetError) as info:
+            plan_policies(prof, budget, allowed=everything)
+        assert info.value.smallest_peak_bytes > budget
+        return
+    plan = plan_policies(prof, budget, allowed=everything)
+    assert plan.predicted_peak_bytes <= budget
+    # the byte granularity (1/1024 of the total, rounded up) may cost a sliver of optimality, never the budget
+    assert plan.predicted_extra_seconds <= best * 1.05 + 1e-6
+
+
+def test_no_checkpointing_needed_keeps_every_block():
+    prof = profile([block(i, 100, 40, 30) for i in range(4)])
+    plan = plan_policies(prof, 10 * 1024 * MiB, allowed=everything)
+    assert not plan.needed and plan.counts() == {"keep": 4}
+
+
+def test_ties_go_to_the_less_intrusive_policy_and_runs_are_described():
+    prof = profile([block(i, 100, 40, 30) for i in range(6)])
+    first = plan_policies(prof, 1400 * MiB, allowed=everything)
+    assert first == plan_policies(prof, 1400 * MiB, allowed=everything)
+    assert first.needed and "blocks." in first.describe()
+
+
+def test_slow_copies_are_avoided():
+    fast = plan_policies(profile([block(i, 100, 40, 30) for i in range(6)], bandwidth=1e12), 1450 * MiB,
+                         allowed=everything)
+    slow = plan_policies(profile([block(i, 100, 40, 30) for i in range(6)], bandwidth=1e6), 1450 * MiB,
+                         allowed=everything)
+    assert fast.copied_bytes > 0
+    assert slow.copied_bytes < fast.copied_bytes
+
+
+def test_unreachable_budget_names_the_smallest_peak():
+    prof = profile([block(i, 100, 40, 30) for i in range(3)])
+    with pytest.raises(BudgetError, match="smallest predicted peak allocated") as info:
+        plan_policies(prof, 500 * MiB, allowed=everything)
+    plan = plan_policies(prof, info.value.smallest_peak_bytes, allowed=everything)
+    assert plan.predicted_peak_bytes == info.value.smallest_peak_bytes
+
+
+def test_policies_that_need_a_boundary_are_not_offered():
+    assert BlockPolicy.FFN not in allowed_policies(has_ffn=False, has_attention=True, can_offload=True)
+    assert BlockPolicy.ATTENTION_OFFLOAD not in allowed_policies(has_ffn=True, has_attention=False, can_offload=True)
+    assert not any(p.copies for p in allowed_policies(has_ffn=True, has_attention=True, can_offload=False))
