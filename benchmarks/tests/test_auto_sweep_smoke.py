@@ -30,14 +30,15 @@ def _check_output(path, tmp_path, budgets=2):
     none = next(r for r in data["fixed_rows"] if r["mode"] == "none")
     assert data["high_bytes"] == none["held_bytes"] and data["low_bytes"] < data["high_bytes"]
     assert len(data["budgets"]) == budgets and data["budgets"][0] == data["low_bytes"]
-    assert [r["budget_bytes"] for r in data["auto_rows"]] == data["budgets"]
+    assert [r["budget_bytes"] for r in data["auto_rows"] if not r.get("planner_floor")] == data["budgets"]
+    assert [r["budget_bytes"] for r in data["auto_rows"]] == sorted(r["budget_bytes"] for r in data["auto_rows"])
     for r in data["auto_rows"]:
         assert r["best_fixed"] is not None and r["best_fixed"]["memory_bytes"] <= r["budget_bytes"]
         if not r.get("unreachable"):
             assert r["step_s"] > 0 and isinstance(r["within_budget"], bool) and r["plan_counts"]
-    assert data["complete"] and len(data["checks"]) == 3
+    assert data["complete"] and len(data["checks"]) == 4
     md = (tmp_path / f"{path.stem}.md").read_text()
-    assert "| budget MiB |" in md and md.count("PASS") + md.count("FAIL") >= 3
+    assert "| budget MiB |" in md and md.count("PASS") + md.count("FAIL") == 4
     assert (tmp_path / f"{path.stem}.png").stat().st_size > 1000
     return data
 
@@ -102,13 +103,14 @@ def test_auto_sweep_with_a_stand_in_planner(tmp_path, monkeypatch):
     monkeypatch.setattr(memfit.errors, "BudgetError", _StandInBudgetError, raising=False)
     written = auto_sweep.main([*ARGS, "--budgets", "3", "--out", str(tmp_path)])
     data = _check_output(written[0], tmp_path, budgets=3)
-    low, *rest = data["auto_rows"]
+    low, floor, *rest = data["auto_rows"]
     assert low["unreachable"] and low["smallest_peak_bytes"] == refused[0] + 1
-    assert all("speedup" in r and r["plan_counts"] == {"block": 1} for r in rest)
+    assert floor["planner_floor"] and floor["budget_bytes"] == refused[0] + 1  # one more row at the planner's floor
+    assert all("speedup" in r and r["plan_counts"] == {"block": 1} for r in [floor, *rest])
     torch_held = next(r["held_bytes"] for r in data["fixed_rows"] if r["mode"] == "torch")
-    assert all(r["memory_bytes"] == torch_held for r in rest)
-    never_slower = data["checks"][0]
-    assert not never_slower["ok"] and "unreachable at" in never_slower["detail"]
+    assert all(r["memory_bytes"] == torch_held for r in [floor, *rest])
+    reaches = data["checks"][3]
+    assert not reaches["ok"] and "unreachable at" in reaches["detail"]
 
 
 def test_budgets_and_fastest_fitting_fixed_mode():
@@ -131,7 +133,7 @@ def test_checks_tolerance_and_peaks():
                 "within_budget": peak <= budget, "best_fixed": {"mode": "torch", "step_s": fixed_s}}
 
     ok = auto_checks([row(100, 1.015, 1.0, 90), row(150, 1.0, 1.2, 140)])
-    assert [c[1] for c in ok] == [True, True, True]
+    assert [c[1] for c in ok] == [True, True, True, True]
     bad = auto_checks([row(100, 1.03, 1.0, 101), row(150, 1.0, 1.05, 140)])
-    assert [c[1] for c in bad] == [False, False, False]
+    assert [c[1] for c in bad] == [False, False, False, True]
     assert "0.000 MiB over at" in bad[2][2]

@@ -10,7 +10,8 @@ device's memory when ``none`` runs out of memory); (3) at each budget, ``measure
 ``gradient_checkpointing_backend: auto`` at that budget (its first warm-up step makes the plan, with one
 profiling forward), recording step time, peak, whether the peak is within the budget, the plan, and the
 fastest fixed mode whose peak fits the same budget. A budget the planner cannot reach is an ``unreachable``
-row (``memfit.errors.BudgetError``). On CUDA "peak" is ``torch.cuda.max_memory_allocated`` over the timed
+row (``memfit.errors.BudgetError``), and one more row then runs at the smallest peak the planner reported (its
+own floor, when below the high end). On CUDA "peak" is ``torch.cuda.max_memory_allocated`` over the timed
 steps; off CUDA there is no peak to read, so every memory figure (fixed modes, budgets, auto) is the
 activation bytes autograd holds (``memfit.measure.measure_step``) and timings only show that the script runs.
 
@@ -183,6 +184,14 @@ def budget_range(fixed_rows: list[dict[str, Any]], device: torch.device) -> dict
             "high_source": "device memory (none ran out of memory)"}
 
 
+def planner_floor(rows: list[dict[str, Any]], high: int) -> int | None:
+    """The smallest peak the planner reported when it refused a budget, if below ``high`` and not yet measured."""
+    floors = {r["smallest_peak_bytes"] for r in rows if r.get("unreachable") and r.get("smallest_peak_bytes")}
+    floor = max(floors, default=None)
+    measured = {r["budget_bytes"] for r in rows}
+    return floor if floor is not None and floor < high and floor not in measured else None
+
+
 def run_target(name: str, args: argparse.Namespace, device: torch.device, env: dict[str, Any],
                save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
     """Fixed modes, then ``auto`` at each budget; ``save`` is called with the payload after the fixed modes and
@@ -214,6 +223,10 @@ def run_target(name: str, args: argparse.Namespace, device: torch.device, env: d
             for budget in _progress(payload["budgets"], desc=f"{name} auto", unit="budget"):
                 payload["auto_rows"].append(measure.auto(budget, payload["fixed_rows"]))
                 save(payload)
+            floor = planner_floor(payload["auto_rows"], payload["high_bytes"])
+            if floor is not None:  # auto at its own smallest reachable peak, between the refused budgets and the rest
+                payload["auto_rows"].append({**measure.auto(floor, payload["fixed_rows"]), "planner_floor": True})
+                payload["auto_rows"].sort(key=lambda r: r["budget_bytes"])
         payload["complete"] = True
         payload["checks"] = [{"label": label, "ok": ok, "detail": detail}
                              for label, ok, detail in auto_checks(payload["auto_rows"])]

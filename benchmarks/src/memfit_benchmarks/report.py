@@ -172,33 +172,37 @@ def auto_unit(payload: dict[str, Any]) -> tuple[float, str]:
     return (GIB, "GiB") if payload.get("memory_metric") == "peak_allocated" else (2**20, "MiB")
 
 
+def _at(row: dict[str, Any]) -> str:
+    return fmt_bytes(row["budget_bytes"])
+
+
 def auto_checks(rows: list[dict[str, Any]], noise: float = AUTO_NOISE) -> list[tuple[str, bool, str]]:
-    """Issue 6's three criteria over the ``auto`` rows of one target: (label, passed, detail)."""
-    compared = [r for r in rows if r.get("best_fixed") is not None]
-    failed = [r for r in compared if r.get("unreachable") or r.get("oom")]
+    """Issue 6's three criteria over the ``auto`` rows of one target, then whether auto reaches every budget a
+    fixed mode fits (the budgets start at the smallest fixed-mode peak): (label, passed, detail) each."""
+    ran = [r for r in rows if not r.get("unreachable")]
+    compared = [r for r in ran if r.get("best_fixed") is not None]
     timed = [r for r in compared if "speedup" in r]
     worst = min(timed, key=lambda r: r["speedup"], default=None)
     best = max(timed, key=lambda r: r["speedup"], default=None)
+    oom = [r for r in compared if r.get("oom")]
     slow = [r for r in timed if r["speedup"] < 1 / (1 + noise)]
-
-    def at(r: dict[str, Any]) -> str:
-        return fmt_bytes(r["budget_bytes"])
-
-    detail = "no budget with a fitting fixed mode" if not compared else (
-        (f"worst fixed/auto {worst['speedup']:.3f}× at {at(worst)}" if worst else "no auto row timed")
-        + "".join(f"; {'unreachable' if r.get('unreachable') else 'OOM'} at {at(r)} where "
-                  f"{r['best_fixed']['mode']} fits" for r in failed))
-    checks = [(f"auto never slower than the fastest fixed mode that fits (tolerance {noise:.0%}: auto step ≤ "
-               f"{1 + noise:.2f} × fixed step)", bool(compared) and not failed and not slow, detail)]
-    checks.append((f"auto ≥ {AUTO_FASTER - 1:.0%} faster at some budget (fixed step / auto step ≥ {AUTO_FASTER:.2f})",
-                   best is not None and best["speedup"] >= AUTO_FASTER,
-                   f"best {best['speedup']:.3f}× at {at(best)} vs {best['best_fixed']['mode']}" if best else "-"))
-    ran = [r for r in rows if not r.get("unreachable")]
+    never_slower = (f"worst fixed/auto {worst['speedup']:.3f}× at {_at(worst)} vs {worst['best_fixed']['mode']}"
+                    if worst else "no auto row timed") + "".join(f"; OOM at {_at(r)}" for r in oom)
     over = [r for r in ran if not r.get("within_budget")]
-    checks.append(("auto's peak within its budget at every budget it ran (timed steps)", bool(ran) and not over,
-                   f"{len(ran) - len(over)}/{len(ran)} within" + "".join(
-                       f"; {'OOM' if r.get('oom') else _over(r)} at {at(r)}" for r in over)))
-    return checks
+    unreachable = [r for r in rows if r.get("unreachable") and r.get("best_fixed") is not None]
+    return [
+        (f"auto never slower than the fastest fixed mode that fits (tolerance {noise:.0%}: auto step ≤ "
+         f"{1 + noise:.2f} × fixed step)", bool(timed) and not oom and not slow, never_slower),
+        (f"auto ≥ {AUTO_FASTER - 1:.0%} faster at some budget (fixed step / auto step ≥ {AUTO_FASTER:.2f})",
+         best is not None and best["speedup"] >= AUTO_FASTER,
+         f"best {best['speedup']:.3f}× at {_at(best)} vs {best['best_fixed']['mode']}" if best else "-"),
+        ("auto's peak within its budget at every budget it ran (timed steps)", bool(ran) and not over,
+         f"{len(ran) - len(over)}/{len(ran)} within"
+         + "".join(f"; {'OOM' if r.get('oom') else _over(r)} at {_at(r)}" for r in over)),
+        ("auto reaches every budget where a fixed mode fits", not unreachable,
+         "; ".join(f"unreachable at {_at(r)} (planner's smallest {fmt_bytes(r.get('smallest_peak_bytes'))}) where "
+                   f"{r['best_fixed']['mode']} fits" for r in unreachable) or "all reached"),
+    ]
 
 
 def _over(row: dict[str, Any]) -> str:
@@ -219,7 +223,8 @@ def auto_table(payload: dict[str, Any]) -> list[str]:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in payload.get("auto_rows", []):
         fixed = r.get("best_fixed") or {}
-        head = f"| {b(r['budget_bytes'])} | {fixed.get('mode', '-')} | {_fmt(fixed, 'step_s', digits=4)} "
+        floor = " (planner's smallest)" if r.get("planner_floor") else ""
+        head = f"| {b(r['budget_bytes'])}{floor} | {fixed.get('mode', '-')} | {_fmt(fixed, 'step_s', digits=4)} "
         if r.get("unreachable"):
             lines.append(head + f"| unreachable (smallest {b(r.get('smallest_peak_bytes'))}) | | | | | | |")
             continue
@@ -251,13 +256,14 @@ def render_auto_markdown(payload: dict[str, Any]) -> str:
         lines += [f"{len(payload['budgets'])} budgets evenly spaced from {payload['low_bytes'] / scale:.3f} {unit} "
                   f"(smallest fixed-mode figure, `{payload['low_mode']}`, included) to "
                   f"{payload['high_bytes'] / scale:.3f} {unit} ({payload['high_source']}, excluded). `speedup` = "
-                  "fixed step / auto step; the warm-up peak includes the planning (profiling) forward.", ""]
+                  "fixed step / auto step; the warm-up peak includes the planning (profiling) forward. When the "
+                  "planner refuses a budget, one more row runs at the smallest peak it reported (if below the high "
+                  "end).", ""]
     if payload.get("auto_rows"):
         lines += ["## auto at each budget", "", *auto_table(payload), ""]
-        lines += ["Checks (issue 6):", "", *(f"- {'PASS' if ok else 'FAIL'} {label}: {detail}"
-                                           for label, ok, detail in auto_checks(payload["auto_rows"],
-                                                                                payload.get("noise_tolerance",
-                                                                                            AUTO_NOISE))), ""]
+        checks = auto_checks(payload["auto_rows"], payload.get("noise_tolerance", AUTO_NOISE))
+        lines += ["Checks (issue 6's three, then reachability):", "",
+                  *(f"- {'PASS' if ok else 'FAIL'} {label}: {detail}" for label, ok, detail in checks), ""]
     if payload.get("fixed_rows"):
         lines += ["## Fixed modes (same process, same model)", "", *row_table(payload["fixed_rows"]), ""]
     held = [r for r in payload.get("fixed_rows", []) if r.get("held_bytes") is not None]
