@@ -90,6 +90,24 @@ def add_lora(model: nn.Module, adapter: FamilyAdapter, rank: int,
     return model, targets
 
 
+def build_lora_model(adapter: FamilyAdapter, preset_name: str, *, dtype: torch.dtype, device: torch.device,
+                     rank: int, tokens: int) -> tuple[nn.Module, dict[str, Any], dict[str, Any]]:
+    """The preset's model (random weights) with LoRA, its inputs on ``device`` (seed 0), and what to record:
+    ``lora_targets_count``, ``trainable_params``, ``total_params``, ``input_shapes``."""
+    preset = adapter.presets[preset_name]
+    model = preset.build(dtype=dtype, device=device)
+    model, targets = add_lora(model, adapter, rank, dtype)
+    batch = preset.inputs(model, tokens=tokens, batch=1, generator=torch.Generator().manual_seed(0))
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    info = {
+        "lora_targets_count": len(targets),
+        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+        "total_params": sum(p.numel() for p in model.parameters()),
+        "input_shapes": {k: list(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)},
+    }
+    return model, batch, info
+
+
 def _environment(device: torch.device) -> dict[str, Any]:
     try:
         import diffusers
@@ -135,14 +153,9 @@ def run_family(name: str, args: argparse.Namespace, device: torch.device, env: d
     }
     model = batch = None
     try:
-        model = preset.build(dtype=dtype, device=device)
-        model, targets = add_lora(model, adapter, args.rank, dtype)
-        payload["lora_targets_count"] = len(targets)
-        payload["trainable_params"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
-        payload["total_params"] = sum(p.numel() for p in model.parameters())
-        batch = preset.inputs(model, tokens=tokens, batch=1, generator=torch.Generator().manual_seed(0))
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-        payload["input_shapes"] = {k: list(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+        model, batch, info = build_lora_model(adapter, args.preset, dtype=dtype, device=device, rank=args.rank,
+                                              tokens=tokens)
+        payload.update(info)
         modes = [m for m in MODES if args.modes is None or m.name in args.modes]
         for mode in _progress(modes, desc=name, unit="mode"):
             reason = skip_reason(mode, adapter, device)

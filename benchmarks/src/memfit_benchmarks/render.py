@@ -1,9 +1,11 @@
 """``python -m memfit_benchmarks.render results/*.json``: markdown tables and PNG plots from results JSON.
 
 For each JSON file, ``<stem>.md`` is written next to it (or under ``--out``): the synthetic kind through
-``report.render_markdown``, a family through ``report.render_family_markdown``; rows whose peak is at or
-above the ``none`` row's are listed as ``BUG`` lines. One PNG per shape (synthetic) or per family:
-peak allocated GiB against step time, one labelled point per mode, OOM modes named in the title.
+``report.render_markdown``, a family through ``report.render_family_markdown``, an ``auto`` sweep target
+through ``report.render_auto_markdown``; rows whose peak is at or above the ``none`` row's are listed as ``BUG``
+lines. One PNG per shape (synthetic) or per family: peak allocated GiB against step time, one labelled point
+per mode, OOM modes named in the title; per ``auto`` target: step time against budget for ``auto`` and for the
+fastest fixed mode that fits, the fixed modes as labelled points at their peak.
 """
 
 from __future__ import annotations
@@ -14,7 +16,13 @@ import re
 from pathlib import Path
 from typing import Any
 
-from memfit_benchmarks.report import GIB, render_family_markdown, render_markdown
+from memfit_benchmarks.report import (
+    GIB,
+    auto_unit,
+    render_auto_markdown,
+    render_family_markdown,
+    render_markdown,
+)
 
 
 def _slug(text: str) -> str:
@@ -23,10 +31,7 @@ def _slug(text: str) -> str:
 
 def plot_rows(rows: list[dict[str, Any]], title: str, path: Path) -> Path:
     """Peak allocated memory vs step time, one labelled point per mode; OOM modes in the title."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = _pyplot()
 
     ooms = [r["mode"] for r in rows if r.get("oom")]
     measured = [r for r in rows if not r.get("oom") and "step_s" in r]
@@ -58,11 +63,74 @@ def plot_rows(rows: list[dict[str, Any]], title: str, path: Path) -> Path:
     return path
 
 
+def _pyplot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def plot_auto(payload: dict[str, Any], path: Path) -> Path:
+    """Step time against memory budget: ``auto`` at each budget, the fastest fixed mode that fits it, and every
+    fixed mode as a labelled point at its own peak (held bytes off CUDA)."""
+    plt = _pyplot()
+    scale, unit = auto_unit(payload)
+    rows = payload.get("auto_rows", [])
+    fig, ax = plt.subplots(figsize=(8, 5.5))
+    try:
+        for r in payload.get("fixed_rows", []):
+            memory = r.get("peak_allocated") if r.get("peak_allocated") is not None else r.get("held_bytes")
+            if r.get("oom") or memory is None:
+                continue
+            x, y = memory / scale, r["step_s"] * 1e3
+            ax.scatter([x], [y], s=22, color="tab:red" if r["mode"] == "none" else "tab:gray", zorder=2)
+            ax.annotate(r["mode"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color="dimgray")
+        fixed = [r for r in rows if r.get("best_fixed")]
+        ax.step([r["budget_bytes"] / scale for r in fixed], [r["best_fixed"]["step_s"] * 1e3 for r in fixed],
+                where="post", color="tab:blue", marker="s", label="fastest fixed mode that fits", zorder=3)
+        timed = [r for r in rows if "step_s" in r and not r.get("unreachable")]
+        ax.plot([r["budget_bytes"] / scale for r in timed], [r["step_s"] * 1e3 for r in timed], color="tab:green",
+                marker="o", label="auto at the budget", zorder=4)
+        measured = [r for r in timed if r.get("memory_bytes") is not None]
+        ax.scatter([r["memory_bytes"] / scale for r in measured], [r["step_s"] * 1e3 for r in measured], s=30,
+                   facecolors="none", edgecolors="tab:green", label="auto at its measured peak", zorder=4)
+        for r in timed:
+            if "speedup" in r:
+                ax.annotate(f"{r['speedup']:.2f}×", (r["budget_bytes"] / scale, r["step_s"] * 1e3),
+                            textcoords="offset points", xytext=(0, -12), fontsize=7, ha="center", color="tab:green")
+        for r in rows:
+            if r.get("unreachable") or r.get("oom"):
+                ax.axvline(r["budget_bytes"] / scale, color="tab:orange", linestyle=":", linewidth=0.8)
+        if payload.get("high_bytes"):
+            ax.axvline(payload["high_bytes"] / scale, color="tab:red", linestyle=":", linewidth=0.8)
+        bad = [r for r in rows if r.get("unreachable") or r.get("oom")]
+        ax.set_xlabel(f"memory budget / peak ({unit}{'' if unit == 'GiB' else ', held activation bytes'})")
+        ax.set_ylabel("step time (ms, median of timed steps)")
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=8)
+        title = f"auto vs fixed modes: {payload['target']} ({payload['preset']}) — {payload['device']}"
+        if bad:
+            title += "\nno auto step at: " + ", ".join(
+                f"{r['budget_bytes'] / scale:.2f} ({'unreachable' if r.get('unreachable') else 'OOM'})" for r in bad)
+        ax.set_title(title, fontsize=10)
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+    return path
+
+
 def render_payload(payload: dict[str, Any], stem: str, out: Path) -> tuple[Path, list[Path]]:
     """Write ``<stem>.md`` and the PNGs of one payload under ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
     pngs = []
-    if payload.get("suite") == "families":
+    if payload.get("suite") == "auto":
+        text = render_auto_markdown(payload)
+        if payload.get("auto_rows"):
+            pngs.append(plot_auto(payload, out / f"{stem}.png"))
+    elif payload.get("suite") == "families":
         text = render_family_markdown(payload)
         if payload.get("rows"):
             title = (f"{payload['family']} ({payload['preset']}, {payload['tokens']} tokens) — "

@@ -111,16 +111,22 @@ def _free(cuda: bool) -> None:
 
 def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], mode: Mode, *,
                  adapter: FamilyAdapter | None, warmup: int = 2, steps: int = 5,
-                 optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None) -> dict[str, Any]:
+                 optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None,
+                 inspect: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
     """One row: median step time, peaks, offload telemetry. OOM is recorded, not raised.
 
     On CUDA the step is timed with CUDA events and peaks come from the caching allocator; on any other
     device the step is timed with ``time.perf_counter`` and the peaks are ``None`` (CPU smoke runs).
     ``optimizer_factory``: when given, a fresh optimizer is made for this row and its ``step()`` runs
     inside every (timed) step, after backward; it and its state are freed when the row ends.
+    ``inspect``: called with the handle after the timed steps (before ``remove``); the dict it returns is merged
+    into the row (e.g. the plan an ``auto`` handle made). ``peak_allocated_warmup`` is the peak of the warm-up
+    steps (with ``auto``, the first one includes the planning forward).
     """
     cuda = _device_of(model, inputs).type == "cuda"
     _free(cuda)
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
     handle = None
     optimizer = None
     oom = False
@@ -139,8 +145,10 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
 
         for _ in range(warmup):
             step()
+        warmup_peak = None
         if cuda:
             torch.cuda.synchronize()
+            warmup_peak = torch.cuda.max_memory_allocated()
             torch.cuda.reset_peak_memory_stats()
         if handle is not None:
             handle.reset_stats()
@@ -163,6 +171,7 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
             "step_s": statistics.median(times),
             "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None,
             "peak_reserved": torch.cuda.max_memory_reserved() if cuda else None,
+            "peak_allocated_warmup": warmup_peak,
             "timing": "cuda-events" if cuda else "perf_counter",
             "oom": False,
         }
@@ -179,6 +188,8 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
                     pool_hits=s["pool_hits"],
                     dedup_hits_per_step=s["dedup_hits"] / steps,
                 )
+            if inspect is not None:
+                row.update(inspect(handle))
         return row
     except torch.OutOfMemoryError:
         oom = True  # the traceback (and the activations its frames hold) is released when this clause ends

@@ -1,0 +1,299 @@
+"""The ``auto`` planner against the fixed modes, at memory budgets between the smallest and the no-checkpoint peak.
+
+    python -m memfit_benchmarks.auto_sweep --out DIR                                   # GPU: the default targets
+    python -m memfit_benchmarks.auto_sweep --out DIR --device cpu --preset tiny --targets flux   # CPU smoke
+
+Per target, in one process on one model: (1) every fixed mode of ``runner.MODES`` the target supports
+(``families.skip_reason``: no offload off CUDA, ...), each with ``runner.measure_mode``; (2) ``--budgets``
+budgets evenly spaced from the smallest fixed-mode peak (included) up to the ``none`` peak (excluded; the
+device's memory when ``none`` runs out of memory); (3) at each budget, ``measure_mode`` with
+``gradient_checkpointing_backend: auto`` at that budget (its first warm-up step makes the plan, with one
+profiling forward), recording step time, peak, whether the peak is within the budget, the plan, and the
+fastest fixed mode whose peak fits the same budget. A budget the planner cannot reach is an ``unreachable``
+row (``memfit.errors.BudgetError``), and one more row then runs at the smallest peak the planner reported (its
+own floor, when below the high end). On CUDA "peak" is ``torch.cuda.max_memory_allocated`` over the timed
+steps; off CUDA there is no peak to read, so every memory figure (fixed modes, budgets, auto) is the
+activation bytes autograd holds (``memfit.measure.measure_step``) and timings only show that the script runs.
+
+Targets (default order: the most important first, so a run cut by a deadline keeps them):
+``synthetic-4096`` (3072 wide × 15 blocks, 4096 tokens, PEFT LoRA r16, flash SDPA), ``flux`` and ``wan``
+(the family preset with PEFT LoRA r16 on every block linear, the preset's default tokens),
+``synthetic-16384``. Any installed family name is a target. ``--preset tiny``: each family's tiny preset,
+the synthetic stack's CPU smoke shape. Writes ``auto-<target>-<preset>-<date>.json`` (rewritten after every
+row; ``complete`` turns true at the end), then its markdown (table + the issue-6 checks) and PNG as soon as the
+target is done.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import traceback
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import memfit
+from memfit.adapters.spec import FamilyAdapter
+from memfit_benchmarks.families import _environment, _progress, build_lora_model, skip_reason
+from memfit_benchmarks.report import AUTO_NOISE, auto_checks, fmt_bytes
+from memfit_benchmarks.runner import MODES, Mode, add_ratios, measure_mode, pinned_bandwidth
+
+SYNTHETIC_TARGETS = {"synthetic-4096": 1, "synthetic-16384": 2}  # name -> index into __main__.SHAPES
+DEFAULT_TARGETS = ["synthetic-4096", "flux", "wan", "synthetic-16384"]
+
+
+def auto_config(budget: int) -> dict[str, Any]:
+    return {"gradient_checkpointing": True, "gradient_checkpointing_backend": "auto",
+            "gradient_checkpointing_memory_budget": int(budget)}
+
+
+def spread_budgets(low: int, high: int, n: int) -> list[int]:
+    """``n`` budgets evenly spaced from ``low`` (included) to ``high`` (excluded)."""
+    return [int(low + (high - low) * i / n) for i in range(n)]
+
+
+def memory_of(row: dict[str, Any]) -> int | None:
+    """The row's memory figure: peak allocated on CUDA, held activation bytes elsewhere."""
+    if row.get("oom"):
+        return None
+    return row["peak_allocated"] if row.get("peak_allocated") is not None else row.get("held_bytes")
+
+
+def best_fixed(rows: list[dict[str, Any]], budget: int) -> dict[str, Any] | None:
+    """The fastest measured fixed-mode row whose memory figure is within ``budget``."""
+    fits = [r for r in rows if memory_of(r) is not None and memory_of(r) <= budget]
+    return min(fits, key=lambda r: r["step_s"], default=None)
+
+
+def _build(name: str, preset: str, device: torch.device, dtype: torch.dtype, rank: int):
+    """(model, inputs, adapter, info) of one target; ``info`` goes into the payload."""
+    if name.startswith("synthetic"):
+        from memfit_benchmarks.__main__ import REGIMES, SHAPES, TINY_SHAPE, prepare
+        from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
+
+        label, width, depth, tokens = TINY_SHAPE if preset == "tiny" else SHAPES[SYNTHETIC_TARGETS[name]]
+        model = build(dim=width, depth=depth, dtype=dtype, device=str(device))
+        batch = inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
+        prepare(model, batch, "lora")
+        dtype_name = str(dtype).removeprefix("torch.")
+        return model, batch, SYNTHETIC, {
+            "description": f"synthetic {label}", "width": width, "depth": depth, "tokens": tokens,
+            "regime_description": REGIMES["lora"].format(dtype=dtype_name),
+            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+            "total_params": sum(p.numel() for p in model.parameters()),
+        }
+    adapter = memfit.available_adapters()[name]
+    tokens = adapter.presets[preset].default_tokens
+    model, batch, info = build_lora_model(adapter, preset, dtype=dtype, device=device, rank=rank, tokens=tokens)
+    return model, batch, adapter, {
+        "description": adapter.presets[preset].description, "tokens": tokens, "lora_rank": rank, **info,
+        "regime_description": f"frozen {str(dtype).removeprefix('torch.')} base + PEFT LoRA r{rank} on every "
+                              f"nn.Linear of the declared blocks, batch 1, adapter loss, forward+backward",
+    }
+
+
+def _held_bytes(model, batch, adapter: FamilyAdapter, config: dict[str, Any] | None) -> int:
+    """Activation bytes autograd holds between forward and backward (one step after one warm-up step)."""
+    from memfit.measure import measure_step
+
+    return measure_step(model, batch, adapter.loss, config=config, adapter=adapter, warmup=1, steps=1).held_bytes
+
+
+def _plan_fields(handle: Any) -> dict[str, Any]:
+    plan = getattr(handle, "plan", None)
+    return {"plan": None if plan is None else plan.to_json(), "plan_counts": None if plan is None else plan.counts()}
+
+
+class _Measure:
+    """Measures rows on one built target (model, inputs, adapter) with the run's steps/warm-up."""
+
+    def __init__(self, model, batch, adapter: FamilyAdapter, args: argparse.Namespace, cuda: bool) -> None:
+        self.model, self.batch, self.adapter, self.args, self.cuda = model, batch, adapter, args, cuda
+
+    def row(self, mode: Mode, **kw: Any) -> dict[str, Any]:
+        row = measure_mode(self.model, self.batch, self.adapter.loss, mode, adapter=self.adapter,
+                           warmup=self.args.warmup, steps=self.args.steps, **kw)
+        if not self.cuda and not row.get("oom"):
+            row["held_bytes"] = _held_bytes(self.model, self.batch, self.adapter, mode.config)
+        return row
+
+    def fixed(self, device: torch.device) -> tuple[list[dict[str, Any]], dict[str, str]]:
+        rows, skipped = [], {}
+        for mode in _progress(MODES, desc="fixed modes", unit="mode"):
+            reason = skip_reason(mode, self.adapter, device)
+            if reason is not None:
+                skipped[mode.name] = reason
+                continue
+            rows.append(self.row(mode))
+            _print_row(rows[-1])
+        add_ratios(rows)
+        return rows, skipped
+
+    def auto(self, budget: int, fixed_rows: list[dict[str, Any]]) -> dict[str, Any]:
+        from memfit.errors import BudgetError
+
+        try:
+            row = self.row(Mode("auto", auto_config(budget)), inspect=_plan_fields)
+        except BudgetError as exc:
+            row = {"mode": "auto", "unreachable": True, "oom": False, "error": str(exc),
+                   "smallest_peak_bytes": getattr(exc, "smallest_peak_bytes", None)}
+        row["budget_bytes"] = budget
+        best = best_fixed(fixed_rows, budget)
+        row["best_fixed"] = None if best is None else {"mode": best["mode"], "step_s": best["step_s"],
+                                                       "memory_bytes": memory_of(best)}
+        memory = memory_of(row) if not row.get("unreachable") else None
+        row["memory_bytes"] = memory
+        row["within_budget"] = None if memory is None else memory <= budget
+        if best is not None and row.get("step_s"):
+            row["speedup"] = best["step_s"] / row["step_s"]
+        _print_row(row)
+        return row
+
+
+def _print_row(row: dict[str, Any]) -> None:
+    head = f"[{row['mode']}" + (f" @ {fmt_bytes(row['budget_bytes'])}]" if "budget_bytes" in row else "]")
+    if row.get("unreachable"):
+        print(f"{head} unreachable: {row['error']}", flush=True)
+    elif row.get("oom"):
+        print(f"{head} OOM", flush=True)
+    else:
+        memory = memory_of(row)
+        extra = f", speedup {row['speedup']:.3f}" if "speedup" in row else ""
+        print(f"{head} {row['step_s']:.4f} s, memory {fmt_bytes(memory)}" + extra + (f", plan {row['plan_counts']}" if row.get("plan_counts") else ""), flush=True)
+
+
+def budget_range(fixed_rows: list[dict[str, Any]], device: torch.device) -> dict[str, Any]:
+    """Low end (smallest fixed-mode memory, included) and high end (``none``'s, excluded) of the budgets."""
+    measured = [r for r in fixed_rows if memory_of(r) is not None]
+    if not measured:
+        raise RuntimeError("no fixed mode was measured: nothing to spread the budgets between")
+    low = min(measured, key=memory_of)
+    none = next((r for r in measured if r["mode"] == "none"), None)
+    if none is not None:
+        return {"low_bytes": memory_of(low), "low_mode": low["mode"], "high_bytes": memory_of(none),
+                "high_source": "none"}
+    if device.type != "cuda":
+        raise RuntimeError("the none row was not measured: no high end for the budgets")
+    total = torch.cuda.get_device_properties(device).total_memory
+    return {"low_bytes": memory_of(low), "low_mode": low["mode"], "high_bytes": total,
+            "high_source": "device memory (none ran out of memory)"}
+
+
+def planner_floor(rows: list[dict[str, Any]], high: int) -> int | None:
+    """The smallest peak the planner reported when it refused a budget, if below ``high`` and not yet measured."""
+    floors = {r["smallest_peak_bytes"] for r in rows if r.get("unreachable") and r.get("smallest_peak_bytes")}
+    floor = max(floors, default=None)
+    measured = {r["budget_bytes"] for r in rows}
+    return floor if floor is not None and floor < high and floor not in measured else None
+
+
+def run_target(name: str, args: argparse.Namespace, device: torch.device, env: dict[str, Any],
+               save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+    """Fixed modes, then ``auto`` at each budget; ``save`` is called with the payload after the fixed modes and
+    after every budget (``complete`` stays False until the last), so a run cut by a deadline keeps its rows."""
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    synthetic = name.startswith("synthetic")
+    payload: dict[str, Any] = {
+        **env, "target": name, "preset": args.preset, "dtype": str(dtype).removeprefix("torch."), "batch": 1,
+        "regime": "lora", "steps": args.steps, "warmup": args.warmup,
+        "memory_metric": "peak_allocated" if cuda else "held_bytes",
+        "fixed_rows": [], "skipped": {}, "auto_rows": [], "complete": False,
+    }
+    if cuda and synthetic:
+        payload["sdpa_backend"] = "flash (cuDNN SDPA disabled)"
+    model = batch = None
+    try:
+        model, batch, adapter, info = _build(name, args.preset, device, dtype, args.rank)
+        payload.update(info)
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        pin = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if cuda and synthetic else contextlib.nullcontext()
+        measure = _Measure(model, batch, adapter, args, cuda)
+        with pin:
+            payload["fixed_rows"], payload["skipped"] = measure.fixed(device)
+            payload.update(budget_range(payload["fixed_rows"], device))
+            payload["budgets"] = spread_budgets(payload["low_bytes"], payload["high_bytes"], args.budgets)
+            save(payload)
+            for budget in _progress(payload["budgets"], desc=f"{name} auto", unit="budget"):
+                payload["auto_rows"].append(measure.auto(budget, payload["fixed_rows"]))
+                save(payload)
+            floor = planner_floor(payload["auto_rows"], payload["high_bytes"])
+            if floor is not None:  # auto at its own smallest reachable peak, between the refused budgets and the rest
+                payload["auto_rows"].append({**measure.auto(floor, payload["fixed_rows"]), "planner_floor": True})
+                payload["auto_rows"].sort(key=lambda r: r["budget_bytes"])
+        payload["complete"] = True
+        payload["checks"] = [{"label": label, "ok": ok, "detail": detail}
+                             for label, ok, detail in auto_checks(payload["auto_rows"])]
+    except Exception as exc:  # one broken target must not cost the others their GPU time
+        payload["error"] = f"{type(exc).__name__}: {exc}"
+        payload["traceback"] = traceback.format_exc()
+        print(payload["traceback"], flush=True)
+    finally:
+        del model, batch
+        gc.collect()
+        if cuda:
+            torch.cuda.empty_cache()
+    return payload
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
+                        help=f"comma-separated: {', '.join(SYNTHETIC_TARGETS)} or installed family names")
+    parser.add_argument("--budgets", type=int, default=6, help="budgets per target")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=2,
+                        help="warm-up steps per row (with auto, the first one includes the profiling forward)")
+    parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
+    parser.add_argument("--preset", default="full", choices=("full", "tiny"))
+    parser.add_argument("--rank", type=int, default=16, help="LoRA rank of the family targets")
+    parser.add_argument("--no-render", action="store_true", help="write JSON only")
+    args = parser.parse_args(argv)
+    args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
+    installed = memfit.available_adapters()
+    unknown = [t for t in args.targets if t not in SYNTHETIC_TARGETS and t not in installed]
+    if unknown:
+        parser.error(f"unknown target(s) {unknown}: {sorted(SYNTHETIC_TARGETS)} or one of {sorted(installed)}")
+    if args.budgets < 1 or args.warmup < 1:
+        parser.error("--budgets and --warmup must be at least 1 (auto plans during the first warm-up step)")
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    args = _parse(argv)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda needs CUDA (use --device cpu --preset tiny for a smoke run)")
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = {**_environment(device), "suite": "auto", "noise_tolerance": AUTO_NOISE}
+    env["pinned_bandwidth"] = pinned_bandwidth() if device.type == "cuda" else None
+    print(json.dumps(env, indent=1), flush=True)
+    written = []
+    for name in args.targets:
+        path = out / f"auto-{name}-{args.preset}-{env['date'][:10]}.json"
+
+        def save(payload: dict[str, Any], path: Path = path) -> None:
+            path.write_text(json.dumps(payload, indent=1, default=str))
+
+        save(run_target(name, args, device, env, save))
+        written.append(path)
+        print(f"wrote {path}", flush=True)
+        if not args.no_render:
+            from memfit_benchmarks.render import render_files
+
+            render_files([path])
+    return written
+
+
+if __name__ == "__main__":
+    main()

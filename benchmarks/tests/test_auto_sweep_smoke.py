@@ -1,0 +1,139 @@
+"""The ``auto`` planner sweep on CPU: tiny Flux + LoRA, two budgets, one timed step, JSON + markdown + PNG.
+
+``test_auto_sweep_tiny_flux_cpu`` needs the real ``auto`` backend (``memfit.auto``) and skips without it.
+``test_auto_sweep_with_a_stand_in_planner`` runs the same script with ``memfit.apply`` wrapped so that an
+``auto`` config installs a fixed mode instead (a stand-in, not the planner): it checks the sweep's own logic
+(budgets, the fastest fitting fixed mode, unreachable rows, the checks, rendering) with or without core's.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("peft")
+pytest.importorskip("memfit_flux")
+
+ARGS = ["--device", "cpu", "--preset", "tiny", "--targets", "flux", "--budgets", "2", "--steps", "1",
+        "--warmup", "1"]
+
+
+def _check_output(path, tmp_path, budgets=2):
+    data = json.loads(path.read_text())
+    assert data["suite"] == "auto" and data["target"] == "flux" and data["preset"] == "tiny"
+    assert "error" not in data, data.get("traceback")
+    assert data["memory_metric"] == "held_bytes"
+    assert [r["mode"] for r in data["fixed_rows"]][:3] == ["none", "torch-ffn", "torch"]
+    assert all(r["held_bytes"] > 0 for r in data["fixed_rows"])
+    assert "unsloth" in data["skipped"] and "offload_attention" in data["skipped"]
+    none = next(r for r in data["fixed_rows"] if r["mode"] == "none")
+    assert data["high_bytes"] == none["held_bytes"] and data["low_bytes"] < data["high_bytes"]
+    assert len(data["budgets"]) == budgets and data["budgets"][0] == data["low_bytes"]
+    assert [r["budget_bytes"] for r in data["auto_rows"] if not r.get("planner_floor")] == data["budgets"]
+    assert [r["budget_bytes"] for r in data["auto_rows"]] == sorted(r["budget_bytes"] for r in data["auto_rows"])
+    for r in data["auto_rows"]:
+        assert r["best_fixed"] is not None and r["best_fixed"]["memory_bytes"] <= r["budget_bytes"]
+        if not r.get("unreachable"):
+            assert r["step_s"] > 0 and isinstance(r["within_budget"], bool) and r["plan_counts"]
+    assert data["complete"] and len(data["checks"]) == 4
+    md = (tmp_path / f"{path.stem}.md").read_text()
+    assert "| budget MiB |" in md and md.count("PASS") + md.count("FAIL") == 4
+    assert (tmp_path / f"{path.stem}.png").stat().st_size > 1000
+    return data
+
+
+def test_auto_sweep_tiny_flux_cpu(tmp_path):
+    pytest.importorskip("memfit.auto")
+    from memfit_benchmarks import auto_sweep
+
+    written = auto_sweep.main([*ARGS, "--out", str(tmp_path)])
+    assert len(written) == 1 and written[0].name.startswith("auto-flux-tiny-")
+    data = _check_output(written[0], tmp_path)
+    for r in data["auto_rows"]:
+        if not r.get("unreachable"):
+            assert {"policies", "predicted_peak_bytes", "budget_bytes"} <= set(r["plan"])
+
+
+class _StandInBudgetError(RuntimeError):
+    def __init__(self, smallest: int) -> None:
+        super().__init__(f"budget below the smallest reachable peak {smallest}")
+        self.smallest_peak_bytes = smallest
+
+
+class _StandInPlan:
+    def __init__(self, budget: int) -> None:
+        self.budget = budget
+
+    def to_json(self):
+        return {"policies": {"transformer_blocks.0": "block"}, "predicted_peak_bytes": self.budget,
+                "budget_bytes": self.budget, "predicted_extra_seconds": 0.0}
+
+    def counts(self):
+        return {"block": 1}
+
+
+class _StandInHandle:
+    def __init__(self, handle, budget: int) -> None:
+        self._handle, self.plan = handle, _StandInPlan(budget)
+
+    def __getattr__(self, name):
+        return getattr(self._handle, name)
+
+
+def test_auto_sweep_with_a_stand_in_planner(tmp_path, monkeypatch):
+    import memfit
+    import memfit.errors
+    from memfit_benchmarks import auto_sweep
+
+    real_apply = memfit.apply
+    refused: list[int] = []
+
+    def apply(model, config, **kw):
+        if (config or {}).get("gradient_checkpointing_backend") != "auto":
+            return real_apply(model, config, **kw)
+        budget = config["gradient_checkpointing_memory_budget"]
+        if not refused:  # the first budget (the lowest) is refused, the others run `torch`
+            refused.append(budget)
+            raise _StandInBudgetError(budget + 1)
+        fixed = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}
+        return _StandInHandle(real_apply(model, fixed, **kw), budget)
+
+    monkeypatch.setattr(memfit, "apply", apply)
+    monkeypatch.setattr(memfit.errors, "BudgetError", _StandInBudgetError, raising=False)
+    written = auto_sweep.main([*ARGS, "--budgets", "3", "--out", str(tmp_path)])
+    data = _check_output(written[0], tmp_path, budgets=3)
+    low, floor, *rest = data["auto_rows"]
+    assert low["unreachable"] and low["smallest_peak_bytes"] == refused[0] + 1
+    assert floor["planner_floor"] and floor["budget_bytes"] == refused[0] + 1  # one more row at the planner's floor
+    assert all("speedup" in r and r["plan_counts"] == {"block": 1} for r in [floor, *rest])
+    torch_held = next(r["held_bytes"] for r in data["fixed_rows"] if r["mode"] == "torch")
+    assert all(r["memory_bytes"] == torch_held for r in [floor, *rest])
+    reaches = data["checks"][3]
+    assert not reaches["ok"] and "unreachable at" in reaches["detail"]
+
+
+def test_budgets_and_fastest_fitting_fixed_mode():
+    from memfit_benchmarks.auto_sweep import best_fixed, spread_budgets
+
+    assert spread_budgets(100, 200, 4) == [100, 125, 150, 175]
+    rows = [{"mode": "none", "step_s": 1.0, "peak_allocated": 200, "oom": False},
+            {"mode": "torch-ffn", "step_s": 1.1, "peak_allocated": 150, "oom": False},
+            {"mode": "torch", "step_s": 1.4, "peak_allocated": 100, "oom": False},
+            {"mode": "unsloth", "oom": True}]
+    assert best_fixed(rows, 120)["mode"] == "torch" and best_fixed(rows, 150)["mode"] == "torch-ffn"
+    assert best_fixed(rows, 99) is None
+
+
+def test_checks_tolerance_and_peaks():
+    from memfit_benchmarks.report import auto_checks
+
+    def row(budget, auto_s, fixed_s, peak):
+        return {"budget_bytes": budget, "step_s": auto_s, "speedup": fixed_s / auto_s, "memory_bytes": peak,
+                "within_budget": peak <= budget, "best_fixed": {"mode": "torch", "step_s": fixed_s}}
+
+    ok = auto_checks([row(100, 1.015, 1.0, 90), row(150, 1.0, 1.2, 140)])
+    assert [c[1] for c in ok] == [True, True, True, True]
+    bad = auto_checks([row(100, 1.03, 1.0, 101), row(150, 1.0, 1.05, 140)])
+    assert [c[1] for c in bad] == [False, False, False, True]
+    assert "0.000 MiB over at" in bad[2][2]
