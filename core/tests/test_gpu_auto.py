@@ -29,12 +29,14 @@ def _cuda():
 
 
 def build():
+    from diffusers import FluxTransformer2DModel
+
     from memfit.adapters.building import build_model
 
     config = dict(patch_size=1, in_channels=16, num_layers=3, num_single_layers=6, attention_head_dim=64,
                   num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=32, axes_dims_rope=[16, 24, 24],
                   guidance_embeds=True)
-    return build_model("FluxTransformer2DModel", config, dtype=torch.float32, device="cuda", seed=0)
+    return build_model(FluxTransformer2DModel, config, dtype=torch.float32, device="cuda", seed=0)
 
 
 def run(model, batch, config):
