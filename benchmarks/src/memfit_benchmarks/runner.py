@@ -135,12 +135,16 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
         optimizer = optimizer_factory() if optimizer_factory is not None else None
         leaf_inputs = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
 
+        backward_peaks: list[int] = []
+
         def step() -> None:
             model.zero_grad(set_to_none=True)
             for tensor in leaf_inputs:
                 tensor.grad = None
             loss_fn(model(**inputs)).backward()
             if optimizer is not None:
+                if cuda:  # the activation peak, before the optimizer step adds its own (full regime)
+                    backward_peaks.append(torch.cuda.max_memory_allocated())
                 optimizer.step()
 
         for _ in range(warmup):
@@ -153,14 +157,19 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
         if handle is not None:
             handle.reset_stats()
         times = []
+        backward_peaks.clear()
+        peaks: list[tuple[int, int]] = []
         for _ in range(steps):
             if cuda:
+                if optimizer is not None:  # per step, so the activation peak read mid-step is this step's
+                    torch.cuda.reset_peak_memory_stats()
                 start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
                 start.record()
                 step()
                 end.record()
                 torch.cuda.synchronize()
                 times.append(start.elapsed_time(end) / 1e3)
+                peaks.append((torch.cuda.max_memory_allocated(), torch.cuda.max_memory_reserved()))
             else:
                 t0 = time.perf_counter()
                 step()
@@ -169,9 +178,11 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
             "mode": mode.name,
             "config": mode.config,
             "step_s": statistics.median(times),
-            "peak_allocated": torch.cuda.max_memory_allocated() if cuda else None,
-            "peak_reserved": torch.cuda.max_memory_reserved() if cuda else None,
+            "peak_allocated": max(p for p, _ in peaks) if cuda else None,
+            "peak_reserved": max(r for _, r in peaks) if cuda else None,
             "peak_allocated_warmup": warmup_peak,
+            # full regime: the peak of forward+backward alone (the optimizer step's own peak comes after)
+            "peak_allocated_before_optimizer": max(backward_peaks) if backward_peaks else None,
             "timing": "cuda-events" if cuda else "perf_counter",
             "oom": False,
         }
