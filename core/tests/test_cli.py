@@ -22,6 +22,9 @@ def test_fit_walks_the_ladder_and_recommends_a_fitting_config(tmp_path, capsys):
     assert rows["none"]["held_bytes"] > rows["torch-ffn"]["held_bytes"] > rows["torch"]["held_bytes"]
     chosen = rows[report["recommended"]]
     assert chosen["fits"] and chosen["held_bytes"] <= parse_bytes("200KiB")
+    # the per-block planner competes at the same budget, measured like the fixed rungs
+    assert rows["auto"]["config"]["gradient_checkpointing_backend"] == "auto"
+    assert rows["auto"]["fits"] == (rows["auto"]["held_bytes"] <= parse_bytes("200KiB"))
     assert report["recommended_config"]["gradient_checkpointing"] is True
     assert "paste into your trainer config" in capsys.readouterr().out
 

@@ -2,7 +2,8 @@
 
 Ladder: leave checkpointing off if it fits; else ``torch-ffn``; else ``torch``; else (on CUDA)
 ``unsloth-ffn``, then ``unsloth``; once the ``torch`` rung fits, raise the interval (2, 3, …) on
-families that support it to win speed back, keeping the fastest configuration that still fits.
+families that support it to win speed back, keeping the fastest configuration that still fits. When
+checkpointing is needed, the ``auto`` backend at the same budget is measured too and competes.
 
 What "fits" means: on CUDA, the step's peak allocated memory is within the budget; on a
 CPU-only machine (no real peak to read), the activation bytes held for backward are.
@@ -19,6 +20,7 @@ from torch import nn
 
 from memfit.adapters.spec import FamilyAdapter
 from memfit.config import Backend
+from memfit.errors import BudgetError
 from memfit.measure import StepMeasurement, measure_step
 
 
@@ -130,9 +132,21 @@ def find_fit(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], 
         if result.fits:
             first_fit = result
             break
+    candidates = [first_fit] if first_fit is not None else []
+    if budget_bytes is not None and adapter is not None and (first_fit is None or first_fit.rung.config):
+        # the per-block planner at the same budget: one more candidate, measured like the others
+        auto = Rung("auto", {"gradient_checkpointing": True, "gradient_checkpointing_backend": Backend.AUTO.value,
+                             "gradient_checkpointing_memory_budget": budget_bytes})
+        try:
+            result = run(auto)
+        except BudgetError:
+            result = None
+        if result is not None and result.fits:
+            candidates.append(result)
     if first_fit is None:
+        if candidates:
+            report.recommended = candidates[0]
         return report
-    candidates = [first_fit]
     if (first_fit.rung.config is not None and adapter is not None and adapter.supports_interval
             and first_fit.rung.name == Backend.TORCH.value):
         for interval in range(2, max_interval + 1):
