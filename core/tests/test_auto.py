@@ -202,3 +202,11 @@ def test_budget_is_required_off_cuda(model):
 def test_a_model_without_adapter_is_refused():
     with pytest.raises(memfit.UnsupportedBoundaryError, match="needs the blocks and regions an adapter"):
         memfit.apply(torch.nn.Sequential(torch.nn.Linear(2, 2)), auto("1GiB"))
+
+
+def test_fsdp2_models_are_refused_with_the_fix(model, monkeypatch):
+    import memfit.apply as apply_module
+
+    monkeypatch.setattr(apply_module, "is_fsdp_module", lambda m: m is model)
+    with pytest.raises(memfit.NotAvailableError, match="does not support FSDP2"):
+        memfit.apply(model, auto("1GiB"))

@@ -15,7 +15,7 @@ from memfit.adapters.discovery import find_adapter
 from memfit.adapters.spec import FamilyAdapter
 from memfit.auto.controller import AutoController
 from memfit.config import Backend, MemfitConfig, as_config
-from memfit.distributed import ShardOrderGuard
+from memfit.distributed import ShardOrderGuard, is_fsdp_module
 from memfit.engine.install import RegionEngine, RegionSite, chain_sites, diffusers_block_entry
 from memfit.engine.schedule import plan_blocks
 from memfit.errors import ConfigError, MemfitError, MemfitWarning, NotAvailableError, UnsupportedBoundaryError
@@ -104,6 +104,11 @@ def _apply_auto(model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapter | No
             f"gradient_checkpointing_backend='auto' plans each block and needs the blocks and regions an adapter "
             f"declares, but {type(model).__name__} has no memfit adapter. Install the adapter for its family "
             f"(`memfit list`), or use a fixed backend such as 'torch'."
+        )
+    if any(is_fsdp_module(m) for m in model.modules()):
+        raise NotAvailableError(
+            "gradient_checkpointing_backend='auto' does not support FSDP2 (fully_shard) yet: its profiling forward "
+            "calls the model outside FSDP's own hooks. Use a fixed backend ('torch', 'unsloth', ...) with FSDP2."
         )
     param = next(model.parameters(), None)
     on_cuda = param is not None and param.is_cuda
