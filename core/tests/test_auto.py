@@ -205,8 +205,9 @@ def test_a_model_without_adapter_is_refused():
 
 
 def test_fsdp2_models_are_refused_with_the_fix(model, monkeypatch):
-    import memfit.apply as apply_module
+    import sys
 
-    monkeypatch.setattr(apply_module, "is_fsdp_module", lambda m: m is model)
+    # the module, not the function memfit re-exports under the same name
+    monkeypatch.setattr(sys.modules["memfit.apply"], "is_fsdp_module", lambda m: m is model)
     with pytest.raises(memfit.NotAvailableError, match="does not support FSDP2"):
         memfit.apply(model, auto("1GiB"))
