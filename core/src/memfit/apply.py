@@ -120,7 +120,7 @@ def _apply_auto(model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapter | No
         session = _offload_session(model, cfg, None, min_offload_bytes)
     controller = AutoController(model, adapter, budget, session=session, min_offload_bytes=min_offload_bytes)
     controller.install()
-    controller._handles.append(ShardOrderGuard(model, _watched_blocks(model, adapter)).install())
+    controller.keep_until_removed(ShardOrderGuard(model, _watched_blocks(model, adapter)).install())
     handle = MemfitHandle(model, cfg, adapter.name, None, on_remove=lambda: _applied.pop(model, None),
                           session=session, auto=controller)
     _applied[model] = handle

@@ -95,6 +95,10 @@ class AutoController:
         self._handles.append(self.model.register_forward_hook(self._post, always_call=True))
         self.engine.install(model_hooks=False)
 
+    def keep_until_removed(self, handle: Any) -> None:
+        """Remove ``handle`` (a hook of a helper such as the FSDP2 order guard) together with this controller."""
+        self._handles.append(handle)
+
     def remove(self) -> None:
         self._take_off()
         for h in self._handles:
