@@ -164,14 +164,7 @@ def _attention_modules(model: nn.Module, adapter: FamilyAdapter | None) -> list[
             f"gradient_checkpointing_offload_attention needs declared attention regions, but {who} declares "
             f"none. Install/extend the family's adapter, or turn attention offload off."
         )
-    modules: list[nn.Module] = []
-    for _, _, block in adapter.iter_blocks(model):
-        spec = adapter.spec_for(block)
-        if spec is None:
-            continue
-        for region in spec.attention:
-            modules.extend(block.get_submodule(p) for p in region)
-    return modules
+    return [m for _, _, block in adapter.iter_blocks(model) for m in adapter.attention_modules(block)]
 
 
 def _effective_config(model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapter | None) -> MemfitConfig:
@@ -242,10 +235,8 @@ def _plan(engine: RegionEngine, model: nn.Module, cfg: MemfitConfig, adapter: Fa
             sites: dict[nn.Module, RegionSite] = {}
             for (path, index), _slot in plan.items():
                 block = lists[path][index]
-                spec = ffn_adapter.spec_for(block)
-                assert spec is not None  # checked by _require_ffn
-                for r, region in enumerate(spec.ffn):
-                    chain = [block.get_submodule(p) for p in region]
+                assert ffn_adapter.spec_for(block) is not None  # checked by _require_ffn
+                for r, chain in enumerate(ffn_adapter.ffn_chains(block)):
                     for module, site in chain_sites(("ffn", path, index, r), chain, "ffn"):
                         _add_site(sites, module, site)
             return sites

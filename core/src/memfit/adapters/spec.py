@@ -122,6 +122,16 @@ class FamilyAdapter:
                 return spec
         return None
 
+    def ffn_chains(self, block: nn.Module) -> list[list[nn.Module]]:
+        """``block``'s FFN regions, each as its chain of modules (empty if the block is undeclared)."""
+        spec = self.spec_for(block)
+        return [] if spec is None else [[block.get_submodule(p) for p in region] for region in spec.ffn]
+
+    def attention_modules(self, block: nn.Module) -> list[nn.Module]:
+        """The modules of ``block``'s attention regions (empty if the block is undeclared)."""
+        spec = self.spec_for(block)
+        return [] if spec is None else [block.get_submodule(p) for region in spec.attention for p in region]
+
     @property
     def has_ffn(self) -> bool:
         return any(spec.ffn for spec in self.blocks.values())

@@ -197,11 +197,9 @@ class AutoController:
             for path, blocks in lists.items():
                 for index, block in enumerate(blocks):
                     policy = plan.policy(f"{path}.{index}")
-                    spec = self.adapter.spec_for(block)
-                    if policy.recompute != "ffn" or spec is None:
+                    if policy.recompute != "ffn":
                         continue
-                    for r, region in enumerate(spec.ffn):
-                        chain = [block.get_submodule(p) for p in region]
+                    for r, chain in enumerate(self.adapter.ffn_chains(block)):
                         sites.update(chain_sites(("ffn", path, index, r), chain, "ffn",
                                                  stash_factory=offload if policy.offloads_inputs else keep))
             return sites
@@ -211,12 +209,8 @@ class AutoController:
         return engine
 
     def _attention_modules(self, plan: Plan) -> list[nn.Module]:
-        modules: list[nn.Module] = []
-        for path, index, block in self.adapter.iter_blocks(self.model):
-            spec = self.adapter.spec_for(block)
-            if spec is not None and plan.policy(f"{path}.{index}").offloads_attention:
-                modules.extend(block.get_submodule(p) for region in spec.attention for p in region)
-        return modules
+        return [m for path, index, block in self.adapter.iter_blocks(self.model)
+                if plan.policy(f"{path}.{index}").offloads_attention for m in self.adapter.attention_modules(block)]
 
     def describe(self) -> str:
         if self.plan is None:

@@ -160,8 +160,10 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
     metric = "peak allocated" if profile.static_bytes or profile.workspace_bytes else "held activations"
     no_checkpoint = base + sum(b.saved_bytes for b in profile.blocks)
     levels = sorted({c.transient for opts in options for c in opts})
-    smallest = min(base + t + sum(min(c.kept for c in opts if c.transient <= t) for opts in options)
-                   for t in levels if all(any(c.transient <= t for c in opts) for opts in options))
+    # per largest-transient level every block can meet: the smallest predicted peak at that level
+    floors = {t: base + t + sum(min(c.kept for c in opts if c.transient <= t) for opts in options)
+              for t in levels if all(any(c.transient <= t for c in opts) for opts in options)}
+    smallest = min(floors.values())
 
     def make(picks: list[Choice]) -> Plan:
         return Plan(
@@ -191,8 +193,7 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
         if best is None or key < best[:2]:
             best = (*key, picks)
     if best is None:  # only the byte rounding stood in the way: take the smallest plan, which fits exactly
-        t = min(t for t in levels if all(any(c.transient <= t for c in opts) for opts in options)
-                and base + t + sum(min(c.kept for c in opts if c.transient <= t) for opts in options) == smallest)
+        t = min(t for t, floor in floors.items() if floor == smallest)
         return make([min((c for c in opts if c.transient <= t), key=lambda c: c.kept) for opts in options])
     return make(best[2])
 

@@ -31,6 +31,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from memfit.adapters.spec import FamilyAdapter
@@ -201,22 +202,8 @@ class _Recorder:
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
-    if isinstance(obj, torch.Tensor):
-        return [obj] if not isinstance(obj, nn.Parameter) else []
-    if isinstance(obj, (list, tuple)):
-        return [t for o in obj for t in _tensors(o)]
-    if isinstance(obj, dict):
-        return [t for o in obj.values() for t in _tensors(o)]
-    return []
-
-
-def _regions(block: nn.Module, adapter: FamilyAdapter) -> tuple[list[list[nn.Module]], list[nn.Module]]:
-    spec = adapter.spec_for(block)
-    if spec is None:
-        return [], []
-    ffn = [[block.get_submodule(p) for p in region] for region in spec.ffn]
-    attention = [block.get_submodule(p) for region in spec.attention for p in region]
-    return ffn, attention
+    """The non-parameter tensors inside (nested) call arguments."""
+    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
 
 
 def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs: dict, *, min_offload_bytes: int,
@@ -230,7 +217,7 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
     cuda = device.type == "cuda"
     excluded = {p.untyped_storage().data_ptr() for p in (*model.parameters(), *model.buffers())}
     rec = _Recorder(excluded, len(blocks))
-    regions = [_regions(block, adapter) for _, _, block in blocks]
+    regions = [(adapter.ffn_chains(block), adapter.attention_modules(block)) for _, _, block in blocks]
     handles = _profile_hooks(rec, blocks, regions)
     static = torch.cuda.memory_allocated(device) if cuda else 0
     if cuda:
