@@ -39,7 +39,13 @@ import torch
 
 import memfit
 from memfit.adapters.spec import FamilyAdapter
-from memfit_benchmarks.families import _environment, _progress, build_lora_model, skip_reason
+from memfit_benchmarks.families import (
+    _environment,
+    _progress,
+    build_lora_model,
+    lora_regime_description,
+    skip_reason,
+)
 from memfit_benchmarks.report import AUTO_NOISE, auto_checks, fmt_bytes
 from memfit_benchmarks.runner import MODES, Mode, add_ratios, measure_mode, pinned_bandwidth
 
@@ -92,8 +98,7 @@ def _build(name: str, preset: str, device: torch.device, dtype: torch.dtype, ran
     model, batch, info = build_lora_model(adapter, preset, dtype=dtype, device=device, rank=rank, tokens=tokens)
     return model, batch, adapter, {
         "description": adapter.presets[preset].description, "tokens": tokens, "lora_rank": rank, **info,
-        "regime_description": f"frozen {str(dtype).removeprefix('torch.')} base + PEFT LoRA r{rank} on every "
-                              f"nn.Linear of the declared blocks, batch 1, adapter loss, forward+backward",
+        "regime_description": lora_regime_description(dtype, rank),
     }
 
 

@@ -108,6 +108,12 @@ def build_lora_model(adapter: FamilyAdapter, preset_name: str, *, dtype: torch.d
     return model, batch, info
 
 
+def lora_regime_description(dtype: torch.dtype, rank: int) -> str:
+    """What a family row measures (also the auto sweep's family targets)."""
+    return (f"frozen {str(dtype).removeprefix('torch.')} base + PEFT LoRA r{rank} on every nn.Linear of the declared "
+            f"blocks, batch 1, adapter loss, forward+backward")
+
+
 def _environment(device: torch.device) -> dict[str, Any]:
     try:
         import diffusers
@@ -144,8 +150,7 @@ def run_family(name: str, args: argparse.Namespace, device: torch.device, env: d
         "batch": 1,
         "lora_rank": args.rank,
         "regime": "lora",
-        "regime_description": f"frozen {str(dtype).removeprefix('torch.')} base + PEFT LoRA r{args.rank} on every "
-                              f"nn.Linear of the declared blocks, batch 1, adapter loss, forward+backward",
+        "regime_description": lora_regime_description(dtype, args.rank),
         "steps": args.steps,
         "warmup": args.warmup,
         "rows": [],
