@@ -53,6 +53,11 @@ def test_auto_sweep_tiny_flux_cpu(tmp_path):
     for r in data["auto_rows"]:
         if not r.get("unreachable"):
             assert {"policies", "predicted_peak_bytes", "budget_bytes"} <= set(r["plan"])
+    # the fixed rows are also the family sweep's results for flux (same builder, inputs and modes)
+    family = json.loads(next((tmp_path / "families").glob("family-flux-tiny-*.json")).read_text())
+    assert family["suite"] == "families" and family["family"] == "flux" and family["rows"] == data["fixed_rows"]
+    assert family["skipped"] == data["skipped"] and family["tokens"] == data["tokens"]
+    assert next((tmp_path / "families").glob("family-flux-tiny-*.md")).read_text().count("| none |") == 1
 
 
 class _StandInBudgetError(RuntimeError):

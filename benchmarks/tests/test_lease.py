@@ -18,6 +18,9 @@ def test_job_commands(tmp_path):
     assert lease.job_command("bench-lora,full", tmp_path)[-4:] == ["--regime", "lora,full", "--out",
                                                                   str(tmp_path / "synthetic")]
     assert "wan,flux" in lease.job_command("families=wan,flux", tmp_path)
+    assert lease.job_command("auto=flux,wan", tmp_path)[-4:-2] == ["--targets", "flux,wan"]
+    assert lease.job_command("auto=wan,4", tmp_path)[-6:-2] == ["--targets", "wan", "--budgets", "4"]
+    assert "--targets" not in lease.job_command("auto", tmp_path)
     with pytest.raises(SystemExit, match="unknown job 'benchh'"):
         lease.job_command("benchh", tmp_path)
 

@@ -116,6 +116,25 @@ def test_offload_policies_exact_through_a_copy_engine(model, reference):
         assert torch.equal(g, ref_grads[name]), name
 
 
+def test_profiled_attention_copy_bytes_equal_what_offload_attention_copies():
+    """With PEFT LoRA every q/k/v projection saves its own view of one input; the planner must price the copy
+    the session really makes (each distinct view once), not each saved tensor, nor only the storages."""
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    lora_model = TINY.build(dtype=torch.float32, device="cpu").requires_grad_(False)
+    lora_model.add_adapter(peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v", "add_q_proj", "to_out.0"]))
+    batch = inputs(lora_model)
+    profile = profile_model(lora_model, ADAPTER, (), batch, min_offload_bytes=0, copy_bytes_per_second=1e9)
+    predicted = sum(b.attention_copy_bytes for b in profile.blocks) + profile.attention_shared_copy_bytes
+    with memfit.apply(lora_model, {"gradient_checkpointing_offload_attention": True},
+                      copy_engine=cpu_copy_engine(), min_offload_bytes=0) as handle:
+        ADAPTER.loss(lora_model(**batch)).backward()
+        stats = handle.stats()
+    assert stats["dedup_hits"] > 0  # the shared views were seen, and copied once
+    assert predicted == stats["bytes_offloaded"] > 0
+    assert sum(b.attention_copy_bytes for b in profile.blocks) >= sum(b.attention_bytes for b in profile.blocks)
+
+
 def test_budget_below_any_plan_names_the_smallest_peak(model, reference):
     handle = memfit.apply(model, auto(1000))
     with pytest.raises(memfit.BudgetError, match="smallest predicted held activations") as info:

@@ -16,10 +16,11 @@ from memfit.errors import BudgetError
 MiB = 1 << 20
 
 
-def block(i: int, saved: int, ffn: int, attention: int, flops: int = 10**12) -> BlockProfile:
+def block(i: int, saved: int, ffn: int, attention: int, flops: int = 10**12, copied: int | None = None) -> BlockProfile:
     return BlockProfile(path="blocks", index=i, saved_bytes=saved * MiB, input_bytes=8 * MiB,
                         input_parkable_bytes=8 * MiB, ffn_saved_bytes=ffn * MiB, ffn_input_bytes=8 * MiB,
-                        ffn_input_parkable_bytes=8 * MiB, attention_bytes=attention * MiB, flops=flops,
+                        ffn_input_parkable_bytes=8 * MiB, attention_bytes=attention * MiB,
+                        attention_copy_bytes=(attention if copied is None else copied) * MiB, flops=flops,
                         ffn_flops=flops // 2, has_ffn=True, has_attention=True)
 
 

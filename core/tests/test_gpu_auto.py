@@ -6,26 +6,14 @@ activations dominate: fp32 (bitwise comparisons need a deterministic attention; 
 
 from __future__ import annotations
 
-import gc
-
 import pytest
 import torch
 
 import memfit
-from memfit_conformance.plugin import require_cuda
 
 memfit_flux = pytest.importorskip("memfit_flux")
 pytestmark = pytest.mark.gpu
 ADAPTER = memfit_flux.ADAPTER
-
-
-@pytest.fixture(autouse=True)
-def _cuda():
-    require_cuda()
-    torch.backends.cuda.enable_cudnn_sdp(False)  # see memfit_conformance.plugin.pin_sdpa_backend
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 def build():

@@ -8,22 +8,12 @@ import pytest
 import torch
 
 import memfit
-from memfit_conformance.plugin import require_cuda
 
 from test_engine import assert_same, step
 from toy import TOY, build
 
 pytestmark = pytest.mark.gpu
 ON = {"gradient_checkpointing": True}
-
-
-@pytest.fixture(autouse=True)
-def _cuda():
-    require_cuda()
-    torch.backends.cuda.enable_cudnn_sdp(False)  # see memfit_conformance.plugin.pin_sdpa_backend
-    yield
-    gc.collect()
-    torch.cuda.empty_cache()
 
 
 OFFLOAD_CONFIGS = [

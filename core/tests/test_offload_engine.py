@@ -166,3 +166,26 @@ def test_parked_tensors_come_back_with_their_strides():
     del gappy
     back = engine.fetch(parked)
     assert back.is_contiguous() and torch.equal(back, expected)
+
+
+def test_views_of_the_same_data_are_parked_once():
+    """Autograd saves a fresh view object per op (a LoRA input reshaped for q, k and v): one copy serves all,
+    while different data (another slice, or the same view after an in-place change) is copied again."""
+    from memfit.offload.session import OffloadSession
+
+    engine = make_engine()
+    session = OffloadSession(engine, torch.nn.Linear(1, 1), min_offload_bytes=0)
+    session.new_step()
+    x = torch.randn(2, 8, 16)
+    q_in, k_in, v_in = x.view(-1, 16), x.view(-1, 16), x.view(-1, 16)
+    first = session.park_many([q_in, k_in])  # one batch: one copy
+    later = session.park(v_in)  # a later region: shared, not copied
+    assert first[0] is first[1] is later and later.users == 3
+    assert engine.stats.bytes_offloaded == x.numel() * 4 and engine.stats.dedup_hits == 2
+    session.park(x[1:].reshape(-1, 16))  # other data of the same storage
+    assert engine.stats.bytes_offloaded == x.numel() * 4 + 8 * 16 * 4
+    x.mul_(2)  # same view, new contents
+    again = session.park(x.view(-1, 16))
+    assert again is not later and engine.stats.bytes_offloaded == 2 * x.numel() * 4 + 8 * 16 * 4
+    for parked in (later, again):
+        assert torch.equal(engine.fetch(parked), x.view(-1, 16) if parked is again else x.view(-1, 16) / 2)

@@ -43,6 +43,7 @@ from memfit_benchmarks.families import (
     _environment,
     _progress,
     build_lora_model,
+    family_payload,
     lora_regime_description,
     skip_reason,
 )
@@ -198,9 +199,11 @@ def planner_floor(rows: list[dict[str, Any]], high: int) -> int | None:
 
 
 def run_target(name: str, args: argparse.Namespace, device: torch.device, env: dict[str, Any],
-               save: Callable[[dict[str, Any]], None]) -> dict[str, Any]:
+               save: Callable[[dict[str, Any]], None],
+               fixed_done: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
     """Fixed modes, then ``auto`` at each budget; ``save`` is called with the payload after the fixed modes and
-    after every budget (``complete`` stays False until the last), so a run cut by a deadline keeps its rows."""
+    after every budget (``complete`` stays False until the last), so a run cut by a deadline keeps its rows.
+    ``fixed_done`` gets the payload once the fixed modes are measured."""
     cuda = device.type == "cuda"
     dtype = torch.bfloat16 if cuda else torch.float32
     synthetic = name.startswith("synthetic")
@@ -222,6 +225,8 @@ def run_target(name: str, args: argparse.Namespace, device: torch.device, env: d
         measure = _Measure(model, batch, adapter, args, cuda)
         with pin:
             payload["fixed_rows"], payload["skipped"] = measure.fixed(device)
+            if fixed_done is not None:
+                fixed_done(payload)
             payload.update(budget_range(payload["fixed_rows"], device))
             payload["budgets"] = spread_budgets(payload["low_bytes"], payload["high_bytes"], args.budgets)
             save(payload)
@@ -283,21 +288,45 @@ def main(argv: list[str] | None = None) -> list[Path]:
     env = {**_environment(device), "suite": "auto", "noise_tolerance": AUTO_NOISE}
     env["pinned_bandwidth"] = pinned_bandwidth() if device.type == "cuda" else None
     print(json.dumps(env, indent=1), flush=True)
-    written = []
+    written: list[Path] = []
+    family_files: list[Path] = []  # a family target's fixed rows, also written as that family's results
     for name in args.targets:
         path = out / f"auto-{name}-{args.preset}-{env['date'][:10]}.json"
 
         def save(payload: dict[str, Any], path: Path = path) -> None:
             path.write_text(json.dumps(payload, indent=1, default=str))
 
-        save(run_target(name, args, device, env, save))
+        def save_family_rows(payload: dict[str, Any], name: str = name) -> None:
+            if name not in SYNTHETIC_TARGETS:
+                family_files.append(write_family_rows(payload, args, env, out))
+
+        save(run_target(name, args, device, env, save, save_family_rows))
         written.append(path)
         print(f"wrote {path}", flush=True)
-        if not args.no_render:
-            from memfit_benchmarks.render import render_files
+    if not args.no_render:
+        from memfit_benchmarks.render import render_files
 
-            render_files([path])
+        render_files([*written, *family_files])
     return written
+
+
+def write_family_rows(payload: dict[str, Any], args: argparse.Namespace, env: dict[str, Any], out: Path) -> Path:
+    """A family target's fixed rows are the family sweep's rows (same builder, inputs, modes and timing):
+    write them as that family's results too, so one run serves both tables."""
+    name = payload["target"]
+    family = family_payload(name, args.preset, {k: v for k, v in env.items() if k != "noise_tolerance"},
+                            dtype=getattr(torch, payload["dtype"]), tokens=payload["tokens"], rank=args.rank,
+                            steps=args.steps, warmup=args.warmup)
+    for key in ("lora_targets_count", "trainable_params", "total_params", "input_shapes"):
+        if key in payload:
+            family[key] = payload[key]
+    family["rows"], family["skipped"] = payload["fixed_rows"], payload["skipped"]
+    family["measured_by"] = "memfit_benchmarks.auto_sweep (its fixed modes, before the auto rows)"
+    path = out / "families" / f"family-{name}-{args.preset}-{env['date'][:10]}.json"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(family, indent=1, default=str))
+    print(f"wrote {path}", flush=True)
+    return path
 
 
 if __name__ == "__main__":

@@ -135,27 +135,36 @@ def _environment(device: torch.device) -> dict[str, Any]:
     }
 
 
+def family_payload(name: str, preset: str, env: dict[str, Any], *, dtype: torch.dtype, tokens: int, rank: int,
+                   steps: int, warmup: int) -> dict[str, Any]:
+    """The header of one family's results (rows and skipped modes still empty); the auto sweep, whose fixed
+    rows are measured the same way, writes its family targets' rows under this header too."""
+    return {
+        **env,
+        "suite": "families",
+        "family": name,
+        "preset": preset,
+        "preset_description": memfit.available_adapters()[name].presets[preset].description,
+        "dtype": str(dtype).removeprefix("torch."),
+        "tokens": tokens,
+        "batch": 1,
+        "lora_rank": rank,
+        "regime": "lora",
+        "regime_description": lora_regime_description(dtype, rank),
+        "steps": steps,
+        "warmup": warmup,
+        "rows": [],
+        "skipped": {},
+    }
+
+
 def run_family(name: str, args: argparse.Namespace, device: torch.device, env: dict[str, Any]) -> dict[str, Any]:
     adapter = memfit.available_adapters()[name]
     preset = adapter.presets[args.preset]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokens = args.tokens or preset.default_tokens
-    payload: dict[str, Any] = {
-        **env,
-        "family": name,
-        "preset": args.preset,
-        "preset_description": preset.description,
-        "dtype": str(dtype).removeprefix("torch."),
-        "tokens": tokens,
-        "batch": 1,
-        "lora_rank": args.rank,
-        "regime": "lora",
-        "regime_description": lora_regime_description(dtype, args.rank),
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "rows": [],
-        "skipped": {},
-    }
+    payload = family_payload(name, args.preset, env, dtype=dtype, tokens=tokens, rank=args.rank, steps=args.steps,
+                             warmup=args.warmup)
     model = batch = None
     try:
         model, batch, info = build_lora_model(adapter, args.preset, dtype=dtype, device=device, rank=args.rank,

@@ -13,7 +13,8 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
 - ``bench-<regime>[,<regime>]``: the synthetic sweep in those regimes (lora, frozen, full)
 - ``families[=<f1>,<f2>]``: every family (or those named) at its published size
 - ``fsdp2``: ``memfit_benchmarks.fsdp2 --nproc 2 --preset full``
-- ``auto``: the ``auto``-planner sweep (``memfit_benchmarks.auto_sweep``)
+- ``auto[=<t1>,<t2>,<n>]``: the ``auto``-planner sweep (``memfit_benchmarks.auto_sweep``), default or named
+  targets, ``n`` budgets each (default 6); a family target's fixed rows are also written as that family's results
 - ``diagnose[=<family>]``: host vs GPU time and a profile per mode (``memfit_benchmarks.diagnose``)
 """
 
@@ -47,8 +48,12 @@ def job_command(job: str, out: Path) -> list[str]:
     if job == "diagnose" or job.startswith("diagnose="):
         family = job.partition("=")[2] or "flux"
         return [py, "-m", "memfit_benchmarks.diagnose", "--family", family, "--out", str(out / "diagnose")]
-    if job == "auto":
-        return [py, "-m", "memfit_benchmarks.auto_sweep", "--out", str(out / "auto")]
+    if job == "auto" or job.startswith("auto="):
+        items = [i for i in job.partition("=")[2].split(",") if i]
+        targets = [i for i in items if not i.isdigit()]
+        budgets = [i for i in items if i.isdigit()]
+        args = (["--targets", ",".join(targets)] if targets else []) + (["--budgets", budgets[-1]] if budgets else [])
+        return [py, "-m", "memfit_benchmarks.auto_sweep", *args, "--out", str(out / "auto")]
     raise SystemExit(f"unknown job {job!r} (see python -m memfit_benchmarks.lease --help)")
 
 

@@ -13,8 +13,8 @@ Python object per storage, alive while any tensor uses it) tells a live storage 
 
 Time.  Per-block FLOPs come from ``torch.utils.flop_counter`` (deterministic, so the same model,
 shape and budget give the same plan); one plain forward without gradients, timed per block, turns
-FLOPs into seconds (a single rate, rounded to a power of two). Pinned copy bandwidth is probed once
-per controller, likewise rounded.
+FLOPs into seconds (a single rate, snapped to a quarter-octave grid). Pinned copy bandwidth is probed
+once per controller and snapped down to the same grid (never optimistic about copies).
 
 Memory.  On CUDA: the bytes allocated before the forward (parameters, gradients, optimizer state,
 inputs) and the forward's own working memory (its peak above that, with nothing held). Off CUDA
@@ -50,6 +50,7 @@ class BlockProfile:
     ffn_input_bytes: int  # the FFN regions' inputs (what an FFN region keeps)
     ffn_input_parkable_bytes: int
     attention_bytes: int  # saved only inside attention regions, in tensors worth a copy
+    attention_copy_bytes: int  # what parking them copies: each distinct view once (may exceed their storages)
     flops: int
     ffn_flops: int
     has_ffn: bool
@@ -74,6 +75,9 @@ class ModelProfile:
     # CUDA: the budget is the peak, which includes the block whose activations come back in backward.
     # Elsewhere it counts bytes held between forward and backward, where nothing comes back yet.
     counts_transient: bool = True
+    # Views saved inside attention calls that no single block owns (shared between blocks, such as rotary
+    # tables, or also saved outside attention): attention offload copies them once per step, freeing nothing.
+    attention_shared_copy_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -81,9 +85,19 @@ class ModelProfile:
         return out
 
 
-def round_to_power_of_two(x: float) -> float:
-    """The power of two nearest to ``x`` (on a log scale): measured rates vary run to run, plans should not."""
-    return float(2.0 ** round(math.log2(x))) if x > 0 else 0.0
+RATE_STEPS_PER_OCTAVE = 4  # measured rates snap to 2**(k/4): within 9% of the measurement
+
+
+def round_rate(x: float, *, down: bool = False) -> float:
+    """``x`` snapped to the grid ``2**(k/4)`` (nearest, or the step below with ``down``).
+
+    Measured rates vary from run to run and plans should not; a quarter octave keeps the cost model
+    within 9% (a whole octave, tried first, let a 55 GB/s link pass for 69 GB/s and hid real copy time).
+    """
+    if x <= 0:
+        return 0.0
+    steps = math.log2(x) * RATE_STEPS_PER_OCTAVE
+    return float(2.0 ** ((math.floor(steps + 1e-9) if down else round(steps)) / RATE_STEPS_PER_OCTAVE))
 
 
 @dataclass
@@ -93,6 +107,12 @@ class _Storage:
     ref: weakref.ref  # to the storage object
     blocks: set[int | None] = field(default_factory=set)
     scopes: set[str] = field(default_factory=set)  # "ffn", "attention", "other" within its block
+    attention_views: dict[tuple, int] = field(default_factory=dict)  # saved in attention: view -> bytes
+
+    def attention_copy_bytes(self, min_bytes: int) -> int:
+        """Bytes attention offload copies to park this storage's views saved inside attention calls (one copy
+        per distinct view; views smaller than ``min_bytes`` or larger than the storage — broadcasts — stay)."""
+        return sum(n for n in self.attention_views.values() if min_bytes <= n <= self.nbytes)
 
 
 class _Recorder:
@@ -138,6 +158,9 @@ class _Recorder:
         if i is not None:
             s = self.storages[i]
             s.blocks.add(self.block)
+            if self.scope and self.scope[-1] == "attention":
+                view = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+                s.attention_views[view] = tensor.numel() * tensor.element_size()
             if self.block is not None and self.block == s.block:
                 s.scopes.add(self.scope[-1] if self.scope else "other")
         return None  # nothing is held: see the module notes
@@ -247,22 +270,26 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
             ffn_input_parkable_bytes=rec.input_bytes(b, rec.ffn_inputs[b], only_scope="ffn",
                                                      min_bytes=min_offload_bytes),
             attention_bytes=sum(s.nbytes for s in own if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes),
+            attention_copy_bytes=sum(s.attention_copy_bytes(min_offload_bytes) for s in own
+                                     if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes),
             flops=rec.block_flops[b],
             ffn_flops=rec.ffn_flops[b],
             has_ffn=bool(ffn), has_attention=bool(attention),
         ))
     outside = sum(s.nbytes for i, s in enumerate(rec.storages) if s.block is None or rec.shared(i))
+    attention_copies = sum(s.attention_copy_bytes(min_offload_bytes) for s in rec.storages)
     seconds = _time_blocks(model, blocks, args, kwargs, cuda=cuda, device=device)
     total_flops = sum(p.flops for p in profiles)
-    rate = round_to_power_of_two(total_flops / seconds) if seconds > 0 and total_flops > 0 else 1.0
+    rate = round_rate(total_flops / seconds) if seconds > 0 and total_flops > 0 else 1.0
     max_input = max((p.input_bytes for p in profiles), default=0)
     return ModelProfile(
         blocks=tuple(profiles), device=str(device), static_bytes=static, outside_bytes=outside,
         # the backward's working memory: the forward's, plus gradient buffers of about two block inputs
         workspace_bytes=workspace + 2 * max_input if cuda else 0,
         flops_per_second=rate,
-        copy_bytes_per_second=round_to_power_of_two(copy_bytes_per_second) if copy_bytes_per_second else None,
+        copy_bytes_per_second=round_rate(copy_bytes_per_second, down=True) if copy_bytes_per_second else None,
         counts_transient=cuda,
+        attention_shared_copy_bytes=attention_copies - sum(p.attention_copy_bytes for p in profiles),
     )
 
 

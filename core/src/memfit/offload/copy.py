@@ -78,6 +78,7 @@ class Parked:
     stride: tuple[int, ...] | None = None  # None: contiguous
     users: int = 1
     fetches_left: int = 0  # fetches this reload still serves (a shared tensor is reloaded once per backward)
+    storage: weakref.ref | None = None  # the device storage copied from, while any tensor uses it
 
     def alive_source(self) -> torch.Tensor | None:
         t = self.source() if self.source is not None else None
@@ -150,7 +151,8 @@ class CopyEngine:
                 tensor.record_stream(self._d2h)
             total += nbytes
             out.append(Parked(buf, src.shape, src.dtype, tensor.device, nbytes, weakref.ref(tensor),
-                              tensor._version, d2h_done=done, stride=src.stride()))
+                              tensor._version, d2h_done=done, stride=src.stride(),
+                              storage=weakref.ref(tensor.untyped_storage())))
         self.stats.bytes_offloaded += total
         self._track_inflight(done, total, compute)
         return out
@@ -260,7 +262,7 @@ class SyncCopyEngine(CopyEngine):
         host_view(buf, src.dtype, src.shape, src.stride()).copy_(src)
         self.stats.bytes_offloaded += nbytes
         return Parked(buf, src.shape, src.dtype, tensor.device, nbytes, weakref.ref(tensor), tensor._version,
-                      stride=src.stride())
+                      stride=src.stride(), storage=weakref.ref(tensor.untyped_storage()))
 
     def reload(self, parked: Parked) -> None:
         if parked.reloaded is not None or parked.alive_source() is not None:

@@ -5,10 +5,10 @@ Design notes
 One session per applied model. It owns the copy engine, and two things shared by every
 region of a step:
 
-* a **dedup registry** — the same tensor object entering many regions (time embedding,
-  rotary tables, text context) is parked once and shared; tensors below
-  ``min_offload_bytes``, parameters and tensors not on the compute device stay where they
-  are (copying them frees nothing worth a copy);
+* a **dedup registry** — the same data entering many regions (time embedding, rotary
+  tables, text context, one input saved as a new view by each of several ops) is parked
+  once and shared; tensors below ``min_offload_bytes``, parameters and tensors not on the
+  compute device stay where they are (copying them frees nothing worth a copy);
 * a **timeline** of the step's parking regions in forward order. Backward visits them in
   reverse, so when region *i* is first needed, regions *i-1 … i-depth* are reloaded ahead
   (their copies overlap region *i*'s recompute/backward).
@@ -54,7 +54,7 @@ class OffloadSession:
         self.model = model
         self.min_offload_bytes = min_offload_bytes
         self.prefetch_depth = prefetch_depth
-        self._registry: dict[int, Parked] = {}
+        self._registry: dict[tuple, Parked] = {}  # _view_key -> parked copy, this step
         self._pending: list[tuple[OffloadStash, list]] = []
         self._timeline: list[weakref.ref] = []
         self._step_parked: list[weakref.ref] = []
@@ -119,35 +119,42 @@ class OffloadSession:
         return self.park_many([tensor])[0]
 
     def park_many(self, tensors: list[torch.Tensor]) -> list[Parked]:
-        """Park tensors in one batch of copies; a tensor parked earlier this step is shared, not copied."""
-        out: list[Parked | None] = []
+        """Park tensors in one batch of copies; a view parked earlier this step is shared, not copied.
+
+        Shared means the same data: the same storage, offset, shape, strides and dtype. Autograd often saves
+        a fresh view object of one tensor per op (a LoRA layer's input, reshaped for each of q, k and v), so
+        object identity alone would copy the same bytes several times.
+        """
+        slots: list[Parked | int] = []  # a Parked shared from earlier, or an index into ``fresh``
         fresh: list[torch.Tensor] = []
+        batch: dict[tuple, int] = {}
         for tensor in tensors:
-            parked = self._registry.get(id(tensor))
-            if parked is not None and parked.source is not None and parked.source() is tensor \
-                    and parked.version == tensor._version and parked.buffer is not None:
+            key = _view_key(tensor)
+            parked = self._registry.get(key)
+            if parked is not None and _still_parked(parked, tensor):
                 parked.users += 1
                 self.copy.stats.dedup_hits += 1
-                out.append(parked)
-            elif any(t is tensor for t in fresh):
-                out.append(None)  # the same tensor twice in this batch: shared below
+                slots.append(parked)
+            elif key in batch:
+                slots.append(batch[key])
             else:
+                batch[key] = len(fresh)
+                slots.append(len(fresh))
                 fresh.append(tensor)
-                out.append(None)
-        new = dict(zip(map(id, fresh), self.copy.offload_many(fresh), strict=True))
-        for parked in new.values():
+        new = self.copy.offload_many(fresh)
+        for tensor, parked in zip(fresh, new, strict=True):
             self._step_parked.append(weakref.ref(parked))
-        self._registry.update(new)
-        result = []
-        seen: set[int] = set()
-        for tensor, parked in zip(tensors, out, strict=True):
-            if parked is None:
-                parked = new[id(tensor)]
-                if id(tensor) in seen:
+            self._registry[_view_key(tensor)] = parked
+        result, seen = [], set()
+        for slot in slots:
+            if isinstance(slot, int):
+                parked = new[slot]
+                if slot in seen:  # the same view twice in this batch
                     parked.users += 1
                     self.copy.stats.dedup_hits += 1
-                seen.add(id(tensor))
-            result.append(parked)
+                seen.add(slot)
+                slot = parked
+            result.append(slot)
         return result
 
     def unpark(self, parked: Parked) -> None:
@@ -191,6 +198,20 @@ class OffloadSession:
 
     def snapshot_timeline(self) -> list[weakref.ref]:
         return self._timeline
+
+
+def _view_key(tensor: torch.Tensor) -> tuple:
+    """What makes two tensors the same data: storage address, offset, shape, strides, dtype."""
+    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+            tensor.stride(), tensor.dtype)
+
+
+def _still_parked(parked: Parked, tensor: torch.Tensor) -> bool:
+    """``parked`` still holds ``tensor``'s data: its buffer is held, the storage it copied is the tensor's and
+    still alive (so its address was not reused; the view it was copied through may be gone), unmodified since."""
+    storage = parked.storage() if parked.storage is not None else None
+    return (parked.buffer is not None and storage is not None and storage is tensor.untyped_storage()
+            and tensor._version == parked.version)
 
 
 def device_stash_after_parking(session: OffloadSession) -> Callable[[], DeviceStash]:

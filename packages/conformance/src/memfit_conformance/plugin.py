@@ -25,6 +25,24 @@ def pin_sdpa_backend() -> None:
         torch.backends.cuda.enable_cudnn_sdp(False)
 
 
+@pytest.fixture(autouse=True)
+def _memfit_gpu_marked(request: pytest.FixtureRequest):
+    """Tests marked ``gpu``: skip without CUDA (fail under ``MEMFIT_REQUIRE_CUDA``), cuDNN SDPA off, and the
+    cached GPU memory released after each (the next test measures peaks from a clean allocator)."""
+    if request.node.get_closest_marker("gpu") is None:
+        yield
+        return
+    require_cuda()
+    import gc
+
+    import torch
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    yield
+    gc.collect()
+    torch.cuda.empty_cache()
+
+
 def cuda_required() -> bool:
     """True when a missing GPU must fail the GPU tests instead of skipping them (the nox ``gpu`` session)."""
     return os.environ.get("MEMFIT_REQUIRE_CUDA", "") not in ("", "0")
