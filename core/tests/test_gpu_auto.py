@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import memfit
+from memfit.auto import BlockPolicy
 
 memfit_flux = pytest.importorskip("memfit_flux")
 pytestmark = pytest.mark.gpu
@@ -55,7 +56,6 @@ def test_auto_peaks_stay_within_budgets_with_exact_gradients():
     # the unmodified model's own run-to-run difference (0 where the kernels are deterministic)
     noise = max(float((again[n] - g).abs().max()) for n, g in ref.items())
     static = torch.cuda.memory_allocated()
-    offloaded = 0
     for fraction in (0.35, 0.55, 0.8):
         budget = int(static + (none_peak - static) * fraction)
         cfg = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "auto",
@@ -69,5 +69,10 @@ def test_auto_peaks_stay_within_budgets_with_exact_gradients():
         assert grads.keys() == ref.keys()
         worst = max(float((grads[n] - g).abs().max()) for n, g in ref.items())
         assert worst <= 2 * noise, (fraction, worst, noise)
-        offloaded += stats.get("bytes_offloaded", 0)
-    assert offloaded > 0  # some budget made the planner park tensors in pinned memory
+        floor = plan.smallest_peak_bytes
+    # At the planner's own smallest peak only parking block inputs in pinned memory gets there: the copy
+    # engine runs for real, and the tightest budget still holds.
+    peak, grads, plan, stats = run(model, batch, {**cfg, "gradient_checkpointing_memory_budget": floor})
+    assert peak <= floor, (peak, floor, plan.describe())
+    assert any(BlockPolicy(p).copies for p in plan.counts()) and stats["bytes_offloaded"] > 0, plan.counts()
+    assert max(float((grads[n] - g).abs().max()) for n, g in ref.items()) <= 2 * noise

@@ -189,3 +189,24 @@ def test_views_of_the_same_data_are_parked_once():
     assert again is not later and engine.stats.bytes_offloaded == 2 * x.numel() * 4 + 8 * 16 * 4
     for parked in (later, again):
         assert torch.equal(engine.fetch(parked), x.view(-1, 16) if parked is again else x.view(-1, 16) / 2)
+
+
+def test_parameters_are_listed_once_and_relisted_when_one_is_registered(model, x):
+    """The never-park set is built from a cached list of the model's tensors (walking every module each step
+    is slow on big models); registering a parameter anywhere (PEFT adding an adapter) drops the list, and
+    remove() takes the global registration hooks away again."""
+    from torch.nn.modules import module as module_mod
+
+    hooks_before = len(module_mod._global_parameter_registration_hooks)
+    with offload_apply(model, {**ON, "gradient_checkpointing_backend": "unsloth"}) as handle:
+        session = handle._session
+        step(model, x)
+        listed = session._static_tensors
+        assert listed is not None and len(module_mod._global_parameter_registration_hooks) == hooks_before + 1
+        step(model, x)
+        assert session._static_tensors is listed  # not walked again
+        model.blocks[0].extra = torch.nn.Parameter(torch.zeros(4))
+        assert session._static_tensors is None
+        step(model, x)
+        assert any(t is model.blocks[0].extra for t in session._static_tensors)
+    assert len(module_mod._global_parameter_registration_hooks) == hooks_before

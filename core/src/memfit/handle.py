@@ -129,6 +129,7 @@ class MemfitHandle:
             if self._offloader is not None:
                 self._offloader.remove()
         if self._session is not None:
+            self._session.close()
             self._session.copy.pool.clear()  # give idle pinned buffers back to the host
         self.removed = True
         self._on_remove()
