@@ -81,3 +81,24 @@ def test_synthetic_all_regimes_cpu(tmp_path):
         rows = json.loads(p.read_text())["results"][0]["rows"]
         assert [r["mode"] for r in rows][:3] == ["none", "torch-ffn", "torch"] and not any(r["oom"] for r in rows)
         assert (tmp_path / f"{p.stem}.md").exists()
+
+
+def test_host_ram_exhaustion_is_an_oom_row_not_a_crash(monkeypatch):
+    """A mode whose pinned pool runs out of host RAM (attention offload of a video model) is recorded like a
+    GPU OOM, so the other modes of the run still get measured."""
+    import torch
+
+    import memfit
+    from memfit_benchmarks import runner
+    from memfit_benchmarks.report import row_table
+
+    def apply(*args, **kwargs):
+        raise memfit.HostMemoryError("not enough host RAM to pin 256 MiB")
+
+    monkeypatch.setattr(runner.memfit, "apply", apply)
+    model = torch.nn.Linear(4, 4)
+    mode = runner.Mode("offload_attention", {"gradient_checkpointing_offload_attention": True})
+    row = runner.measure_mode(model, {"input": torch.randn(2, 4)}, lambda out: out.sum(), mode, adapter=None,
+                              warmup=1, steps=1)
+    assert row["oom"] and row["oom_where"] == "host" and "host RAM" in row["error"]
+    assert "| offload_attention | OOM (host RAM) |" in "\n".join(row_table([row]))

@@ -134,3 +134,24 @@ def test_unsloth_peak_is_below_torch_by_the_parked_inputs():
     parked = stats["bytes_offloaded"]
     assert parked > 0
     assert unsloth_peak <= torch_peak - 0.9 * parked + 8 * 2**20, (torch_peak, unsloth_peak, parked)
+
+
+def test_pinned_host_buffers_are_exact_and_copy_asynchronously():
+    """The pool pins with cudaHostRegister: an odd-sized request pins exactly its bytes (PyTorch's
+    pin_memory=True would pin the next power of two), copies both ways are asynchronous and exact."""
+    from memfit.offload.hostmem import allocate_host
+
+    nbytes = (137 << 20) + 5
+    buf = allocate_host(nbytes, True)
+    assert buf.is_pinned() and buf.numel() == nbytes and buf.untyped_storage().nbytes() == nbytes
+    src = torch.randint(0, 255, (nbytes,), dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        buf.copy_(src, non_blocking=True)
+        back = torch.empty_like(src).copy_(buf, non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(back, src)
+    del buf
+    gc.collect()  # unregisters; pinning the same amount again must work
+    assert allocate_host(nbytes, True).is_pinned()

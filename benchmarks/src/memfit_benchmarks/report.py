@@ -25,7 +25,7 @@ def row_table(rows: list[dict[str, Any]]) -> list[str]:
     ]
     for r in rows:
         if r.get("oom"):
-            lines.append(f"| {r['mode']} | OOM | | | | | | | | | |")
+            lines.append(f"| {r['mode']} | {_oom(r)} | | | | | | | | | |")
             continue
         lines.append(
             f"| {r['mode']} | {r['step_s']:.4f} | {_fmt(r, 'x_none')} | {_fmt(r, 'x_torch')} | "
@@ -236,7 +236,7 @@ def auto_table(payload: dict[str, Any]) -> list[str]:
             lines.append(head + f"| unreachable (smallest {b(r.get('smallest_peak_bytes'))}) | | | | | | |")
             continue
         if r.get("oom"):
-            lines.append(head + "| OOM | | | | | | |")
+            lines.append(head + f"| {_oom(r)} | | | | | | |")
             continue
         counts = ", ".join(f"{k} {v}" for k, v in (r.get("plan_counts") or {}).items()) or "-"
         lines.append(head + f"| {r['step_s']:.4f} | {_fmt(r, 'speedup')} | {b(r.get('memory_bytes'))} | "
@@ -281,3 +281,8 @@ def render_auto_markdown(payload: dict[str, Any]) -> str:
     if skipped:
         lines += ["Skipped: " + "; ".join(f"{m} ({why})" for m, why in skipped.items()) + ".", ""]
     return "\n".join(lines)
+
+
+def _oom(row: dict) -> str:
+    """The cell of a row that did not fit: on the GPU, or in host RAM (the offload pool)."""
+    return "OOM (host RAM)" if row.get("oom_where") == "host" else "OOM"

@@ -113,7 +113,8 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
                  adapter: FamilyAdapter | None, warmup: int = 2, steps: int = 5,
                  optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None,
                  inspect: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
-    """One row: median step time, peaks, offload telemetry. OOM is recorded, not raised.
+    """One row: median step time, peaks, offload telemetry. OOM is recorded, not raised (GPU memory, or host RAM
+    for the offload pool: ``oom_where: "host"``).
 
     On CUDA the step is timed with CUDA events and peaks come from the caching allocator; on any other
     device the step is timed with ``time.perf_counter`` and the peaks are ``None`` (CPU smoke runs).
@@ -130,6 +131,7 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
     handle = None
     optimizer = None
     oom = False
+    host_error: str | None = None
     try:
         handle = memfit.apply(model, mode.config, adapter=adapter) if mode.config else None
         optimizer = optimizer_factory() if optimizer_factory is not None else None
@@ -204,6 +206,8 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
         return row
     except torch.OutOfMemoryError:
         oom = True  # the traceback (and the activations its frames hold) is released when this clause ends
+    except memfit.HostMemoryError as exc:  # the offload pool ran out of host RAM: this mode does not fit either
+        oom, host_error = True, str(exc)
     finally:
         model.zero_grad(set_to_none=True)
         for value in inputs.values():
@@ -218,6 +222,8 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
     assert oom
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    if host_error is not None:
+        return {"mode": mode.name, "config": mode.config, "oom": True, "oom_where": "host", "error": host_error}
     return {"mode": mode.name, "config": mode.config, "oom": True}
 
 

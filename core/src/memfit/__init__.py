@@ -15,6 +15,7 @@ from memfit.config import Backend, MemfitConfig
 from memfit.errors import (
                            BudgetError,
                            ConfigError,
+                           HostMemoryError,
                            MemfitError,
                            MemfitWarning,
                            NotAvailableError,
@@ -30,6 +31,7 @@ __all__ = [
     "BlockSpec",
     "ConfigError",
     "FamilyAdapter",
+    "HostMemoryError",
     "MemfitConfig",
     "MemfitError",
     "MemfitHandle",

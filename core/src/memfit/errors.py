@@ -27,6 +27,10 @@ class NotAvailableError(MemfitError):
     """A feature that exists in the config schema but cannot run here."""
 
 
+class HostMemoryError(MemfitError):
+    """The offload pool cannot get the host memory a parked tensor needs (host RAM, its cap, or pinning)."""
+
+
 class MemfitWarning(UserWarning):
     """A setting was ignored or disabled on purpose (e.g. interval on a family without interval support)."""
 

@@ -34,12 +34,10 @@ that says what was needed, what was available and the fixes. Pageable memory is
 not page-locked (the kernel can reclaim or swap it), so it need not leave the
 reserve free; it must still fit in what is available at all.
 
-Footprint.  The default allocator pins through PyTorch's caching host allocator,
-which rounds each pinned request up to a power of two and caches freed blocks.
-The pool counts that real footprint against the cap and the host check, and after
-freeing pinned buffers it empties PyTorch's host cache, so an eviction really
-returns memory to the OS (:mod:`memfit.offload.hostmem`). An injected allocator is
-counted at its class size and nothing is emptied.
+Footprint.  The default allocator pins exactly what it is asked for
+(:func:`memfit.offload.hostmem.allocate_host`); an injected allocator can say what it
+really pins (``footprint=``, e.g. :func:`~memfit.offload.hostmem.torch_pinned_footprint`
+for ``pin_memory=True``), and that is what counts against the cap and the host check.
 
 Ownership.  Every buffer handed out is tracked until released; releasing one
 twice, or one from another pool, raises. :meth:`PinnedBucketPool.release_all` and
@@ -66,7 +64,7 @@ from typing import Any, Protocol
 
 import torch
 
-from memfit.errors import ConfigError, MemfitError, MemfitWarning
+from memfit.errors import ConfigError, HostMemoryError, MemfitError, MemfitWarning
 from memfit.offload import hostmem
 
 CLASSES_PER_DOUBLING = 8
@@ -236,10 +234,6 @@ def _identity(n: int) -> int:
     return n
 
 
-def _noop() -> None:
-    return None
-
-
 class PinnedBucketPool:
     """Pinned host buffers in size classes, reused across training steps.
 
@@ -253,12 +247,10 @@ class PinnedBucketPool:
             default :func:`~memfit.offload.hostmem.default_host_reserve` (10% of the
             host, at least 2 GiB).
         allocate: ``(nbytes, pinned) -> 1-D uint8 CPU tensor``; default
-            ``torch.empty(n, dtype=torch.uint8, pin_memory=pinned)``.
+            :func:`~memfit.offload.hostmem.allocate_host` (``cudaHostRegister``, exact size).
         available_host_bytes: ``() -> bytes of RAM available``; default reads
             ``MemAvailable`` (:func:`~memfit.offload.hostmem.available_host_bytes`).
-        footprint: ``nbytes -> bytes really pinned``; default: the power-of-two
-            rounding of PyTorch's host allocator with the default ``allocate``, the
-            request itself with an injected one.
+        footprint: ``nbytes -> bytes really pinned``; default: the request itself.
         classes_per_doubling: size classes per power of two (waste ≤ 1/this).
     """
 
@@ -296,10 +288,7 @@ class PinnedBucketPool:
         self.classes_per_doubling = k
         self._allocate = hostmem.allocate_host if default_alloc else allocate
         self._available = hostmem.available_host_bytes if available_host_bytes is None else available_host_bytes
-        if footprint is None:
-            footprint = hostmem.torch_pinned_footprint if default_alloc else _identity
-        self._footprint = footprint
-        self._trim = hostmem.release_cached_pinned if default_alloc else _noop
+        self._footprint = _identity if footprint is None else footprint
 
         self._lock = threading.RLock()
         self._buckets: OrderedDict[int, _Bucket] = OrderedDict()  # least recently used first
@@ -403,8 +392,6 @@ class PinnedBucketPool:
             freed = 0
             for c in list(self._buckets):
                 freed += self._free_idle_of(c, None, evicted=False)
-            if freed:
-                self._trim()
             return freed
 
     def __repr__(self) -> str:
@@ -493,8 +480,6 @@ class PinnedBucketPool:
                 break
             if c != exclude:
                 freed += self._free_idle_of(c, target - freed)
-        if freed:
-            self._trim()
         return freed
 
     def _evict_lru_class(self) -> bool:
@@ -503,7 +488,6 @@ class PinnedBucketPool:
         if victim is None:
             return False
         self._free_idle_of(victim, None)
-        self._trim()
         return True
 
     def _headroom(self) -> int:
@@ -555,7 +539,7 @@ class PinnedBucketPool:
 
     def _fall_back(self, nbytes: int, problem: str, cause: BaseException | None) -> HostBuffer:
         if not self.pageable_fallback:
-            raise MemfitError(f"{problem}. {_PIN_FIXES if cause is not None else _FIXES}") from cause
+            raise HostMemoryError(f"{problem}. {_PIN_FIXES if cause is not None else _FIXES}") from cause
         buf = self._pageable(nbytes, problem)
         self.fallbacks += 1
         if not self._warned_fallback:
@@ -584,7 +568,7 @@ class PinnedBucketPool:
         available = int(self._available())
         if nbytes > available:
             why = f"{problem}; " if problem else ""
-            raise MemfitError(
+            raise HostMemoryError(
                 f"{why}not enough host RAM even for a pageable buffer: an offloaded tensor needs "
                 f"{_fmt(nbytes)}, {_fmt(max(0, available))} is available. Lower the resolution or the batch "
                 f"size, offload less (a torch / torch-ffn backend keeps activations on the GPU), or free "
