@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.distributed import is_fsdp_module
 from memfit.engine import state
 from memfit.engine.install import eager_hook
 from memfit.engine.stash import DeviceStash
@@ -64,6 +65,8 @@ class OffloadSession:
         # every step cost ~10 ms of host time. A parameter or buffer registered anywhere (PEFT adding
         # adapters) drops the list; storages are re-read every step (``.to()`` swaps them in place).
         self._static_tensors: list[torch.Tensor] | None = None
+        # memfit goes on after fully_shard (a later one is refused): sharding is known from here on
+        self._sharded = any(is_fsdp_module(m) for m in model.modules())
         self._registration_hooks: list[Any] = []  # registered at the first step, removed by close()
 
     # -- step boundaries (called by the engine's model hooks) -----------------------------------------------------
@@ -98,8 +101,10 @@ class OffloadSession:
 
         FSDP2 swaps in all-gathered (unsharded) parameters for each call and frees them afterwards, so
         they are looked up per call; replaced, not accumulated (a freed address may later hold an activation).
+        An unsharded model's parameters are all in the step's set already: nothing to walk per call.
         """
-        self._call_param_storages = _storage_ptrs(module.parameters())
+        if self._sharded:
+            self._call_param_storages = _storage_ptrs(module.parameters())
 
     def end_step(self) -> None:
         # The last region's entries were never parked: backward needs them first, so a round trip
