@@ -112,6 +112,9 @@ def test_auto_sweep_with_a_stand_in_planner(tmp_path, monkeypatch):
     assert low["unreachable"] and low["smallest_peak_bytes"] == refused[0] + 1
     assert floor["planner_floor"] and floor["budget_bytes"] == refused[0] + 1  # one more row at the planner's floor
     assert all("speedup" in r and r["plan_counts"] == {"block": 1} for r in [floor, *rest])
+    for r in [floor, *rest]:  # compared with the fixed mode measured again right after the auto row
+        assert r["speedup"] == pytest.approx(r["best_fixed"]["step_s_adjacent"] / r["step_s"])
+        assert r["speedup_vs_first_fixed_run"] == pytest.approx(r["best_fixed"]["step_s"] / r["step_s"])
     torch_held = next(r["held_bytes"] for r in data["fixed_rows"] if r["mode"] == "torch")
     assert all(r["memory_bytes"] == torch_held for r in [floor, *rest])
     reaches = data["checks"][3]

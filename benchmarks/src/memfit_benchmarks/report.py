@@ -231,7 +231,10 @@ def auto_table(payload: dict[str, Any]) -> list[str]:
     for r in payload.get("auto_rows", []):
         fixed = r.get("best_fixed") or {}
         floor = " (planner's smallest)" if r.get("planner_floor") else ""
-        head = f"| {b(r['budget_bytes'])}{floor} | {fixed.get('mode', '-')} | {_fmt(fixed, 'step_s', digits=4)} "
+        step = _fmt(fixed, "step_s", digits=4)
+        if "step_s_adjacent" in fixed:  # measured again right after auto (compared), first measurement after
+            step = f"{fixed['step_s_adjacent']:.4f} ({step})"
+        head = f"| {b(r['budget_bytes'])}{floor} | {fixed.get('mode', '-')} | {step} "
         if r.get("unreachable"):
             lines.append(head + f"| unreachable (smallest {b(r.get('smallest_peak_bytes'))}) | | | | | | |")
             continue
@@ -263,7 +266,8 @@ def render_auto_markdown(payload: dict[str, Any]) -> str:
         lines += [f"{len(payload['budgets'])} budgets evenly spaced from {payload['low_bytes'] / scale:.3f} {unit} "
                   f"(smallest fixed-mode figure, `{payload['low_mode']}`, included) to "
                   f"{payload['high_bytes'] / scale:.3f} {unit} ({payload['high_source']}, excluded). `speedup` = "
-                  "fixed step / auto step; the warm-up peak includes the planning (profiling) forward. When the "
+                  "fixed step / auto step, the fixed mode measured again right after the auto row where the run did "
+                  "(its first measurement in brackets); the warm-up peak includes the planning (profiling) forward. When the "
                   "planner refuses a budget, one more row runs at the smallest peak it reported (if below the high "
                   "end).", ""]
     if payload.get("auto_rows"):
