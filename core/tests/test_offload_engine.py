@@ -210,3 +210,22 @@ def test_parameters_are_listed_once_and_relisted_when_one_is_registered(model, x
         step(model, x)
         assert any(t is model.blocks[0].extra for t in session._static_tensors)
     assert len(module_mod._global_parameter_registration_hooks) == hooks_before
+
+
+def test_a_model_dropped_without_remove_is_not_kept_alive_by_the_registration_hooks(x):
+    import weakref
+
+    from torch.nn.modules import module as module_mod
+
+    from toy import build
+
+    hooks_before = len(module_mod._global_parameter_registration_hooks)
+    model = build()
+    handle = offload_apply(model, {**ON, "gradient_checkpointing_backend": "unsloth"})
+    step(model, x)
+    assert len(module_mod._global_parameter_registration_hooks) == hooks_before + 1
+    alive = weakref.ref(model)
+    del model, handle
+    gc.collect()
+    assert alive() is None
+    assert len(module_mod._global_parameter_registration_hooks) == hooks_before

@@ -24,7 +24,8 @@ from memfit.offload.copy import CopyEngine
 from memfit.offload.pool import PinnedBucketPool
 from memfit.offload.session import AttentionOffloader, OffloadSession, OffloadStash
 
-_applied: weakref.WeakKeyDictionary[nn.Module, MemfitHandle] = weakref.WeakKeyDictionary()
+# models with memfit on; weak, and holding nothing that refers back to the model (a handle would keep it alive)
+_applied: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
 def apply(model: nn.Module, config: MemfitConfig | Mapping[str, Any] | str | None = None, /, *,
@@ -90,9 +91,9 @@ def apply(model: nn.Module, config: MemfitConfig | Mapping[str, Any] | str | Non
         engine._handles.append(ShardOrderGuard(model, _watched_blocks(model, adapter)).install())
     if offloader is not None:
         offloader.install()
-    handle = MemfitHandle(model, cfg, family, engine, on_remove=lambda: _applied.pop(model, None),
+    handle = MemfitHandle(model, cfg, family, engine, on_remove=lambda: _applied.discard(model),
                           session=session, offloader=offloader)
-    _applied[model] = handle
+    _applied.add(model)
     return handle
 
 
@@ -121,9 +122,9 @@ def _apply_auto(model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapter | No
     controller = AutoController(model, adapter, budget, session=session, min_offload_bytes=min_offload_bytes)
     controller.install()
     controller.keep_until_removed(ShardOrderGuard(model, _watched_blocks(model, adapter)).install())
-    handle = MemfitHandle(model, cfg, adapter.name, None, on_remove=lambda: _applied.pop(model, None),
+    handle = MemfitHandle(model, cfg, adapter.name, None, on_remove=lambda: _applied.discard(model),
                           session=session, auto=controller)
-    _applied[model] = handle
+    _applied.add(model)
     return handle
 
 

@@ -78,10 +78,12 @@ class OffloadSession:
         self._step_parked = []
         self._pending = []
         if not self._registration_hooks:
-            self._registration_hooks = [
-                torch.nn.modules.module.register_module_parameter_registration_hook(self._tensors_registered),
-                torch.nn.modules.module.register_module_buffer_registration_hook(self._tensors_registered),
-            ]
+            # global hooks: held weakly (a model dropped without remove() must not be kept alive by them),
+            # and removed with the session if remove() is never called
+            hook = _weak_hook(self._tensors_registered)
+            self._registration_hooks += [torch.nn.modules.module.register_module_parameter_registration_hook(hook),
+                                         torch.nn.modules.module.register_module_buffer_registration_hook(hook)]
+            weakref.finalize(self, _remove_hooks, self._registration_hooks)
         if self._static_tensors is None:
             self._static_tensors = [*self.model.parameters(), *self.model.buffers()]
         self._param_storages = _storage_ptrs(self._static_tensors)
@@ -91,9 +93,7 @@ class OffloadSession:
 
     def close(self) -> None:
         """Remove the registration hooks (the handle's ``remove()``)."""
-        for h in self._registration_hooks:
-            h.remove()
-        self._registration_hooks.clear()
+        _remove_hooks(self._registration_hooks)
         self._static_tensors = None
 
     def note_parameters(self, module: nn.Module) -> None:
@@ -225,6 +225,23 @@ class OffloadSession:
 
     def snapshot_timeline(self) -> list[weakref.ref]:
         return self._timeline
+
+
+def _weak_hook(method: Callable[..., None]) -> Callable[..., None]:
+    """A hook that calls ``method`` while its object lives, without keeping it alive."""
+    ref = weakref.WeakMethod(method)
+
+    def hook(*args: Any) -> None:
+        bound = ref()
+        if bound is not None:
+            bound(*args)
+    return hook
+
+
+def _remove_hooks(handles: list[Any]) -> None:
+    for h in handles:
+        h.remove()
+    handles.clear()
 
 
 def _view_key(tensor: torch.Tensor) -> tuple:
