@@ -11,8 +11,10 @@ fastest fixed mode that fits, the fixed modes as labelled points at their peak.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import re
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -29,14 +31,28 @@ def _slug(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
 
 
-def plot_rows(rows: list[dict[str, Any]], title: str, path: Path) -> Path:
-    """Peak allocated memory vs step time, one labelled point per mode; OOM modes in the title."""
-    plt = _pyplot()
+@contextlib.contextmanager
+def _figure(path: Path) -> Iterator[Any]:
+    """One plot's axes; the figure is written to ``path`` when the block ends, and closed either way."""
+    import matplotlib
 
-    ooms = [r["mode"] for r in rows if r.get("oom")]
-    measured = [r for r in rows if not r.get("oom") and "step_s" in r]
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(8, 5.5))
     try:
+        yield ax
+        fig.tight_layout()
+        fig.savefig(path, dpi=120)
+    finally:
+        plt.close(fig)
+
+
+def plot_rows(rows: list[dict[str, Any]], title: str, path: Path) -> Path:
+    """Peak allocated memory vs step time, one labelled point per mode; OOM modes in the title."""
+    ooms = [r["mode"] for r in rows if r.get("oom")]
+    measured = [r for r in rows if not r.get("oom") and "step_s" in r]
+    with _figure(path) as ax:
         no_peak = [r for r in measured if r.get("peak_allocated") is None]
         for r in measured:
             if r.get("peak_allocated") is None:
@@ -56,30 +72,15 @@ def plot_rows(rows: list[dict[str, Any]], title: str, path: Path) -> Path:
         ax.grid(True, alpha=0.3)
         full_title = title + (f"\nOOM: {', '.join(ooms)}" if ooms else "")
         ax.set_title(full_title, fontsize=10)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-    finally:
-        plt.close(fig)
     return path
-
-
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    return plt
 
 
 def plot_auto(payload: dict[str, Any], path: Path) -> Path:
     """Step time against memory budget: ``auto`` at each budget, the fastest fixed mode that fits it, and every
     fixed mode as a labelled point at its own peak (held bytes off CUDA)."""
-    plt = _pyplot()
     scale, unit = auto_unit(payload)
     rows = payload.get("auto_rows", [])
-    fig, ax = plt.subplots(figsize=(8, 5.5))
-    try:
+    with _figure(path) as ax:
         for r in payload.get("fixed_rows", []):
             memory = r.get("peak_allocated") if r.get("peak_allocated") is not None else r.get("held_bytes")
             if r.get("oom") or memory is None:
@@ -115,10 +116,6 @@ def plot_auto(payload: dict[str, Any], path: Path) -> Path:
             title += "\nno auto step at: " + ", ".join(
                 f"{r['budget_bytes'] / scale:.2f} ({'unreachable' if r.get('unreachable') else 'OOM'})" for r in bad)
         ax.set_title(title, fontsize=10)
-        fig.tight_layout()
-        fig.savefig(path, dpi=120)
-    finally:
-        plt.close(fig)
     return path
 
 

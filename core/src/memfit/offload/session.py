@@ -154,7 +154,7 @@ class OffloadSession:
         """
         slots: list[Parked | int] = []  # a Parked shared from earlier, or an index into ``fresh``
         fresh: list[torch.Tensor] = []
-        batch: dict[tuple, int] = {}
+        batch: dict[tuple, int] = {}  # view key -> index into ``fresh``
         for tensor in tensors:
             key = _view_key(tensor)
             parked = self._registry.get(key)
@@ -169,9 +169,9 @@ class OffloadSession:
                 slots.append(len(fresh))
                 fresh.append(tensor)
         new = self.copy.offload_many(fresh)
-        for tensor, parked in zip(fresh, new, strict=True):
+        for key, parked in zip(batch, new, strict=True):  # dicts keep insertion order: the order of ``fresh``
             self._step_parked.append(weakref.ref(parked))
-            self._registry[_view_key(tensor)] = parked
+            self._registry[key] = parked
         result, seen = [], set()
         for slot in slots:
             if isinstance(slot, int):
