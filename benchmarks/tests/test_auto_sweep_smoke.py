@@ -29,7 +29,11 @@ def _check_output(path, tmp_path, budgets=2):
     assert "unsloth" in data["skipped"] and "offload_attention" in data["skipped"]
     none = next(r for r in data["fixed_rows"] if r["mode"] == "none")
     assert data["high_bytes"] == none["held_bytes"] and data["low_bytes"] < data["high_bytes"]
-    assert len(data["budgets"]) == budgets and data["budgets"][0] == data["low_bytes"]
+    spread = [b for b in data["budgets"] if b not in data["gap_budgets"]]
+    assert len(spread) == budgets and data["budgets"][0] == data["low_bytes"]
+    assert data["gap_budgets"] and set(data["gap_budgets"]) <= set(data["budgets"])
+    for gap in data["gap_budgets"]:  # each 1% below a fixed mode's memory: that mode does not fit it
+        assert any(gap == int(r["held_bytes"] * 0.99) for r in data["fixed_rows"])
     assert [r["budget_bytes"] for r in data["auto_rows"] if not r.get("planner_floor")] == data["budgets"]
     assert [r["budget_bytes"] for r in data["auto_rows"]] == sorted(r["budget_bytes"] for r in data["auto_rows"])
     for r in data["auto_rows"]:
@@ -122,15 +126,21 @@ def test_auto_sweep_with_a_stand_in_planner(tmp_path, monkeypatch):
 
 
 def test_budgets_and_fastest_fitting_fixed_mode():
-    from memfit_benchmarks.auto_sweep import best_fixed, spread_budgets
+    from memfit_benchmarks.auto_sweep import best_fixed, frontier, gap_budgets, spread_budgets
 
     assert spread_budgets(100, 200, 4) == [100, 125, 150, 175]
     rows = [{"mode": "none", "step_s": 1.0, "peak_allocated": 200, "oom": False},
             {"mode": "torch-ffn", "step_s": 1.1, "peak_allocated": 150, "oom": False},
+            {"mode": "torch interval 2", "step_s": 1.5, "peak_allocated": 160, "oom": False},  # beaten twice
             {"mode": "torch", "step_s": 1.4, "peak_allocated": 100, "oom": False},
             {"mode": "unsloth", "oom": True}]
     assert best_fixed(rows, 120)["mode"] == "torch" and best_fixed(rows, 150)["mode"] == "torch-ffn"
     assert best_fixed(rows, 99) is None
+    assert [r["mode"] for r in frontier(rows)] == ["torch", "torch-ffn", "none"]
+    # 1% below each step but the lowest; where none fits, its step is the high end itself
+    assert gap_budgets(rows, 100, 200) == [148, 198]
+    # none out of memory: the card's size (the high end) is the last step
+    assert gap_budgets([r for r in rows if r["mode"] != "none"], 100, 1000) == [148, 990]
 
 
 def test_checks_tolerance_and_peaks():

@@ -132,7 +132,25 @@ def test_profiled_attention_copy_bytes_equal_what_offload_attention_copies():
         stats = handle.stats()
     assert stats["dedup_hits"] > 0  # the shared views were seen, and copied once
     assert predicted == stats["bytes_offloaded"] > 0
+    # and its host work by every saved tensor the hooks handle (repeated views included)
+    saves = sum(b.attention_saves for b in profile.blocks) + profile.attention_shared_saves
+    assert saves == stats["attention_tensors_parked"] > len(profile.blocks)
     assert sum(b.attention_copy_bytes for b in profile.blocks) >= sum(b.attention_bytes for b in profile.blocks)
+
+
+def test_backward_to_forward_counts_the_weights_that_train(model):
+    """1 + the trainable share of the blocks' weights: ~1 for a frozen base (only input gradients), 2 when
+    every weight trains."""
+    batch = inputs(model)
+    full = profile_model(model, ADAPTER, (), batch, min_offload_bytes=0, copy_bytes_per_second=None)
+    assert full.backward_to_forward == 2.0
+    try:
+        for _, _, block in ADAPTER.iter_blocks(model):
+            block.requires_grad_(False)
+        frozen = profile_model(model, ADAPTER, (), batch, min_offload_bytes=0, copy_bytes_per_second=None)
+    finally:
+        model.requires_grad_(True)
+    assert frozen.backward_to_forward == 1.0
 
 
 def test_budget_below_any_plan_names_the_smallest_peak(model, reference):

@@ -16,18 +16,20 @@ from memfit.errors import BudgetError
 MiB = 1 << 20
 
 
-def block(i: int, saved: int, ffn: int, attention: int, flops: int = 10**12, copied: int | None = None) -> BlockProfile:
+def block(i: int, saved: int, ffn: int, attention: int, flops: int = 10**12, copied: int | None = None,
+          saves: int = 0) -> BlockProfile:
     return BlockProfile(path="blocks", index=i, saved_bytes=saved * MiB, input_bytes=8 * MiB,
                         input_parkable_bytes=8 * MiB, ffn_saved_bytes=ffn * MiB, ffn_input_bytes=8 * MiB,
                         ffn_input_parkable_bytes=8 * MiB, attention_bytes=attention * MiB,
                         attention_copy_bytes=(attention if copied is None else copied) * MiB, flops=flops,
-                        ffn_flops=flops // 2, has_ffn=True, has_attention=True)
+                        ffn_flops=flops // 2, has_ffn=True, has_attention=True, attention_saves=saves)
 
 
-def profile(blocks, *, cuda=True, bandwidth=50e9) -> ModelProfile:
+def profile(blocks, *, cuda=True, bandwidth=50e9, backward_to_forward=2.0) -> ModelProfile:
     return ModelProfile(blocks=tuple(blocks), device="cuda:0" if cuda else "cpu", static_bytes=1000 * MiB if cuda else 0,
                         outside_bytes=16 * MiB, workspace_bytes=64 * MiB if cuda else 0, flops_per_second=1e14,
-                        copy_bytes_per_second=bandwidth, counts_transient=cuda)
+                        copy_bytes_per_second=bandwidth, counts_transient=cuda,
+                        backward_to_forward=backward_to_forward)
 
 
 def everything(b: BlockProfile) -> tuple[BlockPolicy, ...]:
@@ -95,6 +97,31 @@ def test_slow_copies_are_avoided():
                          allowed=everything)
     assert fast.copied_bytes > 0
     assert slow.copied_bytes < fast.copied_bytes
+
+
+def test_attention_offload_is_charged_per_saved_tensor():
+    """Each tensor attention offload parks goes through Python hooks twice: a region saving many small tensors
+    costs host time its copy time does not show, and FFN recompute can be the cheaper way to the same bytes."""
+    def cost(saves: int) -> float:
+        b = block(0, 100, 40, 40, saves=saves)  # forward 10 ms, its FFN half 5 ms
+        return {c.policy: c.seconds for c in block_choices(b, profile([b], bandwidth=1e12), everything(b))}
+
+    few, many = cost(2), cost(400)
+    assert many[BlockPolicy.ATTENTION_OFFLOAD] > few[BlockPolicy.ATTENTION_OFFLOAD]
+    assert many[BlockPolicy.FFN] == few[BlockPolicy.FFN]  # recompute does not touch saved tensors one by one
+    assert few[BlockPolicy.ATTENTION_OFFLOAD] < few[BlockPolicy.FFN] < many[BlockPolicy.ATTENTION_OFFLOAD]
+
+
+def test_a_shorter_backward_hides_less_of_the_reload():
+    """With a frozen base the backward is about as long as the forward (no weight gradients): a reload that
+    hides behind a full fine-tune's backward (twice the forward) is partly exposed there."""
+    b = block(0, 100, 40, 40, flops=10**10, copied=60)  # copy 60 MiB at 50 GB/s = 1.26 ms, forward 0.1 ms
+
+    def exposed(ratio: float) -> float:
+        choices = block_choices(b, profile([b], backward_to_forward=ratio), everything(b))
+        return next(c.seconds for c in choices if c.policy is BlockPolicy.ATTENTION_OFFLOAD)
+
+    assert exposed(1.0) > exposed(2.0) > 0
 
 
 def test_unreachable_budget_names_the_smallest_peak():

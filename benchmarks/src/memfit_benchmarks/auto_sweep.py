@@ -6,7 +6,8 @@
 Per target, in one process on one model: (1) every fixed mode of ``runner.MODES`` the target supports
 (``families.skip_reason``: no offload off CUDA, ...), each with ``runner.measure_mode``; (2) ``--budgets``
 budgets evenly spaced from the smallest fixed-mode peak (included) up to the ``none`` peak (excluded; the
-device's memory when ``none`` runs out of memory); (3) at each budget, ``measure_mode`` with
+device's memory when ``none`` runs out of memory), and one budget 1% below each step of the fixed modes'
+frontier (``gap_budgets``: where fixed modes fall back to a slower one; ``--no-gaps`` to skip); (3) at each budget, ``measure_mode`` with
 ``gradient_checkpointing_backend: auto`` at that budget (its first warm-up step makes the plan, with one
 profiling forward), recording step time, peak, whether the peak is within the budget, the plan, and the
 fastest fixed mode whose peak fits the same budget. A budget the planner cannot reach is an ``unreachable``
@@ -62,6 +63,28 @@ def auto_config(budget: int) -> dict[str, Any]:
 def spread_budgets(low: int, high: int, n: int) -> list[int]:
     """``n`` budgets evenly spaced from ``low`` (included) to ``high`` (excluded)."""
     return [int(low + (high - low) * i / n) for i in range(n)]
+
+
+GAP_MARGIN = 0.01  # a gap budget sits this share of the fixed mode's memory below it
+
+
+def frontier(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The fixed modes no other mode beats on both memory and time, by memory (each faster than the last)."""
+    out: list[dict[str, Any]] = []
+    for r in sorted((r for r in rows if memory_of(r) is not None), key=lambda r: (memory_of(r), r["step_s"])):
+        if not out or r["step_s"] < out[-1]["step_s"]:
+            out.append(r)
+    return out
+
+
+def gap_budgets(rows: list[dict[str, Any]], low: int, high: int) -> list[int]:
+    """Budgets just below each step of the fixed modes' frontier (and below ``high``): where a user of fixed
+    modes must fall back to the next slower one, so a per-block plan has the most to win. A job that *almost*
+    fits is the common case, and this is exactly it."""
+    edges = [memory_of(r) for r in frontier(rows)[1:]]
+    if not any(r["mode"] == "none" and memory_of(r) is not None for r in rows):
+        edges.append(high)  # none ran out of memory: the card's size is the last step
+    return sorted({int(m * (1 - GAP_MARGIN)) for m in edges if low < int(m * (1 - GAP_MARGIN)) < high})
 
 
 def memory_of(row: dict[str, Any]) -> int | None:
@@ -235,7 +258,10 @@ def run_target(name: str, args: argparse.Namespace, device: torch.device, env: d
             if fixed_done is not None:
                 fixed_done(payload)
             payload.update(budget_range(payload["fixed_rows"], device))
-            payload["budgets"] = spread_budgets(payload["low_bytes"], payload["high_bytes"], args.budgets)
+            budgets = spread_budgets(payload["low_bytes"], payload["high_bytes"], args.budgets)
+            payload["gap_budgets"] = gap_budgets(payload["fixed_rows"], payload["low_bytes"],
+                                                 payload["high_bytes"]) if args.gaps else []
+            payload["budgets"] = sorted({*budgets, *payload["gap_budgets"]})
             save(payload)
             for budget in _progress(payload["budgets"], desc=f"{name} auto", unit="budget"):
                 payload["auto_rows"].append(measure.auto(budget, payload["fixed_rows"]))
@@ -264,7 +290,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--out", required=True)
     parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
                         help=f"comma-separated: {', '.join(SYNTHETIC_TARGETS)} or installed family names")
-    parser.add_argument("--budgets", type=int, default=6, help="budgets per target")
+    parser.add_argument("--budgets", type=int, default=6, help="evenly spaced budgets per target")
+    parser.add_argument("--no-gaps", dest="gaps", action="store_false",
+                        help="skip the budgets just below each step of the fixed modes' frontier")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2,
                         help="warm-up steps per row (with auto, the first one includes the profiling forward)")
@@ -281,8 +309,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     unknown = [t for t in args.targets if t not in SYNTHETIC_TARGETS and t not in installed]
     if unknown:
         parser.error(f"unknown target(s) {unknown}: {sorted(SYNTHETIC_TARGETS)} or one of {sorted(installed)}")
-    if args.budgets < 1 or args.warmup < 1:
-        parser.error("--budgets and --warmup must be at least 1 (auto plans during the first warm-up step)")
+    if args.budgets < 0 or (args.budgets == 0 and not args.gaps):
+        parser.error("--budgets must be at least 1 (or 0 with the frontier-gap budgets)")
+    if args.warmup < 1:
+        parser.error("--warmup must be at least 1 (auto plans during the first warm-up step)")
     return args
 
 

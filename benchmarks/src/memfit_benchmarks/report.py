@@ -226,25 +226,29 @@ def auto_table(payload: dict[str, Any]) -> list[str]:
         return "-" if value is None else f"{value / scale:.3f}"
 
     lines = [f"| budget {unit} | fastest fixed mode that fits | its step s | auto step s | speedup | auto {mem} {unit} "
-             f"| within budget | plan counts | predicted peak {unit} | warm-up peak {unit} |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             f"| within budget | plan counts | predicted peak {unit} | warm-up peak {unit} | predicted extra ms |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
+    gaps = set(payload.get("gap_budgets") or ())
     for r in payload.get("auto_rows", []):
         fixed = r.get("best_fixed") or {}
-        floor = " (planner's smallest)" if r.get("planner_floor") else ""
+        floor = " (planner's smallest)" if r.get("planner_floor") else " (gap)" if r["budget_bytes"] in gaps else ""
         step = _fmt(fixed, "step_s", digits=4)
         if "step_s_adjacent" in fixed:  # measured again right after auto (compared), first measurement after
             step = f"{fixed['step_s_adjacent']:.4f} ({step})"
         head = f"| {b(r['budget_bytes'])}{floor} | {fixed.get('mode', '-')} | {step} "
         if r.get("unreachable"):
-            lines.append(head + f"| unreachable (smallest {b(r.get('smallest_peak_bytes'))}) | | | | | | |")
+            lines.append(head + f"| unreachable (smallest {b(r.get('smallest_peak_bytes'))}) | | | | | | | |")
             continue
         if r.get("oom"):
-            lines.append(head + f"| {_oom(r)} | | | | | | |")
+            lines.append(head + f"| {_oom(r)} | | | | | | | |")
             continue
+        plan = r.get("plan") or {}
+        extra = plan.get("predicted_extra_seconds")
         counts = ", ".join(f"{k} {v}" for k, v in (r.get("plan_counts") or {}).items()) or "-"
         lines.append(head + f"| {r['step_s']:.4f} | {_fmt(r, 'speedup')} | {b(r.get('memory_bytes'))} | "
                      f"{'yes' if r.get('within_budget') else 'NO'} | {counts} | "
-                     f"{b((r.get('plan') or {}).get('predicted_peak_bytes'))} | {b(r.get('peak_allocated_warmup'))} |")
+                     f"{b(plan.get('predicted_peak_bytes'))} | {b(r.get('peak_allocated_warmup'))} | "
+                     f"{'-' if extra is None else f'{extra * 1e3:.1f}'} |")
     return lines
 
 
@@ -263,9 +267,13 @@ def render_auto_markdown(payload: dict[str, Any]) -> str:
     elif payload.get("complete") is False:
         lines += ["**Incomplete:** the run stopped before every budget was measured.", ""]
     if "budgets" in payload:
-        lines += [f"{len(payload['budgets'])} budgets evenly spaced from {payload['low_bytes'] / scale:.3f} {unit} "
+        gap_set = set(payload.get("gap_budgets") or ())
+        gaps, spread = len(gap_set), len([b for b in payload["budgets"] if b not in gap_set])
+        lines += [f"{spread} budgets evenly spaced from {payload['low_bytes'] / scale:.3f} {unit} "
                   f"(smallest fixed-mode figure, `{payload['low_mode']}`, included) to "
-                  f"{payload['high_bytes'] / scale:.3f} {unit} ({payload['high_source']}, excluded). `speedup` = "
+                  f"{payload['high_bytes'] / scale:.3f} {unit} ({payload['high_source']}, excluded)"
+                  + (f", and {gaps} *gap* budgets, each 1% below a step of the fixed modes' frontier (where a fixed "
+                     "mode no longer fits and the next slower one must be used)" if gaps else "") + ". `speedup` = "
                   "fixed step / auto step, the fixed mode measured again right after the auto row where the run did "
                   "(its first measurement in brackets); the warm-up peak includes the planning (profiling) forward. When the "
                   "planner refuses a budget, one more row runs at the smallest peak it reported (if below the high "

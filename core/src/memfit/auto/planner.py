@@ -8,9 +8,11 @@ recompute or a reload happens one region at a time). It is conservative: in back
 after the one being recomputed have already released theirs.
 
 Cost model.  Extra seconds per block: recomputed FLOPs at the profiled rate, plus copy time not hidden
-behind compute (a device→host copy overlaps the block's forward, the reload overlaps roughly twice that
-in backward), plus a small fixed cost per region for the host-side bookkeeping (the constants below, from
-the H200 sweeps: offload regions cost more than recompute ones at short sequences). The fixed costs are
+behind compute (a device→host copy overlaps the block's forward, the reload its backward, which is
+``backward_to_forward`` times as long: ~1 with a frozen base and LoRA, ~2 when every weight trains), plus
+host-side bookkeeping: a fixed cost per region and, for attention offload, per saved tensor (each one
+goes through Python pack and fetch hooks; a double-stream Flux block saves ~37 under PEFT LoRA, a
+synthetic block 9), the constants below, from the H200 sweeps. The fixed costs are
 converted to FLOPs at a nominal rate of the device kind, so that without copies every cost is FLOPs over
 one measured rate and the plan does not depend on that measurement at all; with copies it depends on the
 measured rates only through their snapped values (:func:`memfit.auto.profile.round_rate`).
@@ -41,6 +43,9 @@ RECOMPUTE_REGION_SECONDS = 50e-6  # hooks, frame bookkeeping, replay per recompu
 # 0.25 ms (Flux, 4096 tokens) to 0.5 ms (synthetic, 3072 wide) per attention-offload region beyond the
 # copy time the model below already charges
 OFFLOAD_REGION_SECONDS = 300e-6
+# per tensor attention offload packs (forward) and fetches (backward): Flux's offload_attention ran 0.75 ms
+# per block over none with ~25 saved tensors a block, of which the two terms above explain ~0.4 ms
+PARKED_TENSOR_SECONDS = 15e-6
 NOMINAL_FLOPS_PER_SECOND = {"cuda": 4e14, "cpu": 5e10}  # converts the fixed costs above to FLOPs
 _UNITS = 1024
 
@@ -68,12 +73,15 @@ def block_choices(block: BlockProfile, profile: ModelProfile, allowed: tuple[Blo
             flops += RECOMPUTE_REGION_SECONDS * nominal
         if copied:
             flops += OFFLOAD_REGION_SECONDS * nominal
+        if policy.offloads_attention:
+            flops += PARKED_TENSOR_SECONDS * block.attention_saves * nominal
         seconds = flops / rate
         if copied:
             if not bandwidth:
                 continue
             copy = copied / bandwidth
-            seconds += max(0.0, copy - forward_seconds) + max(0.0, copy - 2 * forward_seconds)
+            seconds += (max(0.0, copy - forward_seconds)
+                        + max(0.0, copy - profile.backward_to_forward * forward_seconds))
         out.append(Choice(policy, max(kept, 0), transient if profile.counts_transient else 0, seconds, copied))
     return out
 

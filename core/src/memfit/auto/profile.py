@@ -55,6 +55,9 @@ class BlockProfile:
     ffn_flops: int
     has_ffn: bool
     has_attention: bool
+    # saved tensors attention offload handles (each is packed in forward and fetched in backward by Python
+    # hooks: the host time that makes a many-tensor region cost more than its copies)
+    attention_saves: int = 0
 
     @property
     def name(self) -> str:
@@ -78,6 +81,11 @@ class ModelProfile:
     # Views saved inside attention calls that no single block owns (shared between blocks, such as rotary
     # tables, or also saved outside attention): attention offload copies them once per step, freeing nothing.
     attention_shared_copy_bytes: int = 0
+    attention_shared_saves: int = 0
+    # Backward FLOPs per forward FLOP of the blocks: 1 (gradients of the inputs) + the share of the blocks'
+    # weights that train (their gradients). A frozen base with LoRA is ~1, a full fine-tune ~2: how much
+    # backward compute a block's reload can hide behind.
+    backward_to_forward: float = 2.0
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -108,11 +116,17 @@ class _Storage:
     blocks: set[int | None] = field(default_factory=set)
     scopes: set[str] = field(default_factory=set)  # "ffn", "attention", "other" within its block
     attention_views: dict[tuple, int] = field(default_factory=dict)  # saved in attention: view -> bytes
+    attention_view_saves: dict[tuple, int] = field(default_factory=dict)  # view -> times saved
 
     def attention_copy_bytes(self, min_bytes: int) -> int:
         """Bytes attention offload copies to park this storage's views saved inside attention calls (one copy
         per distinct view; views smaller than ``min_bytes`` or larger than the storage — broadcasts — stay)."""
         return sum(n for n in self.attention_views.values() if min_bytes <= n <= self.nbytes)
+
+    def attention_saves(self, min_bytes: int) -> int:
+        """How many saved tensors attention offload packs for those views (every save, repeated ones too)."""
+        return sum(self.attention_view_saves[v] for v, n in self.attention_views.items()
+                   if min_bytes <= n <= self.nbytes)
 
 
 class _Recorder:
@@ -161,6 +175,7 @@ class _Recorder:
             if self.scope and self.scope[-1] == "attention":
                 view = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
                 s.attention_views[view] = tensor.numel() * tensor.element_size()
+                s.attention_view_saves[view] = s.attention_view_saves.get(view, 0) + 1
             if self.block is not None and self.block == s.block:
                 s.scopes.add(self.scope[-1] if self.scope else "other")
         return None  # nothing is held: see the module notes
@@ -275,9 +290,12 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
             flops=rec.block_flops[b],
             ffn_flops=rec.ffn_flops[b],
             has_ffn=bool(ffn), has_attention=bool(attention),
+            attention_saves=sum(s.attention_saves(min_offload_bytes) for s in own
+                                if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes),
         ))
     outside = sum(s.nbytes for i, s in enumerate(rec.storages) if s.block is None or rec.shared(i))
     attention_copies = sum(s.attention_copy_bytes(min_offload_bytes) for s in rec.storages)
+    attention_saves = sum(s.attention_saves(min_offload_bytes) for s in rec.storages)
     seconds = _time_blocks(model, blocks, args, kwargs, cuda=cuda, device=device)
     total_flops = sum(p.flops for p in profiles)
     rate = round_rate(total_flops / seconds) if seconds > 0 and total_flops > 0 else 1.0
@@ -293,7 +311,19 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
         copy_bytes_per_second=round_rate(copy_bytes_per_second, down=True) if copy_bytes_per_second else None,
         counts_transient=cuda,
         attention_shared_copy_bytes=attention_copies - sum(p.attention_copy_bytes for p in profiles),
+        attention_shared_saves=attention_saves - sum(p.attention_saves for p in profiles),
+        backward_to_forward=1.0 + _trainable_share(blocks),
     )
+
+
+def _trainable_share(blocks: list) -> float:
+    """The share of the blocks' parameter elements that require gradients."""
+    total = trainable = 0
+    for _, _, block in blocks:
+        for p in block.parameters():
+            total += p.numel()
+            trainable += p.numel() if p.requires_grad else 0
+    return trainable / total if total else 1.0
 
 
 def _never_unpacked(_: Any) -> torch.Tensor:
