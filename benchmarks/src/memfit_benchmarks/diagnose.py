@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default="full")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tokens", type=int, default=None)
-    parser.add_argument("--modes", default="none,torch,unsloth,torch-ffn,unsloth-ffn,unsloth[no-timing],"
-                                            "unsloth[min 16MiB]")
+    parser.add_argument("--modes", default="none,torch,unsloth,torch-ffn,offload_attention,"
+                                            "torch-ffn + offload_attention,unsloth[no-timing]")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
@@ -130,7 +130,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         kwargs = make_kwargs(MemfitConfig.from_dict(mode.config)) if mode.config else {}
         slug = name.replace(" ", "_").replace("[", "-").replace("]", "")
-        trace = args.out / f"trace-{args.family}-{slug}.json.gz" if name in {"torch", "unsloth"} else None
+        trace = args.out / f"trace-{args.family}-{slug}.json.gz" if name in {"unsloth", "offload_attention"} else None
         r = measure(model, batch, adapter.loss, mode.config, kwargs, adapter=adapter, cuda=cuda, steps=args.steps,
                     warmup=args.warmup, trace=trace)
         results[name] = r
