@@ -403,6 +403,26 @@ def test_view_dtype_and_shape():
         buf.view(torch.float64, (buf.capacity,))
 
 
+def test_strided_view_keeps_the_layout_it_is_given():
+    """Parking copies a tensor into a view with the tensor's own strides (a transposed attention output
+    comes back transposed); the view starts at the buffer's first byte and may not run past its end."""
+    pool, _ = make_pool()
+    src = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4).transpose(1, 2)  # dense, not contiguous
+    buf = pool.acquire(src.numel() * 4)
+    v = buf.strided_view(src.dtype, src.shape, src.stride())
+    assert v.stride() == src.stride() and v.data_ptr() == buf.tensor.data_ptr()
+    v.copy_(src)
+    assert torch.equal(v, src) and torch.equal(buf.view(torch.float32, 24), src.transpose(1, 2).flatten())
+    assert buf.strided_view(torch.bfloat16, (), ()).shape == ()
+    assert buf.strided_view(torch.float32, (0, 5), (5, 1)).numel() == 0
+    with pytest.raises(MemfitError, match="acquire a larger buffer"):
+        buf.strided_view(torch.float32, (buf.capacity,), (1,))
+    odd = pool.acquire(3)  # a capacity that is not a multiple of the item size
+    assert odd.strided_view(torch.uint8, (3,), (1,)).shape == (3,)
+    if odd.capacity % 8:
+        assert odd.strided_view(torch.float64, (odd.capacity // 8,), (1,)).numel() == odd.capacity // 8
+
+
 def test_ready_event_delays_reuse():
     class Event:
         def __init__(self, done: bool) -> None:

@@ -54,13 +54,6 @@ def dense_layout(tensor: torch.Tensor) -> bool:
     return tensor.permute(order).is_contiguous()
 
 
-def host_view(buf: HostBuffer, tensor_like: Any, shape: torch.Size, stride: tuple[int, ...]) -> torch.Tensor:
-    numel = 1
-    for d in shape:
-        numel *= d
-    return buf.view(tensor_like, (numel,)).as_strided(shape, stride)
-
-
 @dataclass
 class Parked:
     """One tensor parked in host memory (with the strides it is given back with)."""
@@ -139,7 +132,7 @@ class CopyEngine:
                 src = tensor if dense_layout(tensor) else tensor.contiguous()
                 nbytes = src.numel() * src.element_size()
                 buf = self.pool.acquire(nbytes)
-                host_view(buf, src.dtype, src.shape, src.stride()).copy_(src, non_blocking=buf.pinned)
+                buf.strided_view(src.dtype, src.shape, src.stride()).copy_(src, non_blocking=buf.pinned)
                 staged.append((tensor, src, buf, nbytes))
             done = torch.cuda.Event()
             done.record(self._d2h)
@@ -184,7 +177,7 @@ class CopyEngine:
         self._h2d.wait_event(parked.d2h_done)
         assert parked.buffer is not None
         with torch.cuda.stream(self._h2d):
-            out.copy_(host_view(parked.buffer, parked.dtype, parked.shape, stride), non_blocking=parked.buffer.pinned)
+            out.copy_(parked.buffer.strided_view(parked.dtype, parked.shape, stride), non_blocking=parked.buffer.pinned)
             done = torch.cuda.Event()
             done.record(self._h2d)
         out.record_stream(self._h2d)
@@ -259,7 +252,7 @@ class SyncCopyEngine(CopyEngine):
         src = tensor if dense_layout(tensor) else tensor.contiguous()
         nbytes = src.numel() * src.element_size()
         buf = self.pool.acquire(nbytes)
-        host_view(buf, src.dtype, src.shape, src.stride()).copy_(src)
+        buf.strided_view(src.dtype, src.shape, src.stride()).copy_(src)
         self.stats.bytes_offloaded += nbytes
         return Parked(buf, src.shape, src.dtype, tensor.device, nbytes, weakref.ref(tensor), tensor._version,
                       stride=src.stride(), storage=weakref.ref(tensor.untyped_storage()))
@@ -268,7 +261,7 @@ class SyncCopyEngine(CopyEngine):
         if parked.reloaded is not None or parked.alive_source() is not None:
             return
         assert parked.buffer is not None
-        view = host_view(parked.buffer, parked.dtype, parked.shape, parked.stride or ())
+        view = parked.buffer.strided_view(parked.dtype, parked.shape, parked.stride or ())
         out = torch.empty_strided(parked.shape, view.stride(), dtype=parked.dtype, device=parked.device)
         parked.reloaded = out.copy_(view)
         parked.fetches_left = parked.users

@@ -180,6 +180,22 @@ class HostBuffer:
             )
         return storage[:needed].view(dtype).view(shape)
 
+    def strided_view(self, dtype: torch.dtype, shape: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
+        """A ``dtype`` tensor of ``shape`` and ``stride`` from the buffer's first byte (no copy).
+
+        The hot path of parking (one per parked tensor): two tensor ops instead of :meth:`view`'s four."""
+        extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
+        storage = self.tensor
+        capacity = storage.numel()
+        if extent * dtype.itemsize > capacity:
+            raise MemfitError(
+                f"a {dtype} view of shape {tuple(shape)} and strides {tuple(stride)} needs "
+                f"{_fmt(extent * dtype.itemsize)} but this buffer holds {_fmt(capacity)}; acquire a larger buffer."
+            )
+        if capacity % dtype.itemsize:
+            storage = storage[: capacity - capacity % dtype.itemsize]
+        return storage.view(dtype).as_strided(shape, stride)
+
     def release(self, *, ready: ReadyEvent | None = None) -> None:
         """Same as ``pool.release(self, ready=ready)``."""
         self._pool.release(self, ready=ready)

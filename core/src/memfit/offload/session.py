@@ -126,12 +126,12 @@ class OffloadSession:
     # -- parking ----------------------------------------------------------------------------------------------------
 
     def worth_parking(self, tensor: torch.Tensor) -> bool:
-        if isinstance(tensor, nn.Parameter) or tensor.layout != torch.strided:
-            return False
-        if tensor.device.type == "cpu" and not self.copy.parks_cpu_tensors:
-            return False
+        # Called for every saved tensor of a parking region (hundreds per step): cheapest tests first. A
+        # parameter is recognised by its storage below (``isinstance(t, Parameter)`` costs a metaclass hook).
         logical = tensor.numel() * tensor.element_size()
-        if logical < self.min_offload_bytes:
+        if logical < self.min_offload_bytes or tensor.layout != torch.strided:
+            return False
+        if not tensor.is_cuda and not self.copy.parks_cpu_tensors:
             return False
         storage = tensor.untyped_storage()
         if storage.nbytes() < logical:
