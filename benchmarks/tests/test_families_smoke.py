@@ -36,6 +36,29 @@ def test_families_tiny_flux_cpu_and_render(tmp_path):
     assert "BUG" not in md
 
 
+def test_rounds_measure_every_mode_round_robin_and_report_the_median(tmp_path, monkeypatch):
+    from memfit_benchmarks import families
+
+    order, times = [], iter([0.5, 0.9, 0.4, 1.3, 0.6, 1.1])  # none, torch, none, torch, none, torch
+
+    def fake_measure(model, batch, loss, mode, **kw):
+        order.append(mode.name)
+        return {"mode": mode.name, "config": mode.config, "step_s": next(times), "oom": False,
+                "peak_allocated": 100 + len(order), "peak_reserved": None}
+
+    monkeypatch.setattr(families, "measure_mode", fake_measure)
+    written = families.main(["--family", "flux", "--preset", "tiny", "--device", "cpu", "--modes", "none,torch",
+                             "--rounds", "3", "--out", str(tmp_path), "--no-render"])
+    data = json.loads(written[0].read_text())
+    assert order == ["none", "torch"] * 3 and data["rounds"] == 3
+    none, torch_row = data["rows"]
+    assert none["step_s_rounds"] == [0.5, 0.4, 0.6] and none["step_s"] == 0.5
+    assert torch_row["step_s"] == 1.1 and torch_row["peak_allocated"] == 106  # the largest peak of its rounds
+    assert torch_row["x_none"] == 1.1 / 0.5
+    with pytest.raises(SystemExit):
+        families.main(["--family", "flux", "--rounds", "0", "--out", str(tmp_path)])
+
+
 def test_bug_lines_flag_peaks_at_or_above_none():
     from memfit_benchmarks.report import bug_lines
 

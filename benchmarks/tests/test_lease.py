@@ -18,6 +18,8 @@ def test_job_commands(tmp_path):
     assert lease.job_command("bench-lora,full", tmp_path)[-4:] == ["--regime", "lora,full", "--out",
                                                                   str(tmp_path / "synthetic")]
     assert "wan,flux" in lease.job_command("families=wan,flux", tmp_path)
+    assert lease.job_command("families=flux,rounds=3", tmp_path)[-5:] == ["flux", "--out", str(tmp_path / "families"),
+                                                                         "--rounds", "3"]
     assert lease.job_command("auto=flux,wan", tmp_path)[-4:-2] == ["--targets", "flux,wan"]
     assert lease.job_command("auto=wan,4", tmp_path)[-6:-2] == ["--targets", "wan", "--budgets", "4"]
     assert "--targets" not in lease.job_command("auto", tmp_path)

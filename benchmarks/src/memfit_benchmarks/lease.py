@@ -11,7 +11,8 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
 
 - ``gpu`` / ``gpu-<adapter>``: ``nox -s gpu`` (all adapters) or one adapter's GPU half of the kit
 - ``bench-<regime>[,<regime>]``: the synthetic sweep in those regimes (lora, frozen, full)
-- ``families[=<f1>,<f2>]``: every family (or those named) at its published size
+- ``families[=<f1>,<f2>][,rounds=<n>]``: every family (or those named) at its published size (``n`` round-robin
+  rounds per mode)
 - ``fsdp2``: ``memfit_benchmarks.fsdp2 --nproc 2 --preset full``
 - ``auto[=<t1>,<t2>,<n>]``: the ``auto``-planner sweep (``memfit_benchmarks.auto_sweep``), default or named
   targets, ``n`` budgets each (default 6); a family target's fixed rows are also written as that family's results
@@ -41,8 +42,11 @@ def job_command(job: str, out: Path) -> list[str]:
     if job.startswith("bench-"):
         return [*nox, "bench", "--", "--regime", job.removeprefix("bench-"), "--out", str(out / "synthetic")]
     if job == "families" or job.startswith("families="):
-        family = job.partition("=")[2] or "all"
-        return [*nox, "bench", "--", "--suite", "families", "--family", family, "--out", str(out / "families")]
+        items = [i for i in job.partition("=")[2].split(",") if i]
+        rounds = [i.removeprefix("rounds=") for i in items if i.startswith("rounds=")]
+        family = ",".join(i for i in items if not i.startswith("rounds=")) or "all"
+        return [*nox, "bench", "--", "--suite", "families", "--family", family, "--out", str(out / "families"),
+                *(["--rounds", rounds[-1]] if rounds else [])]
     if job == "fsdp2":
         return [py, "-m", "memfit_benchmarks.fsdp2", "--nproc", "2", "--preset", "full", "--out", str(out / "fsdp2")]
     if job == "diagnose" or job.startswith("diagnose="):

@@ -65,8 +65,10 @@ def _header(payload: dict[str, Any], title: str) -> list[str]:
         f"{payload.get('diffusers')}), {payload['date']}",
         "",
         f"Regime: {payload.get('regime_description', payload.get('regime'))}. SDPA: {payload.get('sdpa_backend')}. "
-        f"Median of {payload['steps']} timed steps after {payload['warmup']} warm-up steps; every row of a table "
-        f"measured in one process, side by side. Commit: {payload.get('git_commit') or 'n/a'}.",
+        f"Median of {payload['steps']} timed steps after {payload['warmup']} warm-up steps"
+        + (f", each mode measured in {payload['rounds']} round-robin rounds (the median round's step reported)"
+           if payload.get("rounds", 1) > 1 else "")
+        + f"; every row of a table measured in one process, side by side. Commit: {payload.get('git_commit') or 'n/a'}.",
     ]
     if bw:
         lines.append(f"Pinned bandwidth measured in the same run: D2H {bw.get('d2h_gbs', 0):.1f} GB/s, H2D "
