@@ -229,3 +229,72 @@ def test_a_model_dropped_without_remove_is_not_kept_alive_by_the_registration_ho
     gc.collect()
     assert alive() is None
     assert len(module_mod._global_parameter_registration_hooks) == hooks_before
+
+
+class _ReloadLog(SyncCopyEngine):
+    """Records every reload attempt in order with the regions' backward starts: ``reload`` (copied back) or
+    ``alive`` (nothing to copy: the tensor is still on its device, another op keeps it)."""
+
+    def __init__(self) -> None:
+        super().__init__(make_engine().pool)
+        self.events: list[tuple[str, int]] = []
+
+    def reload(self, parked) -> None:
+        if parked.reloaded is None:
+            self.events.append(("alive" if parked.alive_source() is not None else "reload", id(parked)))
+        super().reload(parked)
+
+
+@pytest.mark.parametrize("backend", ["unsloth", "unsloth-ffn"])
+def test_backward_reloads_two_regions_ahead(monkeypatch, backend):
+    """Reload ahead of need: each parked region's copy back is issued while the regions two places later in
+    the timeline run their backward, never when its own recompute starts. Two, not one: in a Flux double
+    block the text stream's FFN (512 tokens) runs just before the image FFN in backward, far too briefly to
+    hide a reload of the image FFN's input."""
+    from memfit.offload.session import OffloadStash
+
+    flux = pytest.importorskip("memfit_flux").ADAPTER
+    torch.manual_seed(0)
+    model = flux.presets["tiny"].build(dtype=torch.float32, device="cpu")
+    batch = flux.presets["tiny"].inputs(model, tokens=64, generator=torch.Generator().manual_seed(1))
+    engine = _ReloadLog()
+    real_on_recompute = OffloadStash.on_recompute
+
+    def on_recompute(self):  # a region's backward starts (its recompute): logged before it reloads anything
+        engine.events.append(("start", self.index))
+        real_on_recompute(self)
+
+    monkeypatch.setattr(OffloadStash, "on_recompute", on_recompute)
+    with memfit.apply(model, {**ON, "gradient_checkpointing_backend": backend}, adapter=flux, copy_engine=engine,
+                      min_offload_bytes=0) as handle:
+        loss = flux.loss(model(**batch))
+        regions = [ref() for ref in handle._session.snapshot_timeline()]
+        region_of = {id(p): i for i, region in enumerate(regions) for p in region.parked}
+        parked_regions = sorted(set(region_of.values()))  # (backward empties the regions' lists)
+        engine.events.clear()
+        loss.backward()
+    started = {i: n for n, (kind, i) in enumerate(engine.events) if kind == "start"}
+    attempts = [(n, kind, region_of[pid]) for n, (kind, pid) in enumerate(engine.events) if kind != "start"]
+    assert any(kind == "reload" for _, kind, _ in attempts) and len(parked_regions) >= len(regions) - 1
+    for r in parked_regions:
+        if r + 2 not in started:
+            continue
+        first = min(n for n, _, of in attempts if of == r)
+        assert first < started[r + 1], f"region {r} was first reloaded after region {r + 1} began its backward"
+    for n, kind, r in attempts:
+        assert kind == "alive" or r not in started or n < started[r], f"region {r} reloaded on demand"
+
+
+def test_a_source_held_by_reload_ahead_is_checked_again_when_fetched():
+    """Reload ahead holds a parked tensor that is still on its device instead of copying it back; if it is
+    modified in place before its region needs it, the fetch returns the parked (host) copy, not the change."""
+    engine = make_engine()
+    x = torch.arange(6.0)
+    parked = engine.offload(x)
+    engine.reload(parked)  # alive: held, nothing copied
+    assert parked.reloaded is x and engine.stats.bytes_reloaded == 0 and engine.stats.reloads_skipped == 1
+    assert engine.fetch(parked) is x  # unchanged: the held tensor itself
+    engine.reload(parked)
+    x.mul_(2)
+    got = engine.fetch(parked)
+    assert got is not x and torch.equal(got, torch.arange(6.0)) and engine.stats.bytes_reloaded == x.numel() * 4

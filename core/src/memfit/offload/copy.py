@@ -71,6 +71,7 @@ class Parked:
     stride: tuple[int, ...] | None = None  # None: contiguous
     users: int = 1
     fetches_left: int = 0  # fetches this reload still serves (a shared tensor is reloaded once per backward)
+    copied_back: bool = False  # ``reloaded`` came through a host→device copy (else: the source, held)
     storage: weakref.ref | None = None  # the device storage copied from, while any tensor uses it
 
     def alive_source(self) -> torch.Tensor | None:
@@ -164,8 +165,8 @@ class CopyEngine:
     # -- host -> device ------------------------------------------------------------------------------------------
 
     def reload(self, parked: Parked) -> None:
-        """Issue the reload of ``parked`` (idempotent; no-op while the source is still alive)."""
-        if parked.reloaded is not None or parked.alive_source() is not None:
+        """Issue the reload of ``parked`` (idempotent; holds the source instead while it is still alive)."""
+        if parked.reloaded is not None or self._hold_source(parked):
             return
         parked.fetches_left = parked.users
         compute = torch.cuda.current_stream(parked.device)
@@ -181,19 +182,35 @@ class CopyEngine:
             done = torch.cuda.Event()
             done.record(self._h2d)
         out.record_stream(self._h2d)
-        parked.reloaded, parked.h2d_done = out, done
+        parked.reloaded, parked.h2d_done, parked.copied_back = out, done, True
         self.stats.bytes_reloaded += parked.nbytes
+
+    def _hold_source(self, parked: Parked) -> bool:
+        """If the tensor parked is still on its device (another op saved it too), hold it until it is fetched.
+
+        Reloading ahead sees such a tensor alive and has nothing to copy; without a reference of its own the
+        tensor may die before its region's backward (the other op's backward ran first), and the copy back
+        would then be issued on demand, with compute waiting for it. Flux's single blocks do exactly that:
+        their FFN input is also their attention's input (``test_backward_reloads_two_regions_ahead``).
+        """
+        source = parked.alive_source()
+        if source is None:
+            return False
+        parked.reloaded, parked.fetches_left, parked.copied_back = source, parked.users, False
+        self.stats.reloads_skipped += 1
+        return True
 
     def fetch(self, parked: Parked) -> torch.Tensor:
         """The parked tensor on its device, usable on the current stream."""
-        source = parked.alive_source()
-        if source is not None:
-            self.stats.reloads_skipped += 1
-            return source
         self.reload(parked)
+        if not parked.copied_back and parked.reloaded._version != parked.version:
+            parked.reloaded = None  # the held source was modified in place since: the host copy is the data
+            self.stats.reloads_skipped -= 1
+            self.reload(parked)
         out = parked.reloaded
         assert out is not None
-        self._wait_for_reload(parked)
+        if parked.copied_back:
+            self._wait_for_reload(parked)
         _consume(parked)
         return out
 
@@ -258,12 +275,12 @@ class SyncCopyEngine(CopyEngine):
                       stride=src.stride(), storage=weakref.ref(tensor.untyped_storage()))
 
     def reload(self, parked: Parked) -> None:
-        if parked.reloaded is not None or parked.alive_source() is not None:
+        if parked.reloaded is not None or self._hold_source(parked):
             return
         assert parked.buffer is not None
         view = parked.buffer.strided_view(parked.dtype, parked.shape, parked.stride or ())
         out = torch.empty_strided(parked.shape, view.stride(), dtype=parked.dtype, device=parked.device)
-        parked.reloaded = out.copy_(view)
+        parked.reloaded, parked.copied_back = out.copy_(view), True
         parked.fetches_left = parked.users
         self.stats.bytes_reloaded += parked.nbytes
 

@@ -46,11 +46,13 @@ class OffloadSession:
         copy_engine: :class:`CopyEngine` (CUDA) or ``SyncCopyEngine`` (CPU tests).
         model: its parameters and buffers are never parked.
         min_offload_bytes: smaller tensors stay on the device.
-        prefetch_depth: how many regions ahead (in backward order) to reload.
+        prefetch_depth: how many regions ahead (in backward order) to reload. Two: a region whose backward is
+            short (a Flux double block's text-stream FFN, 512 tokens, just before the image FFN in backward)
+            cannot hide the reload of the next one on its own; one more resident region costs little memory.
     """
 
     def __init__(self, copy_engine: CopyEngine, model: nn.Module, *, min_offload_bytes: int = 1 << 20,
-                 prefetch_depth: int = 1) -> None:
+                 prefetch_depth: int = 2) -> None:
         self.copy = copy_engine
         self.model = model
         self.min_offload_bytes = min_offload_bytes
