@@ -12,6 +12,7 @@ from memfit.auto import BlockPolicy, BlockProfile, ModelProfile, plan_policies
 from memfit.auto.planner import block_choices
 from memfit.auto.policy import allowed_policies
 from memfit.errors import BudgetError
+from memfit.offload.session import PREFETCH_DEPTH
 
 MiB = 1 << 20
 
@@ -43,6 +44,8 @@ def brute_force(prof: ModelProfile, budget: int) -> float | None:
     best = None
     for picks in itertools.product(*options):
         peak = base + sum(c.kept for c in picks) + max(c.transient for c in picks)
+        if prof.counts_transient:  # the regions reloaded ahead in backward
+            peak += PREFETCH_DEPTH * max(c.copied for c in picks)
         if peak <= budget:
             cost = sum(c.seconds for c in picks)
             best = cost if best is None else min(best, cost)
@@ -122,6 +125,18 @@ def test_a_shorter_backward_hides_less_of_the_reload():
         return next(c.seconds for c in choices if c.policy is BlockPolicy.ATTENTION_OFFLOAD)
 
     assert exposed(1.0) > exposed(2.0) > 0
+
+
+def test_peak_counts_the_regions_reloaded_ahead():
+    """In backward the copy engine reloads PREFETCH_DEPTH regions ahead of the one running: their bytes are
+    on the device at the same time, so the predicted peak carries them (each at most the largest copy)."""
+    prof = profile([block(i, 100, 40, 30) for i in range(6)], bandwidth=1e12)
+    plan = plan_policies(prof, 1450 * MiB, allowed=everything)
+    assert plan.copied_bytes > 0
+    picks = [{c.policy: c for c in block_choices(b, prof, everything(b))}[plan.policy(b.name)] for b in prof.blocks]
+    base = prof.static_bytes + prof.outside_bytes + prof.workspace_bytes
+    assert plan.predicted_peak_bytes == (base + sum(c.kept for c in picks) + max(c.transient for c in picks)
+                                         + PREFETCH_DEPTH * max(c.copied for c in picks)) <= 1450 * MiB
 
 
 def test_unreachable_budget_names_the_smallest_peak():

@@ -2,10 +2,11 @@
 
 Design notes
 ------------
-Peak model.  ``static + outside + workspace + Σ kept(block) + max transient(block)``: what every block
-keeps between forward and backward, plus the one block whose activations come back in backward (a
-recompute or a reload happens one region at a time). It is conservative: in backward, the blocks
-after the one being recomputed have already released theirs.
+Peak model.  ``static + outside + workspace + Σ kept(block) + max transient(block) + depth × max
+copied(block)``: what every block keeps between forward and backward, plus the one block whose
+activations come back in backward (a recompute or a reload happens one region at a time), plus the
+regions reloaded ahead of it (``PREFETCH_DEPTH`` of them, each at most the largest copy). It is
+conservative: in backward, the blocks after the one being recomputed have already released theirs.
 
 Cost model.  Extra seconds per block: recomputed FLOPs at the profiled rate, plus copy time not hidden
 behind compute (a device→host copy overlaps the block's forward, the reload its backward, which is
@@ -18,7 +19,7 @@ one measured rate and the plan does not depend on that measurement at all; with 
 measured rates only through their snapped values (:func:`memfit.auto.profile.round_rate`).
 
 Search.  A multiple-choice knapsack, exact up to the byte granularity: for each possible largest
-transient ``T`` (few distinct values), a dynamic programme over kept bytes (in units of 1/1024 of the
+transient ``T`` and largest copy ``C`` (few distinct values each), a dynamic programme over kept bytes (in units of 1/1024 of the
 total, rounded up: never optimistic) picks one policy per block minimising extra seconds. Ties go to
 the less intrusive policy (``BlockPolicy`` order), then to the smaller peak: the same profile and
 budget always give the same plan.
@@ -26,6 +27,7 @@ budget always give the same plan.
 
 from __future__ import annotations
 
+import itertools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +38,7 @@ import torch
 from memfit.auto.policy import BlockPolicy
 from memfit.auto.profile import BlockProfile, ModelProfile
 from memfit.errors import BudgetError
+from memfit.offload.session import PREFETCH_DEPTH
 from memfit.units import format_bytes
 
 RECOMPUTE_REGION_SECONDS = 50e-6  # hooks, frame bookkeeping, replay per recomputed region
@@ -174,17 +177,25 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
     base = profile.static_bytes + profile.outside_bytes + profile.workspace_bytes
     metric = "peak allocated" if profile.static_bytes or profile.workspace_bytes else "held activations"
     no_checkpoint = base + sum(b.saved_bytes for b in profile.blocks)
-    levels = sorted({c.transient for opts in options for c in opts})
-    # per largest-transient level every block can meet: the smallest predicted peak at that level
-    floors = {t: base + t + sum(min(c.kept for c in opts if c.transient <= t) for opts in options)
-              for t in levels if all(any(c.transient <= t for c in opts) for opts in options)}
+    # every (largest transient, largest copy) pair some plan can have, with the smallest peak it allows
+    # (off CUDA the budget counts what is held when backward begins, before anything is reloaded)
+    depth = PREFETCH_DEPTH if profile.counts_transient else 0
+    transients = sorted({c.transient for opts in options for c in opts})
+    copies = sorted({c.copied for opts in options for c in opts}) if depth else [max(
+        c.copied for opts in options for c in opts)]
+    floors = {}
+    for t, cap in itertools.product(transients, copies):
+        usable = [[c for c in opts if c.transient <= t and c.copied <= cap] for opts in options]
+        if all(usable):
+            floors[(t, cap)] = base + t + depth * cap + sum(min(c.kept for c in u) for u in usable)
     smallest = min(floors.values())
 
     def make(picks: list[Choice]) -> Plan:
         return Plan(
             blocks=tuple((b.name, c.policy) for b, c in zip(profile.blocks, picks, strict=True)),
             budget_bytes=budget_bytes,
-            predicted_peak_bytes=base + sum(c.kept for c in picks) + max((c.transient for c in picks), default=0),
+            predicted_peak_bytes=base + sum(c.kept for c in picks) + max((c.transient for c in picks), default=0)
+            + depth * max((c.copied for c in picks), default=0),
             predicted_extra_seconds=sum(c.seconds for c in picks),
             no_checkpoint_peak_bytes=no_checkpoint, smallest_peak_bytes=smallest,
             copied_bytes=sum(c.copied for c in picks), metric=metric)
@@ -199,8 +210,10 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
             smallest_peak_bytes=smallest)
     unit = max(1, -(-sum(b.saved_bytes for b in profile.blocks) // _UNITS))
     best: tuple[float, int, list[Choice]] | None = None
-    for t in levels:
-        picks = _knapsack(options, t, (budget_bytes - base - t) // unit, unit)
+    for (t, cap), floor in floors.items():
+        if floor > budget_bytes:
+            continue
+        picks = _knapsack(options, t, cap, (budget_bytes - base - t - depth * cap) // unit, unit)
         if picks is None:
             continue
         plan = make(picks)
@@ -208,13 +221,16 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
         if best is None or key < best[:2]:
             best = (*key, picks)
     if best is None:  # only the byte rounding stood in the way: take the smallest plan, which fits exactly
-        t = min(t for t, floor in floors.items() if floor == smallest)
-        return make([min((c for c in opts if c.transient <= t), key=lambda c: c.kept) for opts in options])
+        t, cap = min((pair for pair, floor in floors.items() if floor == smallest))
+        return make([min((c for c in opts if c.transient <= t and c.copied <= cap), key=lambda c: c.kept)
+                     for opts in options])
     return make(best[2])
 
 
-def _knapsack(options: list[list[Choice]], transient_cap: int, capacity: int, unit: int) -> list[Choice] | None:
-    """Cheapest picks with every transient ≤ ``transient_cap`` and Σ kept ≤ ``capacity`` units (None: none)."""
+def _knapsack(options: list[list[Choice]], transient_cap: int, copy_cap: int, capacity: int,
+              unit: int) -> list[Choice] | None:
+    """Cheapest picks with every transient ≤ ``transient_cap``, every copy ≤ ``copy_cap`` and Σ kept ≤
+    ``capacity`` units (None: none)."""
     if capacity < 0:
         return None
     inf = float("inf")
@@ -222,7 +238,7 @@ def _knapsack(options: list[list[Choice]], transient_cap: int, capacity: int, un
     cost[0] = 0.0
     trail: list[tuple[list[Choice], torch.Tensor]] = []
     for opts in options:
-        usable = [c for c in opts if c.transient <= transient_cap]
+        usable = [c for c in opts if c.transient <= transient_cap and c.copied <= copy_cap]
         if not usable:
             return None
         new = torch.full_like(cost, inf)

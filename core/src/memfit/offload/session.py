@@ -38,6 +38,10 @@ from memfit.engine.install import eager_hook
 from memfit.engine.stash import DeviceStash
 from memfit.offload.copy import CopyEngine, Parked
 
+# Regions reloaded ahead in backward. Two: a region whose backward is short (a Flux double block's
+# text-stream FFN, 512 tokens, just before the image FFN in backward) cannot hide the next reload on its own.
+PREFETCH_DEPTH = 2
+
 
 class OffloadSession:
     """Shared state of the offload backends for one model.
@@ -46,13 +50,11 @@ class OffloadSession:
         copy_engine: :class:`CopyEngine` (CUDA) or ``SyncCopyEngine`` (CPU tests).
         model: its parameters and buffers are never parked.
         min_offload_bytes: smaller tensors stay on the device.
-        prefetch_depth: how many regions ahead (in backward order) to reload. Two: a region whose backward is
-            short (a Flux double block's text-stream FFN, 512 tokens, just before the image FFN in backward)
-            cannot hide the reload of the next one on its own; one more resident region costs little memory.
+        prefetch_depth: how many regions ahead (in backward order) to reload (:data:`PREFETCH_DEPTH`).
     """
 
     def __init__(self, copy_engine: CopyEngine, model: nn.Module, *, min_offload_bytes: int = 1 << 20,
-                 prefetch_depth: int = 2) -> None:
+                 prefetch_depth: int = PREFETCH_DEPTH) -> None:
         self.copy = copy_engine
         self.model = model
         self.min_offload_bytes = min_offload_bytes
