@@ -125,6 +125,28 @@ def test_auto_sweep_with_a_stand_in_planner(tmp_path, monkeypatch):
     assert not reaches["ok"] and "unreachable at" in reaches["detail"]
 
 
+def test_pairs_alternate_auto_and_the_fixed_mode_and_compare_medians(tmp_path, monkeypatch):
+    import memfit
+    from memfit_benchmarks import auto_sweep
+
+    real_apply = memfit.apply
+
+    def apply(model, config, **kw):
+        if (config or {}).get("gradient_checkpointing_backend") != "auto":
+            return real_apply(model, config, **kw)
+        fixed = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}
+        return _StandInHandle(real_apply(model, fixed, **kw), config["gradient_checkpointing_memory_budget"])
+
+    monkeypatch.setattr(memfit, "apply", apply)
+    args = [*ARGS, "--budgets", "1", "--no-gaps", "--pairs", "3", "--no-render", "--out", str(tmp_path)]
+    data = json.loads(auto_sweep.main(args)[0].read_text())
+    (row,) = data["auto_rows"]
+    assert len(row["step_s_pairs"]) == len(row["best_fixed"]["step_s_pairs"]) == 3
+    assert row["step_s"] == sorted(row["step_s_pairs"])[1]
+    assert row["best_fixed"]["step_s_adjacent"] == sorted(row["best_fixed"]["step_s_pairs"])[1]
+    assert row["speedup"] == pytest.approx(row["best_fixed"]["step_s_adjacent"] / row["step_s"])
+
+
 def test_budgets_and_fastest_fitting_fixed_mode():
     from memfit_benchmarks.auto_sweep import best_fixed, frontier, gap_budgets, spread_budgets
 

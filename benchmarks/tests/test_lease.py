@@ -22,6 +22,8 @@ def test_job_commands(tmp_path):
                                                                          "--rounds", "3"]
     assert lease.job_command("auto=flux,wan", tmp_path)[-4:-2] == ["--targets", "flux,wan"]
     assert lease.job_command("auto=wan,4", tmp_path)[-6:-2] == ["--targets", "wan", "--budgets", "4"]
+    assert lease.job_command("auto=flux,3,pairs=2", tmp_path)[-8:-2] == ["--targets", "flux", "--budgets", "3",
+                                                                        "--pairs", "2"]
     assert "--targets" not in lease.job_command("auto", tmp_path)
     with pytest.raises(SystemExit, match="unknown job 'benchh'"):
         lease.job_command("benchh", tmp_path)

@@ -31,6 +31,7 @@ import argparse
 import contextlib
 import gc
 import json
+import statistics
 import traceback
 from collections.abc import Callable
 from pathlib import Path
@@ -180,11 +181,24 @@ class _Measure:
         row["within_budget"] = None if memory is None else memory <= budget
         if best is not None and row.get("step_s"):
             # Step times of one mode drift by several % over a run (Flux `unsloth` and an identical auto plan
-            # differed by 12% minutes apart): compare against the fixed mode measured again right after.
-            again = self.row(Mode(best["mode"], best["config"])) if self.args.adjacent else {}
-            fixed_step = again.get("step_s") or best["step_s"]
-            if again.get("step_s"):
-                row["best_fixed"]["step_s_adjacent"] = again["step_s"]
+            # differed by 12% minutes apart): compare against the fixed mode measured again right after, and
+            # with --pairs N > 1 alternate the two N times and compare medians.
+            fixed_steps: list[float] = []
+            auto_steps = [row["step_s"]]
+            for i in range(self.args.pairs if self.args.adjacent else 0):
+                if i:
+                    again_auto = self.row(Mode("auto", auto_config(budget)))
+                    if again_auto.get("step_s"):
+                        auto_steps.append(again_auto["step_s"])
+                again = self.row(Mode(best["mode"], best["config"]))
+                if again.get("step_s"):
+                    fixed_steps.append(again["step_s"])
+            if fixed_steps:
+                row["best_fixed"]["step_s_adjacent"] = statistics.median(fixed_steps)
+            if len(auto_steps) > 1:
+                row["step_s_pairs"], row["best_fixed"]["step_s_pairs"] = auto_steps, fixed_steps
+                row["step_s"] = statistics.median(auto_steps)
+            fixed_step = row["best_fixed"].get("step_s_adjacent") or best["step_s"]
             row["speedup"] = fixed_step / row["step_s"]
             row["speedup_vs_first_fixed_run"] = best["step_s"] / row["step_s"]
         _print_row(row)
@@ -300,6 +314,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--preset", default="full", choices=("full", "tiny"))
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank of the family targets")
     parser.add_argument("--no-render", action="store_true", help="write JSON only")
+    parser.add_argument("--pairs", type=int, default=1,
+                        help="alternate auto and the fastest fitting fixed mode this many times per budget and "
+                             "compare medians (default 1: auto, then the fixed mode once)")
     parser.add_argument("--no-adjacent", dest="adjacent", action="store_false",
                         help="compare auto with the fixed modes' first measurement only (default: the fastest "
                              "fitting fixed mode is measured again right after each auto row)")
@@ -311,6 +328,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error(f"unknown target(s) {unknown}: {sorted(SYNTHETIC_TARGETS)} or one of {sorted(installed)}")
     if args.budgets < 0 or (args.budgets == 0 and not args.gaps):
         parser.error("--budgets must be at least 1 (or 0 with the frontier-gap budgets)")
+    if args.pairs < 1:
+        parser.error("--pairs must be at least 1")
     if args.warmup < 1:
         parser.error("--warmup must be at least 1 (auto plans during the first warm-up step)")
     return args

@@ -14,8 +14,9 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
 - ``families[=<f1>,<f2>][,rounds=<n>]``: every family (or those named) at its published size (``n`` round-robin
   rounds per mode)
 - ``fsdp2``: ``memfit_benchmarks.fsdp2 --nproc 2 --preset full``
-- ``auto[=<t1>,<t2>,<n>]``: the ``auto``-planner sweep (``memfit_benchmarks.auto_sweep``), default or named
-  targets, ``n`` budgets each (default 6); a family target's fixed rows are also written as that family's results
+- ``auto[=<t1>,<t2>,<n>][,pairs=<k>]``: the ``auto``-planner sweep (``memfit_benchmarks.auto_sweep``), default or
+  named targets, ``n`` spread budgets each (default 6) plus the gap budgets, ``k`` alternations of auto and the
+  fixed mode per budget; a family target's fixed rows are also written as that family's results
 - ``diagnose[=<family>]``: host vs GPU time and a profile per mode (``memfit_benchmarks.diagnose``)
 """
 
@@ -54,9 +55,12 @@ def job_command(job: str, out: Path) -> list[str]:
         return [py, "-m", "memfit_benchmarks.diagnose", "--family", family, "--out", str(out / "diagnose")]
     if job == "auto" or job.startswith("auto="):
         items = [i for i in job.partition("=")[2].split(",") if i]
+        pairs = [i.removeprefix("pairs=") for i in items if i.startswith("pairs=")]
+        items = [i for i in items if not i.startswith("pairs=")]
         targets = [i for i in items if not i.isdigit()]
         budgets = [i for i in items if i.isdigit()]
-        args = (["--targets", ",".join(targets)] if targets else []) + (["--budgets", budgets[-1]] if budgets else [])
+        args = ((["--targets", ",".join(targets)] if targets else []) + (["--budgets", budgets[-1]] if budgets else [])
+                + (["--pairs", pairs[-1]] if pairs else []))
         return [py, "-m", "memfit_benchmarks.auto_sweep", *args, "--out", str(out / "auto")]
     raise SystemExit(f"unknown job {job!r} (see python -m memfit_benchmarks.lease --help)")
 
