@@ -9,20 +9,21 @@ regions reloaded ahead of it (``PREFETCH_DEPTH`` of them, each at most the large
 conservative: in backward, the blocks after the one being recomputed have already released theirs.
 
 Cost model.  Extra seconds per block: recomputed FLOPs at the profiled rate, plus copy time not hidden
-behind compute (a device→host copy overlaps the block's forward, the reload its backward, which is
-``backward_to_forward`` times as long: ~1 with a frozen base and LoRA, ~2 when every weight trains), plus
-host-side bookkeeping: a fixed cost per region and, for attention offload, per saved tensor (each one
+behind compute (a device→host copy overlaps the block's forward, the reload its backward, taken as
+``backward_to_forward`` times as long: ~1 with a frozen base and LoRA, ~2 when every weight trains; a
+lower bound, as attention's own backward is longer than its forward, so exposure is overcharged rather
+than hidden), plus host-side bookkeeping: a fixed cost per region and, for attention offload, per saved tensor (each one
 goes through Python pack and fetch hooks; a double-stream Flux block saves ~37 under PEFT LoRA, a
-synthetic block 9), the constants below, from the H200 sweeps. The fixed costs are
-converted to FLOPs at a nominal rate of the device kind, so that without copies every cost is FLOPs over
-one measured rate and the plan does not depend on that measurement at all; with copies it depends on the
-measured rates only through their snapped values (:func:`memfit.auto.profile.round_rate`).
+synthetic block 9), the constants below, from the H200 sweeps. The fixed costs are converted to FLOPs
+at a nominal rate of the device kind, so that without copies every cost is FLOPs over one measured rate
+and the plan does not depend on that measurement at all; with copies it depends on the measured rates
+only through their snapped values (:func:`memfit.auto.profile.round_rate`).
 
 Search.  A multiple-choice knapsack, exact up to the byte granularity: for each possible largest
-transient ``T`` and largest copy ``C`` (few distinct values each), a dynamic programme over kept bytes (in units of 1/1024 of the
-total, rounded up: never optimistic) picks one policy per block minimising extra seconds. Ties go to
-the less intrusive policy (``BlockPolicy`` order), then to the smaller peak: the same profile and
-budget always give the same plan.
+transient ``T`` and largest copy ``C`` (few distinct values each), a dynamic programme over kept bytes
+(in units of 1/1024 of the total, rounded up: never optimistic) picks one policy per block minimising
+extra seconds. Ties go to the less intrusive policy (``BlockPolicy`` order), then to the smaller peak:
+the same profile and budget always give the same plan.
 """
 
 from __future__ import annotations
@@ -181,8 +182,9 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
     # (off CUDA the budget counts what is held when backward begins, before anything is reloaded)
     depth = PREFETCH_DEPTH if profile.counts_transient else 0
     transients = sorted({c.transient for opts in options for c in opts})
-    copies = sorted({c.copied for opts in options for c in opts}) if depth else [max(
-        c.copied for opts in options for c in opts)]
+    copies = sorted({c.copied for opts in options for c in opts})
+    if not depth:  # the largest copy does not matter: one level that admits every choice
+        copies = copies[-1:]
     floors = {}
     for t, cap in itertools.product(transients, copies):
         usable = [[c for c in opts if c.transient <= t and c.copied <= cap] for opts in options]

@@ -82,9 +82,10 @@ class ModelProfile:
     # tables, or also saved outside attention): attention offload copies them once per step, freeing nothing.
     attention_shared_copy_bytes: int = 0
     attention_shared_saves: int = 0
-    # Backward FLOPs per forward FLOP of the blocks: 1 (gradients of the inputs) + the share of the blocks'
-    # weights that train (their gradients). A frozen base with LoRA is ~1, a full fine-tune ~2: how much
-    # backward compute a block's reload can hide behind.
+    # Backward FLOPs per forward FLOP of the blocks' matmuls: 1 (gradients of the inputs) + the share of the
+    # blocks' weights that train (their gradients). A frozen base with LoRA is ~1, a full fine-tune ~2: how
+    # much backward compute a block's reload can hide behind (a lower bound: attention's backward is ~2.5× its
+    # forward, and on a host-bound step the backward's Python time adds more).
     backward_to_forward: float = 2.0
 
     def to_json(self) -> dict[str, Any]:

@@ -197,7 +197,6 @@ class CopyEngine:
         if source is None:
             return False
         parked.reloaded, parked.fetches_left, parked.copied_back = source, parked.users, False
-        self.stats.reloads_skipped += 1
         return True
 
     def fetch(self, parked: Parked) -> torch.Tensor:
@@ -205,12 +204,13 @@ class CopyEngine:
         self.reload(parked)
         if not parked.copied_back and parked.reloaded._version != parked.version:
             parked.reloaded = None  # the held source was modified in place since: the host copy is the data
-            self.stats.reloads_skipped -= 1
             self.reload(parked)
         out = parked.reloaded
         assert out is not None
         if parked.copied_back:
             self._wait_for_reload(parked)
+        else:
+            self.stats.reloads_skipped += 1
         _consume(parked)
         return out
 
