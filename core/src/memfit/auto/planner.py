@@ -12,12 +12,12 @@ Cost model.  Extra seconds per block: recomputed FLOPs at the profiled rate, plu
 behind compute (a device→host copy overlaps the block's forward, the reload its backward, taken as
 ``backward_to_forward`` times as long: ~1 with a frozen base and LoRA, ~2 when every weight trains; a
 lower bound, as attention's own backward is longer than its forward, so exposure is overcharged rather
-than hidden), plus host-side bookkeeping: a fixed cost per region and, for attention offload, per saved tensor (each one
-goes through Python pack and fetch hooks; a double-stream Flux block saves ~37 under PEFT LoRA, a
-synthetic block 9), the constants below, from the H200 sweeps. The fixed costs are converted to FLOPs
-at a nominal rate of the device kind, so that without copies every cost is FLOPs over one measured rate
-and the plan does not depend on that measurement at all; with copies it depends on the measured rates
-only through their snapped values (:func:`memfit.auto.profile.round_rate`).
+than hidden), plus host-side bookkeeping: a fixed cost per region and, for attention offload, per saved
+tensor (each one goes through Python pack and fetch hooks; a double-stream Flux block saves ~37 under
+PEFT LoRA, a synthetic block 9), the constants below, from the H200 sweeps. The fixed costs are
+converted to FLOPs at a nominal rate of the device kind, so that without copies every cost is FLOPs over
+one measured rate and the plan does not depend on that measurement at all; with copies it depends on the
+measured rates only through their snapped values (:func:`memfit.auto.profile.round_rate`).
 
 Search.  A multiple-choice knapsack, exact up to the byte granularity: for each possible largest
 transient ``T`` and largest copy ``C`` (few distinct values each), a dynamic programme over kept bytes
