@@ -100,8 +100,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--preset", default="full")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tokens", type=int, default=None)
-    parser.add_argument("--modes", default="none,torch,unsloth,torch-ffn,offload_attention,"
-                                            "torch-ffn + offload_attention,unsloth[no-timing]")
+    parser.add_argument("--modes", default="none,torch,unsloth,torch-ffn,unsloth-ffn,offload_attention,"
+                                            "torch-ffn + offload_attention")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
