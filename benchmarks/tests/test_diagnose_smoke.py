@@ -1,0 +1,22 @@
+"""The diagnose script on CPU: tiny Flux + LoRA, two modes, host vs step time and a profile table per mode."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("peft")
+pytest.importorskip("memfit_flux")
+
+
+def test_diagnose_tiny_flux_cpu(tmp_path):
+    from memfit_benchmarks import diagnose
+
+    diagnose.main(["--family", "flux", "--preset", "tiny", "--device", "cpu", "--modes", "none,torch,unsloth",
+                   "--steps", "1", "--warmup", "1", "--out", str(tmp_path)])
+    md = (tmp_path / "diagnose-flux.md").read_text()
+    rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| mode")]
+    assert [r.split("|")[1].strip() for r in rows] == ["none", "torch"]  # offload modes need CUDA: skipped
+    for r in rows:
+        step, host_fwd, host_bwd = (float(c) for c in r.split("|")[2:5])
+        assert step > 0 and host_fwd > 0 and host_bwd > 0
+    assert "## torch" in md and '"recomputes":' in md  # the handle's stats and the profiler's table per mode
