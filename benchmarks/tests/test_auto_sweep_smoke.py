@@ -145,6 +145,8 @@ def test_pairs_alternate_auto_and_the_fixed_mode_and_compare_medians(tmp_path, m
     assert row["step_s"] == sorted(row["step_s_pairs"])[1]
     assert row["best_fixed"]["step_s_adjacent"] == sorted(row["best_fixed"]["step_s_pairs"])[1]
     assert row["speedup"] == pytest.approx(row["best_fixed"]["step_s_adjacent"] / row["step_s"])
+    with pytest.raises(SystemExit):  # pairs without the adjacent fixed runs would be ignored: refused
+        auto_sweep.main([*ARGS, "--pairs", "2", "--no-adjacent", "--out", str(tmp_path)])
 
 
 def test_budgets_and_fastest_fitting_fixed_mode():

@@ -330,6 +330,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--budgets must be at least 1 (or 0 with the frontier-gap budgets)")
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
+    if args.pairs > 1 and not args.adjacent:
+        parser.error("--pairs alternates auto with the fixed mode measured again: it needs the adjacent runs "
+                     "(drop --no-adjacent)")
     if args.warmup < 1:
         parser.error("--warmup must be at least 1 (auto plans during the first warm-up step)")
     return args
