@@ -20,8 +20,8 @@ exceed ``max_inflight_bytes``, the compute stream is made to wait for the oldest
 behind compute would keep every source alive and the saving would vanish.
 
 Reload ahead.  :meth:`CopyEngine.reload` only *issues* a reload; :meth:`fetch` makes the
-compute stream wait for it. The engine reloads the next region in backward order while
-the current one recomputes.
+compute stream wait for it. The session reloads the next regions in backward order while
+the current one recomputes (``OffloadSession.needed``).
 
 Telemetry.  Waits of the compute stream on copy events are bracketed by timing events;
 their durations (stall = copy time not hidden behind compute) are read lazily in
@@ -191,7 +191,8 @@ class CopyEngine:
         Reloading ahead sees such a tensor alive and has nothing to copy; without a reference of its own the
         tensor may die before its region's backward (the other op's backward ran first), and the copy back
         would then be issued on demand, with compute waiting for it. Flux's single blocks do exactly that:
-        their FFN input is also their attention's input (``test_backward_reloads_two_regions_ahead``).
+        their FFN input is also their attention's input
+        (``test_a_region_after_a_smaller_one_is_reloaded_two_regions_ahead``).
         """
         source = parked.alive_source()
         if source is None:

@@ -10,8 +10,8 @@ region of a step:
   once and shared; tensors below ``min_offload_bytes``, parameters and tensors not on the
   compute device stay where they are (copying them frees nothing worth a copy);
 * a **timeline** of the step's parking regions in forward order. Backward visits them in
-  reverse, so when region *i* is first needed, regions *i-1 … i-depth* are reloaded ahead
-  (their copies overlap region *i*'s recompute/backward).
+  reverse, so when region *i* is first needed, region *i-1* is reloaded ahead (its copy
+  overlaps region *i*'s recompute/backward), and *i-2* too when *i-1* is the smaller one.
 
 Entries (``unsloth`` backends) are parked by :class:`OffloadStash`, the frame's stash.
 Attention activations (``offload_attention``) are parked by :class:`AttentionOffloader`
@@ -38,9 +38,11 @@ from memfit.engine.install import eager_hook
 from memfit.engine.stash import DeviceStash
 from memfit.offload.copy import CopyEngine, Parked
 
-# Regions reloaded ahead in backward. Two: a region whose backward is short (a Flux double block's
-# text-stream FFN, 512 tokens, just before the image FFN in backward) cannot hide the next reload on its own.
+# Most regions reloaded ahead in backward (see ``OffloadSession.needed`` for which): two, for a region whose
+# backward is short (a Flux double block's text-stream FFN, 512 tokens, runs just before the image FFN in
+# backward) and cannot hide the next reload on its own. The planner's peak model charges this many copies.
 PREFETCH_DEPTH = 2
+_LOOKAHEAD_SCAN = 16  # regions looked at per reload-ahead decision, parked or not
 
 
 class OffloadSession:
@@ -50,7 +52,7 @@ class OffloadSession:
         copy_engine: :class:`CopyEngine` (CUDA) or ``SyncCopyEngine`` (CPU tests).
         model: its parameters and buffers are never parked.
         min_offload_bytes: smaller tensors stay on the device.
-        prefetch_depth: how many regions ahead (in backward order) to reload (:data:`PREFETCH_DEPTH`).
+        prefetch_depth: at most how many regions ahead (in backward order) to reload (:data:`PREFETCH_DEPTH`).
     """
 
     def __init__(self, copy_engine: CopyEngine, model: nn.Module, *, min_offload_bytes: int = 1 << 20,
@@ -220,12 +222,27 @@ class OffloadSession:
         return len(self._timeline) - 1
 
     def needed(self, index: int, timeline: list[weakref.ref] | None = None) -> None:
-        """Region ``index`` is needed in backward now: reload the ones backward visits next."""
+        """Region ``index`` is needed in backward now: reload the ones backward visits next.
+
+        Always the next region that parked anything; a further one only while the regions already reloaded
+        ahead are smaller than it, up to ``prefetch_depth``. A region's parked bytes stand for its compute
+        (both grow with its tokens), so a reload is issued early enough to hide behind the regions before it,
+        and no earlier: on a stack of equal blocks one region ahead, which keeps one input less on the device
+        at the backward peak than two (``test_reload_ahead_follows_region_sizes``).
+        """
         timeline = self._timeline if timeline is None else timeline
-        for j in range(index - 1, max(index - 1 - self.prefetch_depth, -1), -1):
-            region = timeline[j]() if j < len(timeline) else None
-            if region is not None:
-                region.prefetch()
+        ahead = reloaded = 0
+        stop = max(min(index, len(timeline)) - _LOOKAHEAD_SCAN, 0)  # a long run of empty regions: give up there
+        for j in range(min(index, len(timeline)) - 1, stop - 1, -1):
+            region = timeline[j]()
+            size = sum(p.nbytes for p in region.parked) if region is not None else 0
+            if not size:
+                continue  # nothing parked there (or freed already): nothing to reload
+            if reloaded == self.prefetch_depth or (reloaded and ahead >= size):
+                return
+            region.prefetch()
+            ahead += size
+            reloaded += 1
 
     def snapshot_timeline(self) -> list[weakref.ref]:
         return self._timeline
