@@ -2,11 +2,19 @@
 
 Design notes
 ------------
-Peak model.  ``static + outside + workspace + Σ kept(block) + max transient(block) + depth × max
-copied(block)``: what every block keeps between forward and backward, plus the one block whose
-activations come back in backward (a recompute or a reload happens one region at a time), plus the
-regions reloaded ahead of it (``PREFETCH_DEPTH`` of them, each at most the largest copy). It is
-conservative: in backward, the blocks after the one being recomputed have already released theirs.
+Peak model.  Memory is highest while some block's backward runs. Then the blocks before it in forward
+order still hold what they keep, the blocks after it have released theirs, and the block itself has all
+its activations back (kept, recomputed or reloaded). So block *b* under a plan needs ::
+
+    static + outside + Σ_{j<b} kept(j) + own(b) + grads after b + depth × largest copy
+
+where ``own(b)`` is the peak of one forward+backward of the block alone, measured in the profile with
+everything it saves held (so it carries the backward's gradient buffers and the attention kernel's own
+temporaries), plus its inputs, adjusted by what the policy keeps or brings back beyond what the block saves.
+``grads after b``: the trainable weights of the blocks after it (and outside every block) have their
+gradients by then. ``depth × largest copy``: the regions reloaded ahead (``PREFETCH_DEPTH`` at most, each at
+most the largest copy). The forward's end adds one more bound, ``Σ kept + the working memory outside the
+blocks``. Off CUDA the budget counts the bytes held when backward begins: ``outside + Σ kept``.
 
 Cost model.  Extra seconds per block: recomputed FLOPs at the profiled rate, plus copy time not hidden
 behind compute (a device→host copy overlaps the block's forward, the reload its backward, taken as
@@ -19,16 +27,15 @@ converted to FLOPs at a nominal rate of the device kind, so that without copies 
 one measured rate and the plan does not depend on that measurement at all; with copies it depends on the
 measured rates only through their snapped values (:func:`memfit.auto.profile.round_rate`).
 
-Search.  A multiple-choice knapsack, exact up to the byte granularity: for each possible largest
-transient ``T`` and largest copy ``C`` (few distinct values each), a dynamic programme over kept bytes
-(in units of 1/1024 of the total, rounded up: never optimistic) picks one policy per block minimising
-extra seconds. Ties go to the less intrusive policy (``BlockPolicy`` order), then to the smaller peak:
-the same profile and budget always give the same plan.
+Search.  A multiple-choice knapsack, exact up to the byte granularity: for each possible largest copy
+``C`` (few distinct values), a dynamic programme over kept bytes in forward order (in units of 1/1024 of the
+total, rounded up: never optimistic) picks one policy per block minimising extra seconds, a policy allowed
+only from prefixes that leave room for its block's own peak. Ties go to the less intrusive policy
+(``BlockPolicy`` order), then to the smaller peak: the same profile and budget always give the same plan.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -63,9 +70,15 @@ class Choice:
     transient: int  # bytes brought back while this block's backward runs
     seconds: float  # extra step time
     copied: int  # bytes sent to host memory per step
+    own: int = 0  # the block's own peak while its backward runs, above what the blocks before it keep (CUDA)
 
 
-def block_choices(block: BlockProfile, profile: ModelProfile, allowed: tuple[BlockPolicy, ...]) -> list[Choice]:
+def block_choices(block: BlockProfile, profile: ModelProfile, allowed: tuple[BlockPolicy, ...], *,
+                  grads_after: int = 0) -> list[Choice]:
+    """One :class:`Choice` per allowed policy (offloads only with a measured copy bandwidth).
+
+    ``grads_after``: gradient bytes of the trainable weights that backward reaches before this block.
+    """
     rate = profile.flops_per_second
     nominal = NOMINAL_FLOPS_PER_SECOND.get(profile.device.split(":")[0], NOMINAL_FLOPS_PER_SECOND["cpu"])
     bandwidth = profile.copy_bytes_per_second
@@ -86,7 +99,14 @@ def block_choices(block: BlockProfile, profile: ModelProfile, allowed: tuple[Blo
             copy = copied / bandwidth
             seconds += (max(0.0, copy - forward_seconds)
                         + max(0.0, copy - profile.backward_to_forward * forward_seconds))
-        out.append(Choice(policy, max(kept, 0), transient if profile.counts_transient else 0, seconds, copied))
+        own = 0
+        if profile.counts_transient:
+            # measured with everything the block saves held; a policy that keeps or brings back more than
+            # that (an entry next to its recomputed copy, a view wider than its storage) adds the difference
+            own = (block.backward_peak_bytes + block.input_bytes + grads_after
+                   + max(0, kept + transient - block.saved_bytes))
+        out.append(Choice(policy, max(kept, 0), transient if profile.counts_transient else 0, seconds, copied,
+                          own))
     return out
 
 
@@ -174,30 +194,40 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
     Raises:
         BudgetError: no plan reaches the budget (the message and ``smallest_peak_bytes`` give the smallest).
     """
-    options = [block_choices(b, profile, allowed(b)) for b in profile.blocks]
-    base = profile.static_bytes + profile.outside_bytes + profile.workspace_bytes
+    grads_after = _gradients_after(profile)
+    options = [block_choices(b, profile, allowed(b), grads_after=g)
+               for b, g in zip(profile.blocks, grads_after, strict=True)]
+    base = profile.static_bytes + profile.outside_bytes
     metric = "peak allocated" if profile.static_bytes or profile.workspace_bytes else "held activations"
-    no_checkpoint = base + sum(b.saved_bytes for b in profile.blocks)
-    # every (largest transient, largest copy) pair some plan can have, with the smallest peak it allows
-    # (off CUDA the budget counts what is held when backward begins, before anything is reloaded)
     depth = PREFETCH_DEPTH if profile.counts_transient else 0
-    transients = sorted({c.transient for opts in options for c in opts})
+
+    def peak(picks: list[Choice]) -> int:
+        ahead = depth * max((c.copied for c in picks), default=0)
+        prefix = worst = 0
+        for c in picks:
+            if profile.counts_transient:
+                worst = max(worst, prefix + c.own + ahead)
+            prefix += c.kept
+        return base + max(worst, prefix + profile.workspace_bytes)
+
+    no_checkpoint = peak([next(c for c in opts if c.policy is BlockPolicy.KEEP) for opts in options])
+    # every largest copy some plan can have, with the plan of least kept bytes it allows (the floor)
+    # (off CUDA the budget counts what is held when backward begins, before anything is reloaded: one level)
     copies = sorted({c.copied for opts in options for c in opts})
-    if not depth:  # the largest copy does not matter: one level that admits every choice
+    if not depth:
         copies = copies[-1:]
-    floors = {}
-    for t, cap in itertools.product(transients, copies):
-        usable = [[c for c in opts if c.transient <= t and c.copied <= cap] for opts in options]
+    floors: dict[int, tuple[int, list[Choice]]] = {}
+    for cap in copies:
+        usable = [[c for c in opts if c.copied <= cap] for opts in options]
         if all(usable):
-            floors[(t, cap)] = base + t + depth * cap + sum(min(c.kept for c in u) for u in usable)
-    smallest = min(floors.values())
+            picks = [min(u, key=lambda c: (c.kept, c.own)) for u in usable]
+            floors[cap] = (peak(picks), picks)
+    smallest = min(f for f, _ in floors.values())
 
     def make(picks: list[Choice]) -> Plan:
         return Plan(
             blocks=tuple((b.name, c.policy) for b, c in zip(profile.blocks, picks, strict=True)),
-            budget_bytes=budget_bytes,
-            predicted_peak_bytes=base + sum(c.kept for c in picks) + max((c.transient for c in picks), default=0)
-            + depth * max((c.copied for c in picks), default=0),
+            budget_bytes=budget_bytes, predicted_peak_bytes=peak(picks),
             predicted_extra_seconds=sum(c.seconds for c in picks),
             no_checkpoint_peak_bytes=no_checkpoint, smallest_peak_bytes=smallest,
             copied_bytes=sum(c.copied for c in picks), metric=metric)
@@ -211,11 +241,13 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
             f"gradient_checkpointing_memory_budget to at least that, or shrink the step (batch, resolution).",
             smallest_peak_bytes=smallest)
     unit = max(1, -(-sum(b.saved_bytes for b in profile.blocks) // _UNITS))
+    room = budget_bytes - base  # for kept bytes, and each block's own peak on top of those before it
     best: tuple[float, int, list[Choice]] | None = None
-    for (t, cap), floor in floors.items():
+    for cap, (floor, _) in floors.items():
         if floor > budget_bytes:
             continue
-        picks = _knapsack(options, t, cap, (budget_bytes - base - t - depth * cap) // unit, unit)
+        picks = _knapsack(options, cap, (room - profile.workspace_bytes) // unit, unit,
+                          room - depth * cap if profile.counts_transient else None)
         if picks is None:
             continue
         plan = make(picks)
@@ -223,16 +255,24 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
         if best is None or key < best[:2]:
             best = (*key, picks)
     if best is None:  # only the byte rounding stood in the way: take the smallest plan, which fits exactly
-        t, cap = min((pair for pair, floor in floors.items() if floor == smallest))
-        return make([min((c for c in opts if c.transient <= t and c.copied <= cap), key=lambda c: c.kept)
-                     for opts in options])
+        return make(min(floors.values(), key=lambda f: f[0])[1])
     return make(best[2])
 
 
-def _knapsack(options: list[list[Choice]], transient_cap: int, copy_cap: int, capacity: int,
-              unit: int) -> list[Choice] | None:
-    """Cheapest picks with every transient ≤ ``transient_cap``, every copy ≤ ``copy_cap`` and Σ kept ≤
-    ``capacity`` units (None: none)."""
+def _gradients_after(profile: ModelProfile) -> list[int]:
+    """Per block: gradient bytes already allocated when backward reaches it (the trainable weights outside
+    the blocks and in every later block; a block's own weight gradients are part of its measured peak)."""
+    out, pending = [], profile.outside_trainable_bytes
+    for b in reversed(profile.blocks):
+        out.append(pending)
+        pending += b.trainable_bytes
+    return out[::-1]
+
+
+def _knapsack(options: list[list[Choice]], copy_cap: int, capacity: int, unit: int,
+              own_room: int | None) -> list[Choice] | None:
+    """Cheapest picks with every copy ≤ ``copy_cap`` and Σ kept ≤ ``capacity`` units, each pick's own peak
+    fitting in ``own_room`` bytes above the kept bytes of the picks before it (None: no such bound)."""
     if capacity < 0:
         return None
     inf = float("inf")
@@ -240,17 +280,19 @@ def _knapsack(options: list[list[Choice]], transient_cap: int, copy_cap: int, ca
     cost[0] = 0.0
     trail: list[tuple[list[Choice], torch.Tensor]] = []
     for opts in options:
-        usable = [c for c in opts if c.transient <= transient_cap and c.copied <= copy_cap]
+        usable = [c for c in opts if c.copied <= copy_cap]
         if not usable:
             return None
         new = torch.full_like(cost, inf)
         which = torch.full((capacity + 1,), -1, dtype=torch.int64)
         for k, c in enumerate(usable):
             w = -(-c.kept // unit)
-            if w > capacity:
+            # the prefixes this pick may follow: its own peak must fit above them (units round up: safe)
+            last = capacity - w if own_room is None else min(capacity - w, (own_room - c.own) // unit)
+            if last < 0:
                 continue
             candidate = torch.full_like(cost, inf)
-            candidate[w:] = cost[: capacity + 1 - w] + c.seconds
+            candidate[w: w + last + 1] = cost[: last + 1] + c.seconds
             better = candidate < new  # strict: earlier (less intrusive) policies win ties
             new = torch.where(better, candidate, new)
             which = torch.where(better, torch.full_like(which, k), which)

@@ -17,8 +17,9 @@ FLOPs into seconds (a single rate, snapped to a quarter-octave grid). Pinned cop
 once per controller and snapped down to the same grid (never optimistic about copies).
 
 Memory.  On CUDA: the bytes allocated before the forward (parameters, gradients, optimizer state,
-inputs) and the forward's own working memory (its peak above that, with nothing held). Off CUDA
-both are 0 and the budget counts activation bytes held for backward.
+inputs), the forward's working memory outside the blocks, and each kind of block's own forward+backward
+peak (:mod:`memfit.auto.blockpeak`). Off CUDA all three are 0 and the budget counts activation bytes
+held for backward.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from memfit.adapters.spec import FamilyAdapter
+from memfit.auto.blockpeak import ForwardMemory
 
 
 @dataclass(frozen=True)
@@ -58,6 +60,10 @@ class BlockProfile:
     # saved tensors attention offload handles (each is packed in forward and fetched in backward by Python
     # hooks: the host time that makes a many-tensor region cost more than its copies)
     attention_saves: int = 0
+    # CUDA: the peak of one forward+backward of this block alone (everything it saves held, gradients of
+    # its outputs, inputs and trainable weights), above its inputs; measured once per kind of block
+    backward_peak_bytes: int = 0
+    trainable_bytes: int = 0  # its weights that train: their gradients exist from its backward on
 
     @property
     def name(self) -> str:
@@ -72,7 +78,7 @@ class ModelProfile:
     device: str
     static_bytes: int  # allocated before the forward (CUDA; 0 elsewhere)
     outside_bytes: int  # saved outside the blocks, or shared between blocks: held under every plan
-    workspace_bytes: int  # working memory on top of what is held (CUDA; 0 elsewhere)
+    workspace_bytes: int  # the forward's working memory outside the blocks, on top of what is held (CUDA)
     flops_per_second: float
     copy_bytes_per_second: float | None  # None: no copy engine, offload policies are not offered
     # CUDA: the budget is the peak, which includes the block whose activations come back in backward.
@@ -87,6 +93,7 @@ class ModelProfile:
     # much backward compute a block's reload can hide behind (a lower bound: attention's backward is ~2.5× its
     # forward, and on a host-bound step the backward's Python time adds more).
     backward_to_forward: float = 2.0
+    outside_trainable_bytes: int = 0  # trainable weights outside every block: gradients before any block's
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -257,11 +264,9 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
     excluded = {p.untyped_storage().data_ptr() for p in (*model.parameters(), *model.buffers())}
     rec = _Recorder(excluded, len(blocks))
     regions = [(adapter.ffn_chains(block), adapter.attention_modules(block)) for _, _, block in blocks]
-    handles = _profile_hooks(rec, blocks, regions)
     static = torch.cuda.memory_allocated(device) if cuda else 0
-    if cuda:
-        torch.cuda.synchronize(device)
-        torch.cuda.reset_peak_memory_stats(device)
+    memory = ForwardMemory(device, len(blocks)) if cuda else None
+    handles = _profile_hooks(rec, blocks, regions, memory)
     try:
         with torch.enable_grad(), FlopCounterMode(display=False) as rec.counter, \
                 torch.autograd.graph.saved_tensors_hooks(rec.pack, _never_unpacked):
@@ -271,10 +276,11 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
         rec.counter = None
         for h in handles:
             h.remove()
-    workspace = torch.cuda.max_memory_allocated(device) - static if cuda else 0
+    workspace = memory.outside_workspace(static) if memory is not None else 0
+    block_peaks = memory.block_peaks() if memory is not None else [0] * len(blocks)
 
     profiles = []
-    for b, ((path, index, _block), (ffn, attention)) in enumerate(zip(blocks, regions, strict=True)):
+    for b, ((path, index, block), (ffn, attention)) in enumerate(zip(blocks, regions, strict=True)):
         own = [s for i, s in enumerate(rec.storages) if s.block == b and not rec.shared(i)]
         profiles.append(BlockProfile(
             path=path, index=index,
@@ -293,6 +299,8 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
             has_ffn=bool(ffn), has_attention=bool(attention),
             attention_saves=sum(s.attention_saves(min_offload_bytes) for s in own
                                 if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes),
+            backward_peak_bytes=block_peaks[b],
+            trainable_bytes=_trainable_bytes(block.parameters()),
         ))
     outside = sum(s.nbytes for i, s in enumerate(rec.storages) if s.block is None or rec.shared(i))
     attention_copies = sum(s.attention_copy_bytes(min_offload_bytes) for s in rec.storages)
@@ -300,21 +308,21 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
     seconds = _time_blocks(model, blocks, args, kwargs, cuda=cuda, device=device)
     total_flops = sum(p.flops for p in profiles)
     rate = round_rate(total_flops / seconds) if seconds > 0 and total_flops > 0 else 1.0
-    max_input = max((p.input_bytes for p in profiles), default=0)
-    largest_saved = max((s.nbytes for s in rec.storages), default=0)
     return ModelProfile(
         blocks=tuple(profiles), device=str(device), static_bytes=static, outside_bytes=outside,
-        # The backward's working memory: the forward's, plus two gradient buffers the forward never had: the
-        # gradient flowing between blocks (a block input's size) and the gradient of the op that saved the
-        # largest activation (math attention's probabilities: without it the peak passed the budget by 11%).
-        workspace_bytes=workspace + max_input + max(max_input, largest_saved) if cuda else 0,
+        workspace_bytes=workspace,
         flops_per_second=rate,
         copy_bytes_per_second=round_rate(copy_bytes_per_second, down=True) if copy_bytes_per_second else None,
         counts_transient=cuda,
         attention_shared_copy_bytes=attention_copies - sum(p.attention_copy_bytes for p in profiles),
         attention_shared_saves=attention_saves - sum(p.attention_saves for p in profiles),
         backward_to_forward=1.0 + _trainable_share(blocks),
+        outside_trainable_bytes=_trainable_bytes(model.parameters()) - sum(p.trainable_bytes for p in profiles),
     )
+
+
+def _trainable_bytes(params: Any) -> int:
+    return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
 
 
 def _trainable_share(blocks: list) -> float:
@@ -331,12 +339,16 @@ def _never_unpacked(_: Any) -> torch.Tensor:
     raise RuntimeError("memfit's profiling forward holds no activations; its graph must not be backpropagated")
 
 
-def _profile_hooks(rec: _Recorder, blocks: list, regions: list) -> list[Any]:
+def _profile_hooks(rec: _Recorder, blocks: list, regions: list, memory: ForwardMemory | None) -> list[Any]:
     handles = []
     for b, ((_, _, block), (ffn, attention)) in enumerate(zip(blocks, regions, strict=True)):
         handles.append(block.register_forward_pre_hook(
             lambda m, a, k, b=b: rec.enter_block(b, a, k), with_kwargs=True))
         handles.append(block.register_forward_hook(lambda m, a, o, b=b: rec.leave_block(b), always_call=True))
+        if memory is not None:
+            handles.append(block.register_forward_pre_hook(
+                lambda m, a, k, b=b: memory.enter(b, m, a, k), with_kwargs=True))
+            handles.append(block.register_forward_hook(lambda m, a, o, b=b: memory.leave(b), always_call=True))
         for chain in ffn:
             handles.append(chain[0].register_forward_pre_hook(rec.enter_ffn, with_kwargs=True))
             handles.append(chain[-1].register_forward_hook(rec.leave_ffn, always_call=True))
