@@ -37,7 +37,7 @@ def test_families_tiny_flux_cpu_and_render(tmp_path):
 
 
 def test_rounds_measure_every_mode_round_robin_and_report_the_median(tmp_path, monkeypatch):
-    from memfit_benchmarks import families
+    from memfit_benchmarks import families, runner
 
     order, times = [], iter([0.5, 0.9, 0.4, 1.3, 0.6, 1.1])  # none, torch, none, torch, none, torch
 
@@ -46,7 +46,7 @@ def test_rounds_measure_every_mode_round_robin_and_report_the_median(tmp_path, m
         return {"mode": mode.name, "config": mode.config, "step_s": next(times), "oom": False,
                 "peak_allocated": 100 + len(order), "peak_reserved": None}
 
-    monkeypatch.setattr(families, "measure_mode", fake_measure)
+    monkeypatch.setattr(runner, "measure_mode", fake_measure)
     written = families.main(["--family", "flux", "--preset", "tiny", "--device", "cpu", "--modes", "none,torch",
                              "--rounds", "3", "--out", str(tmp_path), "--no-render"])
     data = json.loads(written[0].read_text())

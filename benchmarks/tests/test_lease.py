@@ -18,6 +18,9 @@ def test_job_commands(tmp_path):
     assert lease.job_command("bench-lora,full", tmp_path)[-4:] == ["--regime", "lora,full", "--out",
                                                                   str(tmp_path / "synthetic")]
     assert "wan,flux" in lease.job_command("families=wan,flux", tmp_path)
+    assert lease.job_command("bench-lora,rounds=3", tmp_path)[-6:] == ["--regime", "lora", "--out",
+                                                                      str(tmp_path / "synthetic"), "--rounds", "3"]
+    assert lease.job_command("bench-lora,frozen,rounds=2", tmp_path)[-6:-4] == ["--regime", "lora,frozen"]
     assert lease.job_command("families=flux,rounds=3", tmp_path)[-5:] == ["flux", "--out", str(tmp_path / "families"),
                                                                          "--rounds", "3"]
     assert lease.job_command("auto=flux,wan", tmp_path)[-4:-2] == ["--targets", "flux,wan"]
@@ -25,6 +28,7 @@ def test_job_commands(tmp_path):
     assert lease.job_command("auto=flux,3,pairs=2", tmp_path)[-8:-2] == ["--targets", "flux", "--budgets", "3",
                                                                         "--pairs", "2"]
     assert "--targets" not in lease.job_command("auto", tmp_path)
+    assert lease.job_command("families", tmp_path)[-3:] == ["all", "--out", str(tmp_path / "families")]
     with pytest.raises(SystemExit, match="unknown job 'benchh'"):
         lease.job_command("benchh", tmp_path)
 

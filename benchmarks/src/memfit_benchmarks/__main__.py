@@ -7,6 +7,9 @@ Regimes: ``lora`` (frozen bf16 base + PEFT LoRA r16), ``frozen`` (frozen base, o
 requires grad), ``full`` (every weight trainable, a foreach AdamW step inside the timed step). Each regime
 writes ``synthetic-<regime>-<date>.json`` (with a ``regime`` field) and, through the renderer,
 ``synthetic-<regime>-<date>.md`` and one PNG per shape to ``--out`` (default benchmarks/results).
+``--rounds N`` measures every mode of a shape N times round-robin, as the family sweep does
+(``memfit_benchmarks.rounds``): each row reports its median round (each round's step in ``step_s_rounds``), and
+target ratios are paired round by round.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ from pathlib import Path
 import torch
 
 from memfit_benchmarks.report import render_markdown
-from memfit_benchmarks.runner import MODES, add_ratios, is_offload, measure_mode, pinned_bandwidth
+from memfit_benchmarks.rounds import add_rounds_option
+from memfit_benchmarks.runner import MODES, is_offload, measure_modes, pinned_bandwidth
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
 
 # (label, width, depth, tokens): width 3072 at 1024/4096/16384 tokens (2x2-packed 64², 128², 256² latents),
@@ -93,6 +97,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    add_rounds_option(parser)
     args = parser.parse_args(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
@@ -131,9 +136,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
         "sdpa_backend": "flash (cuDNN SDPA disabled)" if cuda else "default (CPU)",
         "steps": args.steps,
         "warmup": args.warmup,
+        "rounds": args.rounds,
         "pinned_bandwidth": pinned_bandwidth() if cuda else None,
     }
     print(json.dumps(meta, indent=1), flush=True)
+    modes = [m for m in MODES if cuda or not is_offload(m)]
     written = []
     for regime in regimes:
         results = []
@@ -141,18 +148,10 @@ def main(argv: list[str] | None = None) -> list[Path]:
             model = build(dim=width, depth=depth, dtype=dtype, device=str(device))
             batch = inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
             optimizer_factory = prepare(model, batch, regime)
-            rows = []
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if cuda else contextlib.nullcontext():
-                for mode in MODES:
-                    if is_offload(mode) and not cuda:
-                        continue
-                    row = measure_mode(model, batch, SYNTHETIC.loss, mode, adapter=SYNTHETIC, warmup=args.warmup,
-                                       steps=args.steps, optimizer_factory=optimizer_factory)
-                    peak = row.get("peak_allocated")
-                    print(f"[{regime}] [{label}] {mode.name}: {row.get('step_s', 'OOM')} s, peak "
-                          + ("n/a" if peak is None else f"{peak / 2**30:.2f} GiB"), flush=True)
-                    rows.append(row)
-            add_ratios(rows)
+                rows = measure_modes(model, batch, SYNTHETIC.loss, modes, adapter=SYNTHETIC, rounds=args.rounds,
+                                     warmup=args.warmup, steps=args.steps, optimizer_factory=optimizer_factory,
+                                     tag=f"[{regime}] [{label}]")
             results.append({"shape": label, "width": width, "depth": depth, "tokens": tokens, "rows": rows})
             del model, batch, optimizer_factory
             gc.collect()

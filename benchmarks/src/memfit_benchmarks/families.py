@@ -22,7 +22,6 @@ import gc
 import json
 import os
 import platform
-import statistics
 import traceback
 from pathlib import Path
 from typing import Any
@@ -32,7 +31,8 @@ from torch import nn
 
 import memfit
 from memfit.adapters.spec import FamilyAdapter
-from memfit_benchmarks.runner import MODES, Mode, add_ratios, is_offload, measure_mode, pinned_bandwidth
+from memfit_benchmarks.rounds import add_rounds_option
+from memfit_benchmarks.runner import MODES, Mode, is_offload, measure_modes, pinned_bandwidth
 
 
 def _progress(iterable, **kw):
@@ -159,21 +159,6 @@ def family_payload(name: str, preset: str, env: dict[str, Any], *, dtype: torch.
     }
 
 
-def merge_rounds(rows: list[dict[str, Any]]) -> dict[str, Any]:
-    """One mode's rows from several rounds as one row: the median step time (each round's kept in
-    ``step_s_rounds``), the largest peaks; the rest from the first round."""
-    if len(rows) == 1 or rows[0].get("oom"):
-        return rows[0]
-    merged = dict(rows[0])
-    merged["step_s_rounds"] = [r["step_s"] for r in rows]
-    merged["step_s"] = statistics.median(merged["step_s_rounds"])
-    for key in ("peak_allocated", "peak_reserved"):
-        values = [r[key] for r in rows if r.get(key) is not None]
-        if values:
-            merged[key] = max(values)
-    return merged
-
-
 def run_family(name: str, args: argparse.Namespace, device: torch.device, env: dict[str, Any]) -> dict[str, Any]:
     adapter = memfit.available_adapters()[name]
     preset = adapter.presets[args.preset]
@@ -193,21 +178,9 @@ def run_family(name: str, args: argparse.Namespace, device: torch.device, env: d
             if reason is not None:
                 payload["skipped"][mode.name] = reason
         modes = [m for m in modes if m.name not in payload["skipped"]]
-        rounds: dict[str, list[dict[str, Any]]] = {m.name: [] for m in modes}
-        # Round-robin: every mode once per round, so a drift of the machine over the run (this H200 host's
-        # step times wander by 10% over minutes) touches every mode alike instead of the ones measured last.
-        for r in _progress(range(args.rounds * len(modes)), desc=name, unit="row"):
-            mode = modes[r % len(modes)]
-            if rounds[mode.name] and rounds[mode.name][-1].get("oom"):
-                continue  # out of memory once is out of memory
-            row = measure_mode(model, batch, adapter.loss, mode, adapter=adapter, warmup=args.warmup,
-                               steps=args.steps)
-            rounds[mode.name].append(row)
-            peak = row.get("peak_allocated")
-            print(f"[{name}] {mode.name}: " + ("OOM" if row["oom"] else f"{row['step_s']:.4f} s, peak "
-                  + ("n/a" if peak is None else f"{peak / 2**30:.2f} GiB")), flush=True)
-        payload["rows"] = [merge_rounds(rounds[m.name]) for m in modes]
-        add_ratios(payload["rows"])
+        payload["rows"] = measure_modes(model, batch, adapter.loss, modes, adapter=adapter, rounds=args.rounds,
+                                        warmup=args.warmup, steps=args.steps, tag=f"[{name}]",
+                                        progress=lambda it: _progress(it, desc=name, unit="row"))
     except torch.OutOfMemoryError as exc:  # the model or its inputs do not fit at all
         payload["error"] = f"OOM before the modes ran: {str(exc).splitlines()[0]}"
     except Exception as exc:  # one broken family must not cost the others their GPU time
@@ -232,14 +205,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--rounds", type=int, default=1,
-                        help="measure every mode this many times, round-robin; a row reports the median step")
+    add_rounds_option(parser)
     parser.add_argument("--modes", default=None, help="comma-separated mode names (default: all of runner.MODES)")
     parser.add_argument("--no-render", action="store_true", help="write JSON only")
     args = parser.parse_args(argv)
     args.modes = None if args.modes is None else [m.strip() for m in args.modes.split(",")]
-    if args.rounds < 1:
-        parser.error("--rounds must be at least 1")
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():

@@ -10,7 +10,8 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
 ``summary.txt`` (the device tool returns at most 8 files). Jobs:
 
 - ``gpu`` / ``gpu-<adapter>``: ``nox -s gpu`` (all adapters) or one adapter's GPU half of the kit
-- ``bench-<regime>[,<regime>]``: the synthetic sweep in those regimes (lora, frozen, full)
+- ``bench-<regime>[,<regime>][,rounds=<n>]``: the synthetic sweep in those regimes (lora, frozen, full), ``n``
+  round-robin rounds per mode (``bench-lora,rounds=3``)
 - ``families[=<f1>,<f2>][,rounds=<n>]``: every family (or those named) at its published size (``n`` round-robin
   rounds per mode)
 - ``fsdp2``: ``memfit_benchmarks.fsdp2 --nproc 2 --preset full``
@@ -32,6 +33,19 @@ import time
 from pathlib import Path
 
 
+def _split_option(spec: str, key: str) -> tuple[list[str], str | None]:
+    """``"a,b,key=3"`` → ``(["a", "b"], "3")``: the plain comma-separated items, and the last ``key=`` value
+    (None without one)."""
+    items = [i for i in spec.split(",") if i]
+    values = [i.removeprefix(f"{key}=") for i in items if i.startswith(f"{key}=")]
+    return [i for i in items if not i.startswith(f"{key}=")], values[-1] if values else None
+
+
+def _flag(flag: str, value: str | None) -> list[str]:
+    """``[flag, value]``, or nothing without a value (None or empty)."""
+    return [flag, value] if value else []
+
+
 def job_command(job: str, out: Path) -> list[str]:
     """The command line of one named job, writing its results under ``out``."""
     py = sys.executable
@@ -41,26 +55,24 @@ def job_command(job: str, out: Path) -> list[str]:
     if job.startswith("gpu-"):
         return [*nox, f"gpu(adapter='{job.removeprefix('gpu-')}')"]
     if job.startswith("bench-"):
-        return [*nox, "bench", "--", "--regime", job.removeprefix("bench-"), "--out", str(out / "synthetic")]
+        regimes, rounds = _split_option(job.removeprefix("bench-"), "rounds")
+        return [*nox, "bench", "--", "--regime", ",".join(regimes), "--out", str(out / "synthetic"),
+                *_flag("--rounds", rounds)]
     if job == "families" or job.startswith("families="):
-        items = [i for i in job.partition("=")[2].split(",") if i]
-        rounds = [i.removeprefix("rounds=") for i in items if i.startswith("rounds=")]
-        family = ",".join(i for i in items if not i.startswith("rounds=")) or "all"
-        return [*nox, "bench", "--", "--suite", "families", "--family", family, "--out", str(out / "families"),
-                *(["--rounds", rounds[-1]] if rounds else [])]
+        families, rounds = _split_option(job.partition("=")[2], "rounds")
+        return [*nox, "bench", "--", "--suite", "families", "--family", ",".join(families) or "all", "--out",
+                str(out / "families"), *_flag("--rounds", rounds)]
     if job == "fsdp2":
         return [py, "-m", "memfit_benchmarks.fsdp2", "--nproc", "2", "--preset", "full", "--out", str(out / "fsdp2")]
     if job == "diagnose" or job.startswith("diagnose="):
         family = job.partition("=")[2] or "flux"
         return [py, "-m", "memfit_benchmarks.diagnose", "--family", family, "--out", str(out / "diagnose")]
     if job == "auto" or job.startswith("auto="):
-        items = [i for i in job.partition("=")[2].split(",") if i]
-        pairs = [i.removeprefix("pairs=") for i in items if i.startswith("pairs=")]
-        items = [i for i in items if not i.startswith("pairs=")]
+        items, pairs = _split_option(job.partition("=")[2], "pairs")
         targets = [i for i in items if not i.isdigit()]
         budgets = [i for i in items if i.isdigit()]
-        args = ((["--targets", ",".join(targets)] if targets else []) + (["--budgets", budgets[-1]] if budgets else [])
-                + (["--pairs", pairs[-1]] if pairs else []))
+        args = [*_flag("--targets", ",".join(targets)), *_flag("--budgets", budgets[-1] if budgets else None),
+                *_flag("--pairs", pairs)]
         return [py, "-m", "memfit_benchmarks.auto_sweep", *args, "--out", str(out / "auto")]
     raise SystemExit(f"unknown job {job!r} (see python -m memfit_benchmarks.lease --help)")
 

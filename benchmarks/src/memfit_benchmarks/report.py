@@ -4,7 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from memfit_benchmarks.rounds import step_ratio
+
 GIB = 2**30
+# Issues 3 and 5: (mode, reference, limit): mode's step ≤ limit × the reference's
+STEP_TARGETS = (("unsloth", "torch", 1.02), ("unsloth-ffn", "torch-ffn", 1.03))
 
 
 def _fmt(row: dict[str, Any], key: str, scale: float = 1.0, digits: int = 3) -> str:
@@ -66,8 +70,10 @@ def _header(payload: dict[str, Any], title: str) -> list[str]:
         "",
         f"Regime: {payload.get('regime_description', payload.get('regime'))}. SDPA: {payload.get('sdpa_backend')}. "
         f"Median of {payload['steps']} timed steps after {payload['warmup']} warm-up steps"
-        + (f", each mode measured in {payload['rounds']} round-robin rounds (the median round's step reported)"
-           if payload.get("rounds", 1) > 1 else "")
+        + (f", each mode measured in {payload['rounds']} round-robin rounds (the median round's step reported; the "
+           "table's × columns divide median rounds; a target's ratio is the median over rounds of the per-round "
+           "ratio, round k of one mode / round k of the other, both measured in the same round, so that a slow "
+           "drift of the machine cancels)" if payload.get("rounds", 1) > 1 else "")
         + f"; every row of a table measured in one process, side by side. Commit: {payload.get('git_commit') or 'n/a'}.",
     ]
     if bw:
@@ -118,15 +124,20 @@ def render_family_markdown(payload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def step_check(by: dict[str, dict[str, Any]], mode: str, ref: str, limit: float) -> list[str]:
+    """The check of ``mode``'s step ≤ ``limit`` × ``ref``'s among the measured rows ``by`` mode, as one line (none
+    if either is missing): the paired ratio where both were measured in the same rounds (``rounds.step_ratio``)."""
+    if mode not in by or ref not in by:
+        return []
+    ratio, detail = step_ratio(by[mode], by[ref])
+    return [f"- {'PASS' if ratio <= limit else 'FAIL'} {mode} ≤ {limit:.2f}× {ref} step time: {detail}"]
+
+
 def _family_targets(rows: list[dict[str, Any]]) -> list[str]:
     by = {r["mode"]: r for r in rows if not r.get("oom")}
     out = ["Targets (issue 5):", ""]
-    if "unsloth" in by and "torch" in by:
-        ratio = by["unsloth"]["step_s"] / by["torch"]["step_s"]
-        out.append(f"- {'PASS' if ratio <= 1.02 else 'FAIL'} unsloth ≤ 1.02× torch step time: {ratio:.3f}×")
-    if "unsloth-ffn" in by and "torch-ffn" in by:
-        ratio = by["unsloth-ffn"]["step_s"] / by["torch-ffn"]["step_s"]
-        out.append(f"- {'PASS' if ratio <= 1.03 else 'FAIL'} unsloth-ffn ≤ 1.03× torch-ffn step time: {ratio:.3f}×")
+    for target in STEP_TARGETS:
+        out += step_check(by, *target)
     t, n = by.get("torch-ffn", {}).get("peak_allocated"), by.get("none", {}).get("peak_allocated")
     if t is not None and n is not None:
         out.append(f"- {'PASS' if t < n else 'FAIL'} torch-ffn peak below none's: {t / GIB:.3f} vs {n / GIB:.3f} GiB")
@@ -142,17 +153,14 @@ def _targets(shape: dict[str, Any], bw: dict[str, float]) -> list[str]:
 
     if "unsloth" in by and "torch" in by:
         u, t = by["unsloth"], by["torch"]
-        ratio = u["step_s"] / t["step_s"]
-        check("unsloth ≤ 1.02× torch step time", ratio <= 1.02, f"{ratio:.3f}×")
+        out += step_check(by, *STEP_TARGETS[0])
         parked = u.get("bytes_offloaded_per_step", 0)
-        if u.get("peak_allocated") is None or t.get("peak_allocated") is None:
-            return out
-        limit = t["peak_allocated"] - 0.9 * parked
-        check("unsloth peak ≤ torch peak − 0.9 × offloaded inputs", u["peak_allocated"] <= limit,
-              f"{u['peak_allocated'] / GIB:.3f} GiB vs limit {limit / GIB:.3f} GiB (offloaded {parked / 2**20:.0f} MiB)")
-    if "unsloth-ffn" in by and "torch-ffn" in by:
-        ratio = by["unsloth-ffn"]["step_s"] / by["torch-ffn"]["step_s"]
-        check("unsloth-ffn ≤ 1.03× torch-ffn step time", ratio <= 1.03, f"{ratio:.3f}×")
+        if u.get("peak_allocated") is not None and t.get("peak_allocated") is not None:
+            limit = t["peak_allocated"] - 0.9 * parked
+            check("unsloth peak ≤ torch peak − 0.9 × offloaded inputs", u["peak_allocated"] <= limit,
+                  f"{u['peak_allocated'] / GIB:.3f} GiB vs limit {limit / GIB:.3f} GiB (offloaded "
+                  f"{parked / 2**20:.0f} MiB)")
+    out += step_check(by, *STEP_TARGETS[1])
     if "offload_attention" in by and "none" in by and bw.get("d2h_gbs"):
         a = by["offload_attention"]
         d = a.get("bytes_offloaded_per_step", 0)

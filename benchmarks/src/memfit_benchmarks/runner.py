@@ -12,7 +12,7 @@ from __future__ import annotations
 import gc
 import statistics
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -21,6 +21,7 @@ from torch import nn
 
 import memfit
 from memfit.adapters.spec import FamilyAdapter
+from memfit_benchmarks.rounds import paired_ratio, round_robin
 
 
 @dataclass(frozen=True)
@@ -227,8 +228,37 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
     return {"mode": mode.name, "config": mode.config, "oom": True}
 
 
+def _row_summary(row: dict[str, Any]) -> str:
+    """One measured row as a progress line: ``OOM``, or its step time and peak."""
+    if row.get("oom"):
+        return "OOM (host RAM)" if row.get("oom_where") == "host" else "OOM"
+    peak = row.get("peak_allocated")
+    return f"{row['step_s']:.4f} s, peak " + ("n/a" if peak is None else f"{peak / 2**30:.2f} GiB")
+
+
+def measure_modes(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], modes: list[Mode],
+                  *, adapter: FamilyAdapter | None, rounds: int = 1, warmup: int = 2, steps: int = 5,
+                  optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None, tag: str = "",
+                  progress: Callable[[Iterable[int]], Iterable[int]] = iter) -> list[dict[str, Any]]:
+    """Every mode of ``modes`` (``measure_mode``) in ``rounds`` round-robin rounds (``rounds.round_robin``), each
+    measurement printed as it ends (after ``tag``): one row per mode, in ``modes`` order, with its ratios
+    (``add_ratios``). ``progress`` wraps the iteration over all measurements (e.g. a progress bar)."""
+
+    def measure(mode: Mode) -> dict[str, Any]:
+        row = measure_mode(model, inputs, loss_fn, mode, adapter=adapter, warmup=warmup, steps=steps,
+                           optimizer_factory=optimizer_factory)
+        print(f"{tag} {mode.name}: {_row_summary(row)}", flush=True)
+        return row
+
+    rows = round_robin(modes, rounds, measure, progress)
+    add_ratios(rows)
+    return rows
+
+
 def add_ratios(rows: list[dict[str, Any]]) -> None:
-    """Step-time ratios ``x_none`` / ``x_torch`` / ``x_torch_ffn`` and peak ratios ``peak_x_none`` /
+    """Step-time ratios ``x_none`` / ``x_torch`` / ``x_torch_ffn`` (ratios of the median rounds' steps), with
+    ``x_none_paired`` / ``x_torch_paired`` / ``x_torch_ffn_paired`` (the median of per-round ratios,
+    ``rounds.paired_ratio``) where both rows were measured in the same rounds, and peak ratios ``peak_x_none`` /
     ``peak_x_torch`` (when peaks were measured) to the rows of the same run."""
     by = {r["mode"]: r for r in rows if not r.get("oom") and "step_s" in r}
     for r in rows:
@@ -239,5 +269,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
                 continue
             key = ref.replace("-", "_")
             r[f"x_{key}"] = r["step_s"] / by[ref]["step_s"]
+            paired = paired_ratio(r, by[ref])
+            if paired is not None:
+                r[f"x_{key}_paired"] = paired
             if ref != "torch-ffn" and r.get("peak_allocated") and by[ref].get("peak_allocated"):
                 r[f"peak_x_{key}"] = r["peak_allocated"] / by[ref]["peak_allocated"]

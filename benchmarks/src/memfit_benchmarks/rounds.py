@@ -1,0 +1,95 @@
+"""Round-robin rounds and paired step-time ratios, shared by the synthetic and the family sweeps.
+
+Step times of one mode drift by ~10% over minutes on the shared GPU host. Measuring every mode once per round
+(mode A, B, …, then A, B, … again) makes that drift touch every mode alike; comparing two modes round by round
+(round k of A / round k of B, measured minutes apart at most) cancels a slow drift, which the ratio of the two
+modes' median rounds does not. Pure Python (no torch): the report imports it too.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from memfit_benchmarks.runner import Mode
+
+Row = dict[str, Any]
+
+
+def _at_least_one(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError("must be at least 1")
+    return value
+
+
+def add_rounds_option(parser: argparse.ArgumentParser) -> None:
+    """``--rounds N`` (default 1), as the synthetic and the family sweeps take it."""
+    parser.add_argument("--rounds", type=_at_least_one, default=1,
+                        help="measure every mode this many times, round-robin; a row reports the median round's "
+                             "step (each round's in step_s_rounds) and target ratios are paired round by round")
+
+
+def merge_rounds(rows: list[Row]) -> Row:
+    """One mode's rows from several rounds as one row: the median step time (each round's kept in
+    ``step_s_rounds``), the largest peaks; the rest from the first round. A mode out of memory in any round is
+    that round's ``oom`` row."""
+    oom = next((r for r in rows if r.get("oom")), None)
+    if oom is not None:
+        return oom
+    if len(rows) == 1:
+        return rows[0]
+    merged = dict(rows[0])
+    merged["step_s_rounds"] = [r["step_s"] for r in rows]
+    merged["step_s"] = statistics.median(merged["step_s_rounds"])
+    for key in ("peak_allocated", "peak_reserved", "peak_allocated_before_optimizer"):
+        values = [r[key] for r in rows if r.get(key) is not None]
+        if values:
+            merged[key] = max(values)
+    return merged
+
+
+def round_robin(modes: list[Mode], rounds: int, measure: Callable[[Mode], Row],
+                progress: Callable[[Iterable[int]], Iterable[int]] = iter) -> list[Row]:
+    """``measure`` every mode ``rounds`` times, round-robin (every mode once per round, in ``modes`` order), and
+    merge each mode's rounds (``merge_rounds``): one row per mode, in ``modes`` order. A mode out of memory once
+    is not measured again. ``progress`` wraps the iteration over all measurements (e.g. a progress bar)."""
+    measured: dict[str, list[Row]] = {m.name: [] for m in modes}
+    for i in progress(range(rounds * len(modes))):
+        mode = modes[i % len(modes)]
+        done = measured[mode.name]
+        if done and done[-1].get("oom"):
+            continue  # out of memory once is out of memory
+        done.append(measure(mode))
+    return [merge_rounds(measured[m.name]) for m in modes]
+
+
+def per_round_ratios(row: Row, ref: Row) -> list[float] | None:
+    """Round k of ``row`` / round k of ``ref`` for every round, when both carry ``step_s_rounds`` with the same
+    number (more than one) of rounds; else None."""
+    steps, ref_steps = row.get("step_s_rounds") or [], ref.get("step_s_rounds") or []
+    if len(steps) < 2 or len(steps) != len(ref_steps):
+        return None
+    return [s / r for s, r in zip(steps, ref_steps, strict=True)]
+
+
+def paired_ratio(row: Row, ref: Row) -> float | None:
+    """The median of the per-round ratios of ``row`` to ``ref`` (None without rounds to pair)."""
+    ratios = per_round_ratios(row, ref)
+    return None if ratios is None else statistics.median(ratios)
+
+
+def step_ratio(row: Row, ref: Row) -> tuple[float, str]:
+    """The step-time ratio a target checks, and how to show it: the paired ratio (median of per-round ratios)
+    where both rows have the same rounds, with the per-round ratios and the ratio of the median rounds beside it;
+    else the ratio of the two steps."""
+    medians = row["step_s"] / ref["step_s"]
+    ratios = per_round_ratios(row, ref)
+    if ratios is None:
+        return medians, f"{medians:.3f}×"
+    paired = statistics.median(ratios)
+    listed = ", ".join(f"{r:.3f}" for r in ratios)
+    return paired, f"{paired:.3f}× (median of per-round ratios {listed}; ratio of median rounds {medians:.3f})"
