@@ -31,7 +31,11 @@ def _check_output(path, tmp_path, budgets=2):
     assert data["high_bytes"] == none["held_bytes"] and data["low_bytes"] < data["high_bytes"]
     spread = [b for b in data["budgets"] if b not in data["gap_budgets"]]
     assert len(spread) == budgets and data["budgets"][0] == data["low_bytes"]
-    assert data["gap_budgets"] and set(data["gap_budgets"]) <= set(data["budgets"])
+    # the gaps follow the frontier of the measured rows (on a loaded CPU the fastest mode can also be the
+    # leanest, and then there is no step to fall back over: the count depends on timing, the rule does not)
+    from memfit_benchmarks.auto_sweep import gap_budgets
+    assert data["gap_budgets"] == gap_budgets(data["fixed_rows"], data["low_bytes"], data["high_bytes"])
+    assert set(data["gap_budgets"]) <= set(data["budgets"])
     for gap in data["gap_budgets"]:  # each 1% below a fixed mode's memory: that mode does not fit it
         assert any(gap == int(r["held_bytes"] * 0.99) for r in data["fixed_rows"])
     assert [r["budget_bytes"] for r in data["auto_rows"] if not r.get("planner_floor")] == data["budgets"]

@@ -172,6 +172,9 @@ def test_budget_that_needs_no_checkpointing_installs_nothing_and_says_so(model, 
         warnings.simplefilter("error")  # once
         step(model, inputs(model))
     assert not handle.plan.needed and handle.stats()["recomputes"] == 0
+    # the profile behind the plan is inspectable: one entry per planned block, off CUDA no measured peaks
+    assert [b.name for b in handle.profile.blocks] == [name for name, _ in handle.plan.blocks]
+    assert all(b.backward_peak_bytes == 0 for b in handle.profile.blocks)
     handle.remove()
 
 

@@ -10,7 +10,7 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from memfit.auto import BlockPolicy, BlockProfile, ModelProfile, plan_policies
-from memfit.auto.planner import block_choices
+from memfit.auto.planner import block_choices, reloaded_ahead
 from memfit.auto.policy import allowed_policies
 from memfit.errors import BudgetError
 from memfit.offload.session import PREFETCH_DEPTH
@@ -40,11 +40,14 @@ def everything(b: BlockProfile) -> tuple[BlockPolicy, ...]:
 
 def model_peak(prof: ModelProfile, picks) -> int:
     """The peak model, written out: each block's own peak on top of what the blocks before it keep (with the
-    regions reloaded ahead), or everything kept plus the working memory outside the blocks."""
-    ahead = PREFETCH_DEPTH * max(c.copied for c in picks) if prof.counts_transient else 0
+    copies reloaded ahead: the nearest earlier block that copies, and the one before that when it copies
+    more), or everything kept plus the working memory outside the blocks."""
     held = worst = 0
-    for c in picks:
+    for b, c in enumerate(picks):
         if prof.counts_transient:
+            earlier = [p.copied for p in reversed(picks[:b]) if p.copied]
+            ahead = earlier[0] + (earlier[1] if len(earlier) > 1 and earlier[1] > earlier[0] else 0) \
+                if earlier else 0
             worst = max(worst, held + c.own + ahead)
         held += c.kept
     return prof.static_bytes + prof.outside_bytes + max(worst, held + prof.workspace_bytes)
@@ -144,10 +147,18 @@ def test_peak_counts_the_regions_reloaded_ahead():
     assert plan.copied_bytes > 0
     picks = [{c.policy: c for c in block_choices(b, prof, everything(b))}[plan.policy(b.name)] for b in prof.blocks]
     held = sum(c.kept for c in picks[:-1])
-    last = picks[-1]
-    assert plan.predicted_peak_bytes >= (prof.static_bytes + prof.outside_bytes + held + last.own
-                                         + PREFETCH_DEPTH * max(c.copied for c in picks))
+    nearest = next(c.copied for c in reversed(picks[:-1]) if c.copied)
+    assert plan.predicted_peak_bytes >= prof.static_bytes + prof.outside_bytes + held + picks[-1].own + nearest
     assert plan.predicted_peak_bytes == model_peak(prof, picks) <= 1300 * MiB
+
+
+def test_reloads_ahead_follow_the_copy_engine_rule():
+    """The next block that copies is reloaded ahead; a second one only when the first is smaller (a short
+    backward cannot hide a larger reload), never more than PREFETCH_DEPTH."""
+    assert reloaded_ahead([0, 27, 27, 27], PREFETCH_DEPTH) == 27
+    assert reloaded_ahead([27, 198, 198], PREFETCH_DEPTH) == 27 + 198
+    assert reloaded_ahead([198, 27], PREFETCH_DEPTH) == 198
+    assert reloaded_ahead([3, 24, 100], 1) == 3 and reloaded_ahead([], PREFETCH_DEPTH) == 0
 
 
 def test_a_block_adds_its_own_peak_to_what_the_blocks_before_it_keep():

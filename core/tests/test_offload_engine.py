@@ -41,6 +41,7 @@ CONFIGS = [
     {**ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_interval": 2},
     {**ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_interval": 2,
      "gradient_checkpointing_segment_stride": 4},
+    {**ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_segment_stride": 2},
     {**ON, "gradient_checkpointing_backend": "unsloth-ffn"},
     {"gradient_checkpointing_offload_attention": True},
     {**ON, "gradient_checkpointing_backend": "torch-ffn", "gradient_checkpointing_offload_attention": True},
@@ -59,8 +60,10 @@ def test_offload_modes_match_reference_and_return_buffers(model, x, config):
         stats = handle.stats()
     assert_same(ref, got)
     every_block_recomputed = config.get("gradient_checkpointing_backend") == "torch"
-    # with every block recomputed, attention offload has nothing to do (never copy twice)
-    assert (stats["bytes_offloaded"] == 0) if every_block_recomputed else (stats["bytes_offloaded"] > 0)
+    # with every block recomputed, attention offload has nothing to do (never copy twice); the step's last two
+    # regions keep their entries (interval 2, stride 4 on six blocks has only two)
+    parks = not every_block_recomputed and (stats["frames"] > 2 or "gradient_checkpointing_offload_attention" in config)
+    assert (stats["bytes_offloaded"] > 0) == parks, stats
     gc.collect()
     assert engine.pool.stats().buffers_in_use == 0, "host buffers were not returned after backward"
 
@@ -72,12 +75,13 @@ def test_unsloth_parks_entries_and_holds_less_on_device(model, x):
     with offload_apply(model, {**ON, "gradient_checkpointing_backend": "unsloth"}) as h:
         step(model, x)
         stats = h.stats()
-    # Every entry is parked but the last frame's (backward needs those first: a round trip would free
-    # nothing); the shared `scale` is parked once and shared by the frames 2..5.
+    # Every entry is parked but the last two frames' (backward needs the last first and reloads the one before
+    # it as that one's backward begins: a round trip would free nothing at the peak); the shared `scale` is
+    # parked once and shared by the frames 2..4.
     assert stats["frames"] == torch_stats["frames"] == 6
-    assert stats["dedup_hits"] == 4
+    assert stats["dedup_hits"] == 3
     n, d = 2 * 8, 16
-    assert stats["bytes_offloaded"] == 5 * n * d * 4 + 4
+    assert stats["bytes_offloaded"] == 4 * n * d * 4 + 4
     assert stats["bytes_reloaded"] <= stats["bytes_offloaded"]
 
 

@@ -90,8 +90,11 @@ def test_lora_gradients_bitwise(name, reference):
         stats = handle.stats()
     if CONFIGS[name].get("gradient_checkpointing"):
         assert stats["recomputes"] > 0 and stats["recomputes"] == stats["frames"] - stats["unused"]
-    if "offload" in name or "unsloth" in name or "attn" in name:
+    if "offload" in name or "attn" in name or ("unsloth" in name and stats["frames"] > 2):
+        # (the step's last two regions keep their entries: two regions or fewer park nothing)
         assert stats["bytes_offloaded"] > 0
+    elif "unsloth" in name:
+        assert stats["bytes_offloaded"] == 0
 
 
 def test_inject_adapter_in_model(reference):

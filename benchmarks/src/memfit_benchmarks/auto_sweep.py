@@ -136,7 +136,9 @@ def _held_bytes(model, batch, adapter: FamilyAdapter, config: dict[str, Any] | N
 
 def _plan_fields(handle: Any) -> dict[str, Any]:
     plan = getattr(handle, "plan", None)
-    return {"plan": None if plan is None else plan.to_json(), "plan_counts": None if plan is None else plan.counts()}
+    profile = getattr(handle, "profile", None)  # per-block bytes and measured peaks: what the prediction came from
+    return {"plan": None if plan is None else plan.to_json(), "plan_counts": None if plan is None else plan.counts(),
+            "profile": None if profile is None else profile.to_json()}
 
 
 class _Measure:

@@ -9,6 +9,7 @@ from torch import nn
 
 from memfit.auto.controller import AutoController
 from memfit.auto.planner import Plan
+from memfit.auto.profile import ModelProfile
 from memfit.config import MemfitConfig
 from memfit.engine.install import RegionEngine
 
@@ -49,6 +50,11 @@ class MemfitHandle:
         """The ``auto`` backend's plan for the latest input shape (None before its first forward, or for a
         fixed backend)."""
         return self._auto.plan if self._auto is not None else None
+
+    @property
+    def profile(self) -> ModelProfile | None:
+        """The profile behind :attr:`plan` (per-block bytes, FLOPs, measured peaks; None as for ``plan``)."""
+        return self._auto.profile if self._auto is not None else None
 
     def stats(self) -> dict[str, Any]:
         """Counters since :meth:`apply` (or the last :meth:`reset_stats`): frames, calls, recomputes, entries."""

@@ -212,6 +212,11 @@ class AutoController:
         return [m for path, index, block in self.adapter.iter_blocks(self.model)
                 if plan.policy(f"{path}.{index}").offloads_attention for m in self.adapter.attention_modules(block)]
 
+    @property
+    def profile(self) -> ModelProfile | None:
+        """The profile the current plan was made from (None before the first forward with gradients)."""
+        return self.profiles.get(self._signature) if self._signature is not None else None
+
     def describe(self) -> str:
         if self.plan is None:
             return f"auto: budget {format_bytes(self.budget_bytes)}; planned at the first forward with gradients"

@@ -6,15 +6,16 @@ Peak model.  Memory is highest while some block's backward runs. Then the blocks
 order still hold what they keep, the blocks after it have released theirs, and the block itself has all
 its activations back (kept, recomputed or reloaded). So block *b* under a plan needs ::
 
-    static + outside + Σ_{j<b} kept(j) + own(b) + grads after b + depth × largest copy
+    static + outside + Σ_{j<b} kept(j) + own(b) + grads after b + reloaded ahead
 
 where ``own(b)`` is the peak of one forward+backward of the block alone, measured in the profile with
 everything it saves held (so it carries the backward's gradient buffers and the attention kernel's own
 temporaries), plus its inputs, adjusted by what the policy keeps or brings back beyond what the block saves.
 ``grads after b``: the trainable weights of the blocks after it (and outside every block) have their
-gradients by then. ``depth × largest copy``: the regions reloaded ahead (``PREFETCH_DEPTH`` at most, each at
-most the largest copy). The forward's end adds one more bound, ``Σ kept + the working memory outside the
-blocks``. Off CUDA the budget counts the bytes held when backward begins: ``outside + Σ kept``.
+gradients by then. ``reloaded ahead``: what the copy engine brings back for the blocks backward visits
+next, by its own rule (the next block that copies, a second when the first is the smaller). The forward's
+end adds one more bound, ``Σ kept + the working memory outside the blocks``. Off CUDA the budget counts the
+bytes held when backward begins: ``outside + Σ kept``.
 
 Cost model.  Extra seconds per block: recomputed FLOPs at the profiled rate, plus copy time not hidden
 behind compute (a device→host copy overlaps the block's forward, the reload its backward, taken as
@@ -202,11 +203,10 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
     depth = PREFETCH_DEPTH if profile.counts_transient else 0
 
     def peak(picks: list[Choice]) -> int:
-        ahead = depth * max((c.copied for c in picks), default=0)
         prefix = worst = 0
-        for c in picks:
+        for b, c in enumerate(picks):
             if profile.counts_transient:
-                worst = max(worst, prefix + c.own + ahead)
+                worst = max(worst, prefix + c.own + reloaded_ahead([p.copied for p in reversed(picks[:b])], depth))
             prefix += c.kept
         return base + max(worst, prefix + profile.workspace_bytes)
 
@@ -246,9 +246,14 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
     for cap, (floor, _) in floors.items():
         if floor > budget_bytes:
             continue
-        picks = _knapsack(options, cap, (room - profile.workspace_bytes) // unit, unit,
-                          room - depth * cap if profile.counts_transient else None)
-        if picks is None:
+        # room for one region reloaded ahead (equal neighbours); if the plan found reloads more (a smaller
+        # copy just before a larger one), search again with room for ``depth`` of them
+        for ahead in dict.fromkeys((min(depth, 1) * cap, depth * cap)):
+            picks = _knapsack(options, cap, (room - profile.workspace_bytes) // unit, unit,
+                              room - ahead if profile.counts_transient else None)
+            if picks is None or peak(picks) <= budget_bytes:
+                break
+        if picks is None or peak(picks) > budget_bytes:
             continue
         plan = make(picks)
         key = (round(plan.predicted_extra_seconds, 9), plan.predicted_peak_bytes)
@@ -257,6 +262,18 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
     if best is None:  # only the byte rounding stood in the way: take the smallest plan, which fits exactly
         return make(min(floors.values(), key=lambda f: f[0])[1])
     return make(best[2])
+
+
+def reloaded_ahead(copied: list[int], depth: int) -> int:
+    """Bytes the copy engine reloads ahead while a block's backward runs, given what the blocks before it copy
+    (nearest first): the next one that copies, and further ones while those already reloaded are smaller, at
+    most ``depth`` (the rule of :meth:`memfit.offload.session.OffloadSession.needed`, block by block)."""
+    ahead = 0
+    for taken, size in enumerate(c for c in copied if c):
+        if taken == depth or (taken and ahead >= size):
+            break
+        ahead += size
+    return ahead
 
 
 def _gradients_after(profile: ModelProfile) -> list[int]:

@@ -62,7 +62,8 @@ class OffloadSession:
         self.min_offload_bytes = min_offload_bytes
         self.prefetch_depth = prefetch_depth
         self._registry: dict[tuple, Parked] = {}  # _view_key -> parked copy, this step
-        self._pending: list[tuple[OffloadStash, list]] = []
+        self._pending: list[tuple[OffloadStash, list]] = []  # entries not parked yet, in region order
+        self._regions_started = 0  # regions of this step so far (parking or not)
         self._timeline: list[weakref.ref] = []
         self._step_parked: list[weakref.ref] = []
         self._param_storages: set[int] = set()
@@ -83,6 +84,7 @@ class OffloadSession:
         self._timeline = []
         self._step_parked = []
         self._pending = []
+        self._regions_started = 0
         if not self._registration_hooks:
             # global hooks: held weakly (a model dropped without remove() must not be kept alive by them),
             # and removed with the session if remove() is never called
@@ -113,8 +115,9 @@ class OffloadSession:
             self._call_param_storages = _storage_ptrs(module.parameters())
 
     def end_step(self) -> None:
-        # The last region's entries were never parked: backward needs them first, so a round trip
-        # through host memory would free nothing at the backward peak and cost two copies.
+        # The last two regions' entries were never parked: backward needs the last one first and reloads the
+        # one before it as that one's backward begins, so at the backward peak both are on the device anyway.
+        # A round trip through host memory would free nothing there and cost two copies each.
         for stash, handle in self._pending:
             stash.keep(handle)
         self._pending = []
@@ -199,12 +202,20 @@ class OffloadSession:
     # -- reload ahead ---------------------------------------------------------------------------------------------
 
     def defer(self, stash: OffloadStash, handle: list) -> None:
-        """Park ``handle``'s tensor once a later region starts (see :meth:`end_step` for why)."""
+        """Park ``handle``'s tensor once two later regions have started (see :meth:`end_step` for why)."""
         self._pending.append((stash, handle))
 
-    def flush_deferred(self) -> None:
-        """A later region starts: the earlier regions' deferred entries are not the last, so park them now."""
-        pending, self._pending = self._pending, []
+    def region_started(self) -> int:
+        """Any region starts (parking or not); returns its number in the step. The deferred entries of the
+        regions before the previous one are not among the step's last two: they are parked now."""
+        self._regions_started += 1
+        self.flush_deferred(before=self._regions_started - 1)
+        return self._regions_started
+
+    def flush_deferred(self, *, before: int) -> None:
+        """Park the deferred entries of the regions numbered below ``before``."""
+        pending = [(stash, h) for stash, h in self._pending if stash.number < before]
+        self._pending = [(stash, h) for stash, h in self._pending if stash.number >= before]
         if not pending:
             return
         parked = self.park_many([handle[2] for _, handle in pending])
@@ -213,36 +224,37 @@ class OffloadSession:
             handle[:] = ["parked", p, None]
 
     def register(self, region: Any) -> int:
-        """Add a parking region (has ``prefetch()``) to the step's timeline; returns its index.
-
-        A new region means the earlier ones are not the last: their deferred entries are parked now.
-        """
-        self.flush_deferred()
+        """Add a parking region (has ``prefetch()``) to the step's timeline; returns its index."""
         self._timeline.append(weakref.ref(region))
         return len(self._timeline) - 1
 
     def needed(self, index: int, timeline: list[weakref.ref] | None = None) -> None:
         """Region ``index`` is needed in backward now: reload the ones backward visits next.
 
-        Always the next region that parked anything; a further one only while the regions already reloaded
-        ahead are smaller than it, up to ``prefetch_depth``. A region's parked bytes stand for its compute
-        (both grow with its tokens), so a reload is issued early enough to hide behind the regions before it,
-        and no earlier: on a stack of equal blocks one region ahead, which keeps one input less on the device
-        at the backward peak than two (``test_reload_ahead_follows_region_sizes``).
+        Always the next region that holds anything; a further one only while the regions ahead of it are
+        smaller, up to ``prefetch_depth`` regions. A region's bytes (parked, or kept on the device as the
+        step's last regions do) stand for its compute, as both grow with its tokens: a reload is issued early
+        enough to hide behind the regions before it, and no earlier. On a stack of equal blocks that is one
+        region ahead, which keeps one input less on the device at the backward peak than two
+        (``test_on_equal_regions_one_region_is_reloaded_ahead``).
         """
         timeline = self._timeline if timeline is None else timeline
-        ahead = reloaded = 0
+        ahead = visited = 0
         stop = max(min(index, len(timeline)) - _LOOKAHEAD_SCAN, 0)  # a long run of empty regions: give up there
         for j in range(min(index, len(timeline)) - 1, stop - 1, -1):
             region = timeline[j]()
-            size = sum(p.nbytes for p in region.parked) if region is not None else 0
+            if region is None:
+                continue
+            parked = sum(p.nbytes for p in region.parked)
+            size = parked + region.kept_bytes
             if not size:
-                continue  # nothing parked there (or freed already): nothing to reload
-            if reloaded == self.prefetch_depth or (reloaded and ahead >= size):
+                continue  # nothing there (or freed already)
+            if visited == self.prefetch_depth or (visited and ahead >= size):
                 return
-            region.prefetch()
+            if parked:
+                region.prefetch()
             ahead += size
-            reloaded += 1
+            visited += 1
 
     def snapshot_timeline(self) -> list[weakref.ref]:
         return self._timeline
@@ -282,11 +294,12 @@ def _still_parked(parked: Parked, tensor: torch.Tensor) -> bool:
 def device_stash_after_parking(session: OffloadSession) -> Callable[[], DeviceStash]:
     """Stashes for regions that keep their entries on the device in a plan that also parks (``auto``).
 
-    Such a region still ends the deferral of the parked regions before it (see :meth:`OffloadSession.end_step`):
-    only the last region of the step keeps its entries, whatever kind the regions after it are.
+    Such a region still counts towards the deferral of the parked regions before it (see
+    :meth:`OffloadSession.end_step`): only the step's last two regions keep their entries, whatever kind the
+    regions after them are.
     """
     def make() -> DeviceStash:
-        session.flush_deferred()
+        session.region_started()
         return DeviceStash()
     return make
 
@@ -316,6 +329,8 @@ class OffloadStash:
     def __init__(self, session: OffloadSession) -> None:
         self.session = session
         self.parked: list[Parked] = []
+        self.kept_bytes = 0  # entries worth parking that stay on the device (the step's last two regions)
+        self.number = session.region_started()
         self.timeline = session.snapshot_timeline()
         self.index = session.register(self)
 
@@ -328,6 +343,7 @@ class OffloadStash:
 
     def keep(self, handle: list) -> None:
         handle[:] = ["device", handle[1], None]
+        self.kept_bytes += handle[1].untyped_storage().nbytes()
         state.note_held(handle[1])
 
     def get(self, handle: list) -> torch.Tensor:
@@ -364,7 +380,9 @@ class _SavedGroup:
     def __init__(self, session: OffloadSession) -> None:
         self.session = session
         self.parked: list[Parked] = []
+        self.kept_bytes = 0  # an attention call parks everything worth parking
         self.pending: list[_SavedHandle] = []
+        self.number = session.region_started()
         self.timeline = session.snapshot_timeline()
         self.index = session.register(self)
         self.started = False

@@ -204,11 +204,12 @@ class AdapterConformance:
             gc.collect()  # the step's graph is gone: every frame was either recomputed or freed unused
             stats = handle.stats()
         if combo.offloads:
-            # The last parking region of a step is never parked (backward needs it first): a plan with a
-            # single region and no attention offload parks nothing, by design.
-            single = combo.backend is not None and not combo.offload_attention and \
-                self.expected_frames(model, combo) <= 1
-            assert (stats["bytes_offloaded"] == 0) if single else (stats["bytes_offloaded"] > 0), (
+            # The last two parking regions of a step are never parked (backward needs the last first and
+            # reloads the one before as that one's backward begins, so parking them frees nothing at the peak):
+            # a plan with two regions or fewer and no attention offload parks nothing, by design.
+            few = combo.backend is not None and not combo.offload_attention and \
+                self.expected_frames(model, combo) <= 2
+            assert (stats["bytes_offloaded"] == 0) if few else (stats["bytes_offloaded"] > 0), (
                 f"{combo}: {stats['bytes_offloaded']} bytes parked"
             )
             assert stats["host_buffers_in_use"] == 0, f"{combo}: host buffers not returned after backward"
