@@ -206,3 +206,18 @@ def test_policies_that_need_a_boundary_are_not_offered():
     assert BlockPolicy.FFN not in allowed_policies(has_ffn=False, has_attention=True, can_offload=True)
     assert BlockPolicy.ATTENTION_OFFLOAD not in allowed_policies(has_ffn=True, has_attention=False, can_offload=True)
     assert not any(p.copies for p in allowed_policies(has_ffn=True, has_attention=True, can_offload=False))
+
+
+def test_blocks_of_one_kind_share_one_peak_measurement():
+    """The block peak is measured once per kind: same class, parameter count and input shapes. A block with
+    another width, or called with a longer sequence, is a kind of its own."""
+    import torch
+
+    from memfit.auto.blockpeak import block_kind
+
+    a, b, wide = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8), torch.nn.Linear(8, 16)
+    x = torch.zeros(2, 8)
+    assert block_kind(a, (x,), {}) == block_kind(b, (torch.ones(2, 8),), {})
+    assert block_kind(a, (x,), {}) != block_kind(wide, (x,), {})
+    assert block_kind(a, (x,), {}) != block_kind(a, (torch.zeros(3, 8),), {})
+    assert block_kind(a, (x,), {"scale": None}) != block_kind(a, (x,), {"scale": 1.0})

@@ -317,7 +317,8 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
         attention_shared_copy_bytes=attention_copies - sum(p.attention_copy_bytes for p in profiles),
         attention_shared_saves=attention_saves - sum(p.attention_saves for p in profiles),
         backward_to_forward=1.0 + _trainable_share(blocks),
-        outside_trainable_bytes=_trainable_bytes(model.parameters()) - sum(p.trainable_bytes for p in profiles),
+        # (a weight shared by several blocks counts in each of them: never below 0)
+        outside_trainable_bytes=max(0, _trainable_bytes(model.parameters()) - sum(p.trainable_bytes for p in profiles)),
     )
 
 
