@@ -326,3 +326,16 @@ def test_a_source_held_by_reload_ahead_is_checked_again_when_fetched():
     got = engine.fetch(parked)
     assert got is not x and torch.equal(got, torch.arange(6.0)) and engine.stats.bytes_reloaded == x.numel() * 4
     assert engine.stats.reloads_skipped == 1
+
+
+def test_an_attention_activation_edited_in_place_after_the_call_is_an_error(model, x):
+    """Attention activations are parked two regions after their call: one edited in place in between would be
+    parked (and given to backward) changed. Autograd rejects such an edit too; memfit says so at parking."""
+    edit = model.blocks[1].attn.register_forward_hook(lambda module, args, out: args[0].mul_(1.0))
+    try:
+        with offload_apply(model, {"gradient_checkpointing_offload_attention": True}) as handle, \
+                pytest.raises(memfit.MemfitError, match="modified in place after the call"):
+            step(model, x)
+        assert handle._session.copy.pool.stats().buffers_in_use == 0  # the failed forward gave its buffers back
+    finally:
+        edit.remove()

@@ -83,6 +83,7 @@ class MemfitHandle:
             "bytes_offloaded": copy.stats.bytes_offloaded,
             "bytes_reloaded": copy.stats.bytes_reloaded,
             "reloads_skipped": copy.stats.reloads_skipped,
+            "bytes_kept_on_device": copy.stats.bytes_kept_on_device,
             "dedup_hits": copy.stats.dedup_hits,
             "inflight_waits": copy.stats.copies_inflight_waits,
             "stall_ms": copy.stall_ms(),

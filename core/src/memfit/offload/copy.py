@@ -86,6 +86,7 @@ class CopyStats:
     bytes_offloaded: int = 0
     bytes_reloaded: int = 0
     reloads_skipped: int = 0  # source still alive on the device: no copy back needed
+    bytes_kept_on_device: int = 0  # worth parking, but in the step's last two regions: never copied
     dedup_hits: int = 0
     copies_inflight_waits: int = 0
     stall_events: list[tuple[Any, Any]] = field(default_factory=list)

@@ -11,12 +11,14 @@ region of a step:
   compute device stay where they are (copying them frees nothing worth a copy);
 * a **timeline** of the step's parking regions in forward order. Backward visits them in
   reverse, so when region *i* is first needed, region *i-1* is reloaded ahead (its copy
-  overlaps region *i*'s recompute/backward), and *i-2* too when *i-1* is the smaller one.
+  overlaps region *i*'s recompute/backward), and *i-2* too when *i-1* is the smaller one;
+* a **deferral** of every region's parking until two later regions have started: the step's
+  last two regions never park (at the backward peak they are on the device anyway).
 
 Entries (``unsloth`` backends) are parked by :class:`OffloadStash`, the frame's stash.
 Attention activations (``offload_attention``) are parked by :class:`AttentionOffloader`
-hooks: during an attention call every tensor autograd saves goes to host memory and
-comes back when backward unpacks it — no recompute. Inside a region call or a recompute
+hooks: every tensor an attention call saves for backward goes to host memory and comes
+back when backward unpacks it — no recompute. Inside a region call or a recompute
 the attention hooks do nothing, so nothing is ever copied twice.
 
 Host buffers go back to the pool when autograd frees the graph that needs them (or
@@ -36,11 +38,13 @@ from memfit.distributed import is_fsdp_module
 from memfit.engine import state
 from memfit.engine.install import eager_hook
 from memfit.engine.stash import DeviceStash
+from memfit.errors import MemfitError
 from memfit.offload.copy import CopyEngine, Parked
 
 # Most regions reloaded ahead in backward (see ``OffloadSession.needed`` for which): two, for a region whose
 # backward is short (a Flux double block's text-stream FFN, 512 tokens, runs just before the image FFN in
-# backward) and cannot hide the next reload on its own. The planner's peak model charges this many copies.
+# backward) and cannot hide the next reload on its own. The planner's peak model follows the same rule
+# (``memfit.auto.planner.reloaded_ahead``).
 PREFETCH_DEPTH = 2
 _LOOKAHEAD_SCAN = 16  # regions looked at per reload-ahead decision, parked or not
 
@@ -62,7 +66,7 @@ class OffloadSession:
         self.min_offload_bytes = min_offload_bytes
         self.prefetch_depth = prefetch_depth
         self._registry: dict[tuple, Parked] = {}  # _view_key -> parked copy, this step
-        self._pending: list[tuple[OffloadStash, list]] = []  # entries not parked yet, in region order
+        self._pending: list[tuple[Any, Any]] = []  # (region, item) not parked yet, in region order
         self._regions_started = 0  # regions of this step so far (parking or not)
         self._timeline: list[weakref.ref] = []
         self._step_parked: list[weakref.ref] = []
@@ -115,11 +119,21 @@ class OffloadSession:
             self._call_param_storages = _storage_ptrs(module.parameters())
 
     def end_step(self) -> None:
-        # The last two regions' entries were never parked: backward needs the last one first and reloads the
-        # one before it as that one's backward begins, so at the backward peak both are on the device anyway.
-        # A round trip through host memory would free nothing there and cost two copies each.
-        for stash, handle in self._pending:
-            stash.keep(handle)
+        # The last two regions' tensors (frame entries, attention activations) were never parked: backward
+        # needs the last region first and reloads the one before it as that one's backward begins, so at the
+        # backward peak both are on the device anyway. A round trip through host memory would free nothing
+        # there and cost two copies each (and the first reload of backward would wait for the forward's
+        # last device→host copies).
+        seen = set()
+        for region, item in self._pending:
+            tensor = region.tensor_of(item)
+            key = _view_key(tensor)
+            parked = self._registry.get(key)
+            # each view once, as parking would have copied it (a view parked earlier this step counts there)
+            if key not in seen and (parked is None or not _still_parked(parked, tensor)):
+                seen.add(key)
+                self.copy.stats.bytes_kept_on_device += tensor.numel() * tensor.element_size()
+            region.keep(item)
         self._pending = []
         self._registry = {}  # a later forward must not share this step's parked tensors
 
@@ -201,9 +215,10 @@ class OffloadSession:
 
     # -- reload ahead ---------------------------------------------------------------------------------------------
 
-    def defer(self, stash: OffloadStash, handle: list) -> None:
-        """Park ``handle``'s tensor once two later regions have started (see :meth:`end_step` for why)."""
-        self._pending.append((stash, handle))
+    def defer(self, region: Any, item: Any) -> None:
+        """Park ``item``'s tensor (``region.tensor_of(item)``) once two later regions have started (see
+        :meth:`end_step` for why); ``region.park(item, parked)`` or ``region.keep(item)`` then follows."""
+        self._pending.append((region, item))
 
     def region_started(self) -> int:
         """Any region starts (parking or not); returns its number in the step. The deferred entries of the
@@ -213,15 +228,14 @@ class OffloadSession:
         return self._regions_started
 
     def flush_deferred(self, *, before: int) -> None:
-        """Park the deferred entries of the regions numbered below ``before``."""
-        pending = [(stash, h) for stash, h in self._pending if stash.number < before]
-        self._pending = [(stash, h) for stash, h in self._pending if stash.number >= before]
+        """Park the deferred tensors of the regions numbered below ``before``, in one batch of copies."""
+        pending = [(region, item) for region, item in self._pending if region.number < before]
+        self._pending = [(region, item) for region, item in self._pending if region.number >= before]
         if not pending:
             return
-        parked = self.park_many([handle[2] for _, handle in pending])
-        for (stash, handle), p in zip(pending, parked, strict=True):
-            stash.parked.append(p)
-            handle[:] = ["parked", p, None]
+        parked = self.park_many([region.tensor_of(item) for region, item in pending])
+        for (region, item), p in zip(pending, parked, strict=True):
+            region.park(item, p)
 
     def register(self, region: Any) -> int:
         """Add a parking region (has ``prefetch()``) to the step's timeline; returns its index."""
@@ -341,7 +355,16 @@ class OffloadStash:
         self.session.defer(self, handle)
         return handle
 
+    @staticmethod
+    def tensor_of(handle: list) -> torch.Tensor:
+        return handle[2]
+
+    def park(self, handle: list, parked: Parked) -> None:
+        self.parked.append(parked)
+        handle[:] = ["parked", parked, None]
+
     def keep(self, handle: list) -> None:
+        """The entry stays on the device (a last region's)."""
         handle[:] = ["device", handle[1], None]
         self.kept_bytes += handle[1].untyped_storage().nbytes()
         state.note_held(handle[1])
@@ -380,8 +403,7 @@ class _SavedGroup:
     def __init__(self, session: OffloadSession) -> None:
         self.session = session
         self.parked: list[Parked] = []
-        self.kept_bytes = 0  # an attention call parks everything worth parking
-        self.pending: list[_SavedHandle] = []
+        self.kept_bytes = 0  # what stays on the device (the step's last two regions)
         self.number = session.region_started()
         self.timeline = session.snapshot_timeline()
         self.index = session.register(self)
@@ -392,6 +414,29 @@ class _SavedGroup:
         for parked in self.parked:
             self.session.copy.reload(parked)
 
+    @staticmethod
+    def tensor_of(handle: _SavedHandle) -> torch.Tensor:
+        tensor = handle.device_tensor
+        assert tensor is not None
+        if tensor._version != handle.version:
+            # parked two regions after the call (or kept): what backward would get is not what was saved
+            raise MemfitError(
+                "a tensor an attention call saved for backward was modified in place after the call (autograd "
+                "rejects that too, at backward); make the edit out of place, or do not offload this attention "
+                "(gradient_checkpointing_offload_attention: false)."
+            )
+        return tensor
+
+    def park(self, handle: _SavedHandle, parked: Parked) -> None:
+        handle.parked, handle.device_tensor = parked, None
+        self.parked.append(parked)
+
+    def keep(self, handle: _SavedHandle) -> None:
+        """The activation stays on the device (a last region's)."""
+        tensor = self.tensor_of(handle)
+        state.note_held(tensor)
+        self.kept_bytes += tensor.numel() * tensor.element_size()
+
 
 def _release_group(session: OffloadSession, parked: list[Parked]) -> None:
     for p in parked:
@@ -400,12 +445,13 @@ def _release_group(session: OffloadSession, parked: list[Parked]) -> None:
 
 
 class _SavedHandle:
-    __slots__ = ("group", "parked", "device_tensor")
+    __slots__ = ("group", "parked", "device_tensor", "version")
 
     def __init__(self, group: _SavedGroup | None, parked: Parked | None, device_tensor: torch.Tensor | None):
         self.group = group
         self.parked = parked
         self.device_tensor = device_tensor
+        self.version = device_tensor._version if device_tensor is not None else 0
 
 
 class AttentionOffloader:
@@ -452,19 +498,13 @@ class AttentionOffloader:
         _, hooks, group = self._active.pop()
         state.exit_region_call()
         hooks.__exit__(None, None, None)
-        # Park everything this call saved in one batch of copies (one ordering event for all).
-        handles, group.pending = group.pending, []
-        for handle, parked in zip(handles, self.session.park_many([h.device_tensor for h in handles]),
-                                  strict=True):
-            handle.parked, handle.device_tensor = parked, None
-            group.parked.append(parked)
 
     def _pack(self, group: _SavedGroup, tensor: torch.Tensor) -> _SavedHandle:
         if not self.session.worth_parking(tensor):
             state.note_held(tensor)  # stays on its device: the held-bytes meters must still see it
             return _SavedHandle(None, None, tensor)
-        handle = _SavedHandle(group, None, tensor)  # parked when the call returns
-        group.pending.append(handle)
+        handle = _SavedHandle(group, None, tensor)  # parked with its group, two regions later (or kept: last)
+        self.session.defer(group, handle)
         self.tensors_parked += 1
         return handle
 

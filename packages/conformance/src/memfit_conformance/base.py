@@ -204,11 +204,11 @@ class AdapterConformance:
             gc.collect()  # the step's graph is gone: every frame was either recomputed or freed unused
             stats = handle.stats()
         if combo.offloads:
-            # The last two parking regions of a step are never parked (backward needs the last first and
-            # reloads the one before as that one's backward begins, so parking them frees nothing at the peak):
-            # a plan with two regions or fewer and no attention offload parks nothing, by design.
-            few = combo.backend is not None and not combo.offload_attention and \
-                self.expected_frames(model, combo) <= 2
+            # The last two parking regions of a step (frames of an offloading backend, offloaded attention
+            # calls) are never parked: backward needs the last first and reloads the one before as that one's
+            # backward begins, so parking them frees nothing at the peak. Two regions or fewer park nothing.
+            frames = self.expected_frames(model, combo) if combo.backend and combo.backend.offloads_inputs else 0
+            few = frames + stats.get("attention_calls_offloaded", 0) <= 2
             assert (stats["bytes_offloaded"] == 0) if few else (stats["bytes_offloaded"] > 0), (
                 f"{combo}: {stats['bytes_offloaded']} bytes parked"
             )
