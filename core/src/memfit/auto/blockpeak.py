@@ -10,9 +10,9 @@ peak by ~0.8 GiB; running the block once with gradients and reading the allocato
 what the block adds while its backward runs. One run per *kind* of block (class, parameter count and input
 shapes): a model has one or two kinds.
 
-Side effects.  None on the model: inputs are detached copies, the block's weight gradients are returned by
-``torch.autograd.grad`` (never accumulated into ``.grad``), and the RNG is forked (dropout draws nothing
-from the training stream).
+Side effects.  None on the model: inputs are detached (and cloned where they need gradients), the block's
+weight gradients are returned by ``torch.autograd.grad`` (never accumulated into ``.grad``), and the RNG is
+forked (dropout draws nothing from the training stream).
 """
 
 from __future__ import annotations

@@ -93,7 +93,7 @@ class ModelProfile:
     # much backward compute a block's reload can hide behind (a lower bound: attention's backward is ~2.5× its
     # forward, and on a host-bound step the backward's Python time adds more).
     backward_to_forward: float = 2.0
-    outside_trainable_bytes: int = 0  # trainable weights outside every block: gradients before any block's
+    outside_trainable_bytes: int = 0  # trainable weights outside every block: their gradients come first
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
