@@ -1,4 +1,4 @@
-"""The diagnose script on CPU: tiny Flux + LoRA, two modes, host vs step time and a profile table per mode."""
+"""The diagnose script on CPU: tiny Flux or the synthetic stack + LoRA, two modes, host vs step time and a profile table per mode."""
 
 from __future__ import annotations
 
@@ -8,12 +8,13 @@ pytest.importorskip("peft")
 pytest.importorskip("memfit_flux")
 
 
-def test_diagnose_tiny_flux_cpu(tmp_path):
+@pytest.mark.parametrize("target", ["flux", "synthetic-1024"])
+def test_diagnose_tiny_cpu(tmp_path, target):
     from memfit_benchmarks import diagnose
 
-    diagnose.main(["--family", "flux", "--preset", "tiny", "--device", "cpu", "--modes", "none,torch,unsloth",
+    diagnose.main(["--family", target, "--preset", "tiny", "--device", "cpu", "--modes", "none,torch,unsloth",
                    "--steps", "1", "--warmup", "1", "--out", str(tmp_path)])
-    md = (tmp_path / "diagnose-flux.md").read_text()
+    md = (tmp_path / f"diagnose-{target}.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| mode")]
     assert [r.split("|")[1].strip() for r in rows] == ["none", "torch"]  # offload modes need CUDA: skipped
     for r in rows:

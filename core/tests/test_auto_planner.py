@@ -209,8 +209,9 @@ def test_policies_that_need_a_boundary_are_not_offered():
 
 
 def test_blocks_of_one_kind_share_one_peak_measurement():
-    """The block peak is measured once per kind: same class, parameter count and input shapes. A block with
-    another width, or called with a longer sequence, is a kind of its own."""
+    """The block peak is measured once per kind: same class, parameter count, input shapes and inputs that
+    require gradients. A block with another width, called with a longer sequence, or fed by frozen layers (no
+    input gradient to compute: Flux's first block) is a kind of its own."""
     import torch
 
     from memfit.auto.blockpeak import block_kind
@@ -221,3 +222,4 @@ def test_blocks_of_one_kind_share_one_peak_measurement():
     assert block_kind(a, (x,), {}) != block_kind(wide, (x,), {})
     assert block_kind(a, (x,), {}) != block_kind(a, (torch.zeros(3, 8),), {})
     assert block_kind(a, (x,), {"scale": None}) != block_kind(a, (x,), {"scale": 1.0})
+    assert block_kind(a, (x,), {}) != block_kind(a, (x.clone().requires_grad_(),), {})

@@ -52,7 +52,7 @@ from memfit_benchmarks.families import (
 from memfit_benchmarks.report import AUTO_NOISE, auto_checks, fmt_bytes
 from memfit_benchmarks.runner import MODES, Mode, add_ratios, measure_mode, pinned_bandwidth
 
-SYNTHETIC_TARGETS = {"synthetic-4096": 1, "synthetic-16384": 2}  # name -> index into __main__.SHAPES
+SYNTHETIC_TARGETS = {"synthetic-1024": 0, "synthetic-4096": 1, "synthetic-16384": 2, "synthetic-4096w": 3}  # name -> index into __main__.SHAPES
 DEFAULT_TARGETS = ["synthetic-4096", "flux", "wan", "synthetic-16384"]
 
 
@@ -101,7 +101,7 @@ def best_fixed(rows: list[dict[str, Any]], budget: int) -> dict[str, Any] | None
     return min(fits, key=lambda r: r["step_s"], default=None)
 
 
-def _build(name: str, preset: str, device: torch.device, dtype: torch.dtype, rank: int):
+def build_target(name: str, preset: str, device: torch.device, dtype: torch.dtype, rank: int):
     """(model, inputs, adapter, info) of one target; ``info`` goes into the payload."""
     if name.startswith("synthetic"):
         from memfit_benchmarks.__main__ import REGIMES, SHAPES, TINY_SHAPE, prepare
@@ -263,7 +263,7 @@ def run_target(name: str, args: argparse.Namespace, device: torch.device, env: d
         payload["sdpa_backend"] = "flash (cuDNN SDPA disabled)"
     model = batch = None
     try:
-        model, batch, adapter, info = _build(name, args.preset, device, dtype, args.rank)
+        model, batch, adapter, info = build_target(name, args.preset, device, dtype, args.rank)
         payload.update(info)
         from torch.nn.attention import SDPBackend, sdpa_kernel
 

@@ -2,6 +2,7 @@
 
     python -m memfit_benchmarks.diagnose --family flux --out DIR            # GPU, preset full
     python -m memfit_benchmarks.diagnose --family flux --preset tiny --device cpu --out DIR   # smoke
+    python -m memfit_benchmarks.diagnose --family synthetic-1024 --out DIR  # the synthetic stack, one shape
 
 Per mode: median over timed steps of the GPU step time (CUDA events) and of the host time spent inside
 ``forward`` and ``backward`` calls (``perf_counter``, no synchronisation inside the step): when the host time
@@ -28,6 +29,7 @@ import memfit
 from memfit.config import MemfitConfig
 from memfit.offload.copy import CopyEngine
 from memfit.offload.pool import PinnedBucketPool
+from memfit_benchmarks.auto_sweep import SYNTHETIC_TARGETS, build_target
 from memfit_benchmarks.families import add_lora
 from memfit_benchmarks.runner import MODES, is_offload
 
@@ -110,13 +112,16 @@ def main(argv: list[str] | None = None) -> None:
     cuda = device.type == "cuda"
     if cuda:
         torch.backends.cuda.enable_cudnn_sdp(False)
-    adapter = memfit.available_adapters()[args.family]
-    preset = adapter.presets[args.preset]
     dtype = torch.bfloat16 if cuda else torch.float32
-    model, _ = add_lora(preset.build(dtype=dtype, device=device), adapter, 16, dtype)
-    batch = preset.inputs(model, tokens=args.tokens or preset.default_tokens, batch=1,
-                          generator=torch.Generator().manual_seed(0))
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    if args.family in SYNTHETIC_TARGETS:  # the synthetic stack at one of the sweep's shapes (flash SDPA there)
+        model, batch, adapter, _ = build_target(args.family, args.preset, device, dtype, 16)
+    else:
+        adapter = memfit.available_adapters()[args.family]
+        preset = adapter.presets[args.preset]
+        model, _ = add_lora(preset.build(dtype=dtype, device=device), adapter, 16, dtype)
+        batch = preset.inputs(model, tokens=args.tokens or preset.default_tokens, batch=1,
+                              generator=torch.Generator().manual_seed(0))
+        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     modes = {m.name: m for m in MODES}
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}

@@ -7,8 +7,8 @@ Why measure a block alone.  The profiling forward holds nothing, so it sees neit
 activations living next to its forward temporaries nor its backward's gradient buffers (math attention's
 probability gradients are as large as the probabilities). Summing guesses for both overshot Flux's real
 peak by ~0.8 GiB; running the block once with gradients and reading the allocator's peak measures exactly
-what the block adds while its backward runs. One run per *kind* of block (class, parameter count and input
-shapes): a model has one or two kinds.
+what the block adds while its backward runs. One run per *kind* of block (class, parameter count, input
+shapes and which inputs require gradients): a model has two or three kinds.
 
 Side effects.  None on the model: inputs are detached (and cloned where they need gradients), the block's
 weight gradients are returned by ``torch.autograd.grad`` (never accumulated into ``.grad``), and the RNG is
@@ -25,34 +25,61 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 
 def block_kind(block: nn.Module, args: tuple, kwargs: dict) -> tuple:
-    """Blocks of one kind have the same peak: the same class, parameter count and input shapes."""
+    """Blocks of one kind have the same peak: the same class, parameter count, input shapes, and the same
+    inputs requiring gradients (the first block's hidden states come from frozen layers; later ones' do not)."""
     leaves = tree_flatten((args, kwargs))[0]
-    shapes = tuple((tuple(x.shape), x.dtype) if isinstance(x, torch.Tensor) else type(x).__name__ for x in leaves)
+    shapes = tuple((tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else type(x).__name__
+                   for x in leaves)
     return type(block), sum(p.numel() for p in block.parameters()), shapes
 
 
 def measure_block_peak(block: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> int:
     """Peak bytes one forward+backward of ``block`` allocates above what exists before it (its inputs).
 
-    Every floating-point input requires a gradient (between blocks the hidden states do), and every output
-    that requires one gets a gradient of ones, allocated inside the measurement as in a real backward.
+    The inputs require gradients exactly where they did in the profiling forward (so the first block, fed by
+    frozen layers, computes no input gradient, and rotary tables or a frozen time embedding none anywhere),
+    every output that requires one gets a gradient of ones, allocated inside the measurement as in a real
+    backward, and the outputs themselves do not count in the backward's peak (see "Outputs").
     """
     flat, spec = tree_flatten((args, kwargs))
-    leaves = [x.detach().requires_grad_() if _differentiable(x) else x for x in flat]
+    leaves = [x.detach().requires_grad_(x.requires_grad) if _differentiable(x) else x for x in flat]
     # the block runs on copies: it may edit its inputs in place, which a leaf that requires grad forbids
     used = [x.clone() if isinstance(x, torch.Tensor) and x.requires_grad else x for x in leaves]
     wrt = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
     wrt += [p for p in block.parameters() if p.requires_grad]
     call_args, call_kwargs = tree_unflatten(used, spec)
+    # storages a real step holds through the backward as well: the inputs and their copies (a block may
+    # return one unchanged) and, noted by the hook below, whatever the graph saves
+    held = {x.untyped_storage().data_ptr() for x in (*flat, *used) if isinstance(x, torch.Tensor)}
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    with torch.enable_grad(), torch.random.fork_rng(devices=[device]):
+    with torch.enable_grad(), torch.random.fork_rng(devices=[device]), \
+            torch.autograd.graph.saved_tensors_hooks(lambda t: _note(held, t), lambda t: t):
         out = block(*call_args, **call_kwargs)
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+        forward_peak = torch.cuda.max_memory_allocated(device)
+        backward_peak = 0
         if outs and wrt:
-            torch.autograd.grad(outs, wrt, [torch.ones_like(t) for t in outs], allow_unused=True)
+            dead = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in outs) if s.data_ptr() not in held}
+            grads = [torch.ones_like(t) for t in outs]
+            torch.cuda.reset_peak_memory_stats(device)
+            torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+            backward_peak = torch.cuda.max_memory_allocated(device) - sum(dead.values())
+            del grads
         del out, outs
-    return max(0, torch.cuda.max_memory_allocated(device) - before)
+    return max(0, forward_peak - before, backward_peak - before)
+
+
+# Outputs.  In a training step a block's outputs are dead by the time its backward runs: the next block
+# consumed them and released what it kept of them. Held here through the backward (autograd wants them as
+# roots) they would add their size to its peak (~27 MiB for a Flux block at 4096 tokens), so the backward's
+# peak is read on its own and their bytes taken off, unless the graph saved them (then a real step holds
+# them too).
+
+
+def _note(storages: set[int], t: torch.Tensor) -> torch.Tensor:
+    storages.add(t.untyped_storage().data_ptr())
+    return t
 
 
 def _differentiable(x: Any) -> bool:
