@@ -20,4 +20,4 @@ def test_diagnose_tiny_cpu(tmp_path, target):
     for r in rows:
         step, host_fwd, host_bwd = (float(c) for c in r.split("|")[2:5])
         assert step > 0 and host_fwd > 0 and host_bwd > 0
-    assert "## torch" in md and '"recomputes":' in md  # the handle's stats and the profiler's table per mode
+    assert "## torch" in md and '"recomputes":' in md and "Host (cProfile, one step)" in md  # the handle's stats and the profiler's table per mode

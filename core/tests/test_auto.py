@@ -253,3 +253,36 @@ def test_fsdp2_models_are_refused_with_the_fix(model, monkeypatch):
     monkeypatch.setattr(sys.modules["memfit.apply"], "is_fsdp_module", lambda m: m is model)
     with pytest.raises(memfit.NotAvailableError, match="does not support FSDP2"):
         memfit.apply(model, auto("1GiB"))
+
+
+def test_blocks_that_keep_everything_count_as_regions_of_the_step(model):
+    """In an ``auto`` plan that parks, a block that keeps everything still starts a region of the step
+    (``count_calls_as_regions``): the attention parked before a run of such blocks leaves the device two
+    regions later, as the planner's peak model assumes, instead of staying there through their backward."""
+    from memfit.offload.session import count_calls_as_regions
+
+    batch = inputs(model)
+    blocks = [block for _, _, block in ADAPTER.iter_blocks(model)]
+
+    def offload_attention(marked):
+        with memfit.apply(model, {"gradient_checkpointing_offload_attention": True}, copy_engine=cpu_copy_engine(),
+                          min_offload_bytes=0) as handle:
+            marks = count_calls_as_regions(handle._session, blocks[-2:]) if marked else []
+            loss = ADAPTER.loss(model(**batch))
+            loss.backward()
+            for h in marks:
+                h.remove()
+            stats = handle.stats()
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        model.zero_grad(set_to_none=True)
+        return stats, loss.detach(), grads
+
+    plain, plain_loss, plain_grads = offload_attention(marked=False)
+    marked, marked_loss, marked_grads = offload_attention(marked=True)
+    # plain: the last two attention calls keep theirs; marked: the last block's call is the only one of the
+    # step's last two regions (the other is the last block itself), the one before it is parked
+    assert 0 < marked["bytes_kept_on_device"] < plain["bytes_kept_on_device"]
+    assert marked["bytes_offloaded"] + marked["bytes_kept_on_device"] == \
+        plain["bytes_offloaded"] + plain["bytes_kept_on_device"]
+    assert torch.equal(marked_loss, plain_loss)
+    assert all(torch.equal(marked_grads[n], g) for n, g in plain_grads.items())

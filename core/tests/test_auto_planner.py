@@ -223,3 +223,26 @@ def test_blocks_of_one_kind_share_one_peak_measurement():
     assert block_kind(a, (x,), {}) != block_kind(a, (torch.zeros(3, 8),), {})
     assert block_kind(a, (x,), {"scale": None}) != block_kind(a, (x,), {"scale": 1.0})
     assert block_kind(a, (x,), {}) != block_kind(a, (x.clone().requires_grad_(),), {})
+
+
+def test_rates_snap_to_their_grids():
+    """FLOP rates snap to the nearest quarter octave; copy bandwidth down to an eighth (55.3 GB/s is priced
+    at 53.0, not at a quarter octave's 48.6)."""
+    from memfit.auto.profile import round_rate
+
+    assert round_rate(2.0**40) == 2.0**40
+    assert round_rate(1.05 * 2.0**40) == 2.0**40 and round_rate(1.15 * 2.0**40) == 2.0**40.25
+    assert round_rate(55.3e9, down=True) < 49e9
+    assert 52e9 < round_rate(55.3e9, down=True, per_octave=8) <= 55.3e9
+
+
+def test_backward_to_forward_is_timed_where_blocks_were_run():
+    """Σ backward / Σ forward seconds of the measured block runs, each block counting its kind's run, snapped
+    to quarters; without timed runs (off CUDA) the FLOP bound stands in."""
+    from memfit.auto.blockpeak import BlockRun
+    from memfit.auto.profile import _measured_backward_to_forward
+
+    double, single = BlockRun(0, 2e-3, 3.3e-3), BlockRun(0, 1e-3, 1.9e-3)
+    assert _measured_backward_to_forward([double, single, single]) == 1.75  # 7.1 / 4.0 = 1.775
+    assert _measured_backward_to_forward([None, None]) is None
+    assert _measured_backward_to_forward([BlockRun(0, 1e-3, 0.1e-3)]) == 0.5  # never below a half

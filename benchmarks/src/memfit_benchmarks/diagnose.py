@@ -7,16 +7,19 @@
 Per mode: median over timed steps of the GPU step time (CUDA events) and of the host time spent inside
 ``forward`` and ``backward`` calls (``perf_counter``, no synchronisation inside the step): when the host time
 reaches the GPU time, the step is bound by Python/launch overhead, not by kernels or copies. Then one step
-under ``torch.profiler``: the ops with the most self CPU time go to ``diagnose-<family>.md``, and a Chrome
-trace per offload mode to ``trace-<family>-<mode>.json.gz``. Variants (``unsloth[no-timing]`` …) rerun a
+under ``torch.profiler``: the ops with the most self CPU time go to ``diagnose-<family>.md`` with one more
+step's Python profile (cProfile), and a Chrome trace per offload mode to ``trace-<family>-<mode>.json.gz``. Variants (``unsloth[no-timing]`` …) rerun a
 mode with one engine knob changed, to test a hypothesis side by side.
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import gzip
+import io
 import json
+import pstats
 import shutil
 import statistics
 import time
@@ -44,6 +47,23 @@ VARIANTS = {
 def _sync(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
+
+
+def _host_profile(step: Any, model: Any, cuda: bool, *, rows: int = 30) -> str:
+    """One more step under cProfile: the Python functions with the most own time, then memfit's own by
+    cumulative time (where the host time of a host-bound step goes; CUDA calls show as their callers)."""
+    model.zero_grad(set_to_none=True)
+    _sync(cuda)
+    profiler = cProfile.Profile()
+    profiler.enable()
+    step()
+    _sync(cuda)
+    profiler.disable()
+    out = io.StringIO()
+    stats = pstats.Stats(profiler, stream=out)
+    stats.sort_stats("tottime").print_stats(rows)
+    stats.sort_stats("cumulative").print_stats("memfit/", rows)
+    return out.getvalue()
 
 
 def measure(model, batch, loss_fn, config, apply_kwargs, *, adapter, cuda: bool, steps: int, warmup: int,
@@ -86,13 +106,14 @@ def measure(model, batch, loss_fn, config, apply_kwargs, *, adapter, cuda: bool,
                 fwd.append((t1 - t0) * 1e3)
                 bwd.append((t2 - t1) * 1e3)
                 gpu.append(start.elapsed_time(end) if start is not None else (t3 - t0) * 1e3)
+        host_profile = _host_profile(lambda: loss_fn(model(**batch)).backward(), model, cuda)
         stats = handle.stats() if handle is not None else {}
     finally:
         model.zero_grad(set_to_none=True)
         if handle is not None:
             handle.remove()
     return {"host_forward_ms": statistics.median(fwd), "host_backward_ms": statistics.median(bwd),
-            "step_ms": statistics.median(gpu), "profile_table": table,
+            "step_ms": statistics.median(gpu), "profile_table": table, "host_profile": host_profile,
             "stats": {k: v for k, v in stats.items() if isinstance(v, int | float)}}
 
 
@@ -142,7 +163,8 @@ def main(argv: list[str] | None = None) -> None:
         lines.append(f"| {name} | {r['step_ms']:.1f} | {r['host_forward_ms']:.1f} | {r['host_backward_ms']:.1f} |")
         print(lines[-1], flush=True)
     for name, r in results.items():
-        lines += ["", f"## {name}", "", f"stats: `{json.dumps(r['stats'])}`", "", "```", r["profile_table"], "```"]
+        lines += ["", f"## {name}", "", f"stats: `{json.dumps(r['stats'])}`", "", "```", r["profile_table"], "```",
+                  "", "Host (cProfile, one step):", "", "```", r["host_profile"], "```"]
     (args.out / f"diagnose-{args.family}.md").write_text("\n".join(lines) + "\n")
 
 

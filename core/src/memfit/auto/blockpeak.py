@@ -17,6 +17,7 @@ forked (dropout draws nothing from the training stream).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -33,13 +34,33 @@ def block_kind(block: nn.Module, args: tuple, kwargs: dict) -> tuple:
     return type(block), sum(p.numel() for p in block.parameters()), shapes
 
 
-def measure_block_peak(block: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> int:
+@dataclass(frozen=True)
+class BlockRun:
+    """One isolated forward+backward of a block: its peak above its inputs, and how long each half took."""
+
+    peak_bytes: int
+    forward_seconds: float
+    backward_seconds: float
+
+
+def measure_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> BlockRun:
+    """:func:`measure_block_peak` run twice: the second run is timed (the first loads the backward's kernels,
+    which the profiling forward never ran)."""
+    measure_block_peak(block, args, kwargs, device)
+    times: list[float] = []
+    peak = measure_block_peak(block, args, kwargs, device, times=times)
+    return BlockRun(peak, *times) if times else BlockRun(peak, 0.0, 0.0)
+
+
+def measure_block_peak(block: nn.Module, args: tuple, kwargs: dict, device: torch.device, *,
+                       times: list[float] | None = None) -> int:
     """Peak bytes one forward+backward of ``block`` allocates above what exists before it (its inputs).
 
     The inputs require gradients exactly where they did in the profiling forward (so the first block, fed by
     frozen layers, computes no input gradient, and rotary tables or a frozen time embedding none anywhere),
     every output that requires one gets a gradient of ones, allocated inside the measurement as in a real
-    backward, and the outputs themselves do not count in the backward's peak (see "Outputs").
+    backward, and the outputs themselves do not count in the backward's peak (see "Outputs"). ``times``,
+    when given, receives the forward's and the backward's seconds (CUDA events; one synchronisation).
     """
     flat, spec = tree_flatten((args, kwargs))
     leaves = [x.detach().requires_grad_(x.requires_grad) if _differentiable(x) else x for x in flat]
@@ -53,9 +74,12 @@ def measure_block_peak(block: nn.Module, args: tuple, kwargs: dict, device: torc
     held = {x.untyped_storage().data_ptr() for x in (*flat, *used) if isinstance(x, torch.Tensor)}
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
+    marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
     with torch.enable_grad(), torch.random.fork_rng(devices=[device]), \
             torch.autograd.graph.saved_tensors_hooks(lambda t: _note(held, t), lambda t: t):
+        marks[0].record()
         out = block(*call_args, **call_kwargs)
+        marks[1].record()
         outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
         forward_peak = torch.cuda.max_memory_allocated(device)
         backward_peak = 0
@@ -63,10 +87,15 @@ def measure_block_peak(block: nn.Module, args: tuple, kwargs: dict, device: torc
             dead = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in outs) if s.data_ptr() not in held}
             grads = [torch.ones_like(t) for t in outs]
             torch.cuda.reset_peak_memory_stats(device)
+            marks[2].record()
             torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+            marks[3].record()
             backward_peak = torch.cuda.max_memory_allocated(device) - sum(dead.values())
             del grads
         del out, outs
+    if times is not None and backward_peak:
+        marks[3].synchronize()
+        times += [marks[0].elapsed_time(marks[1]) / 1e3, marks[2].elapsed_time(marks[3]) / 1e3]
     return max(0, forward_peak - before, backward_peak - before)
 
 
@@ -113,9 +142,8 @@ class ForwardMemory:
         """Peak bytes above ``static`` outside the block calls (call once the forward has returned)."""
         return max(0, max(self.peak, torch.cuda.max_memory_allocated(self.device)) - static)
 
-    def block_peaks(self) -> list[int]:
-        """Per block, the forward+backward peak of its kind (0 for a block the forward never called)."""
+    def block_runs(self) -> list[BlockRun | None]:
+        """Per block, the measured run of its kind (None for a block the forward never called)."""
         samples, self.samples = self.samples, {}  # the sample arguments are not held past the measurement
-        peaks = {kind: measure_block_peak(block, args, kwargs, self.device)
-                 for kind, (block, args, kwargs) in samples.items()}
-        return [peaks.get(kind, 0) if kind is not None else 0 for kind in self.kinds]
+        runs = {kind: measure_block(block, args, kwargs, self.device) for kind, (block, args, kwargs) in samples.items()}
+        return [runs.get(kind) if kind is not None else None for kind in self.kinds]

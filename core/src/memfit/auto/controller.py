@@ -27,7 +27,7 @@ from torch import nn
 
 from memfit.adapters.spec import FamilyAdapter
 from memfit.auto.planner import Plan, plan_policies
-from memfit.auto.policy import allowed_policies
+from memfit.auto.policy import BlockPolicy, allowed_policies
 from memfit.auto.profile import ModelProfile, profile_model
 from memfit.engine.frame import FrameStats
 from memfit.engine.install import RegionEngine, RegionSite, chain_sites, diffusers_block_entry
@@ -36,6 +36,7 @@ from memfit.offload.session import (
     AttentionOffloader,
     OffloadSession,
     OffloadStash,
+    count_calls_as_regions,
     device_stash_after_parking,
 )
 from memfit.units import format_bytes
@@ -86,6 +87,7 @@ class AutoController:
         self.offloader: AttentionOffloader | None = None
         self._signature: tuple | None = None
         self._handles: list[Any] = []
+        self._region_marks: list[Any] = []  # hooks of the blocks that keep everything (see _put_on)
         self._warned_unneeded = False
 
     # -- installation -------------------------------------------------------------------------------------------
@@ -107,6 +109,9 @@ class AutoController:
 
     def _take_off(self) -> None:
         self.engine.remove()
+        for h in self._region_marks:
+            h.remove()
+        self._region_marks.clear()
         if self.offloader is not None:
             self.offloader.remove()
             self.offloader = None
@@ -114,6 +119,11 @@ class AutoController:
     def _put_on(self, plan: Plan | None) -> None:
         self.engine = self._new_engine(plan)
         self.engine.install(model_hooks=False)
+        if plan is not None and plan.copied_bytes and self.session is not None:
+            # blocks that keep everything still count towards the deferral of the parked regions before them
+            self._region_marks = count_calls_as_regions(self.session, [
+                block for path, index, block in self.adapter.iter_blocks(self.model)
+                if plan.policy(f"{path}.{index}") is BlockPolicy.KEEP])
         attention = self._attention_modules(plan) if plan is not None else []
         if attention:
             assert self.session is not None
@@ -223,14 +233,18 @@ class AutoController:
         return self.plan.describe()
 
 
-def _probe_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> float:
-    """Pinned device→host bytes per second (one 64 MiB copy after a warm-up)."""
+def _probe_bandwidth(device: torch.device, nbytes: int = 64 << 20, repeats: int = 3) -> float:
+    """Pinned device→host bytes per second: the best of ``repeats`` 64 MiB copies after a warm-up (a single
+    copy sometimes caught the link busy and undercut the rate by a tenth)."""
     src = torch.empty(nbytes, dtype=torch.uint8, device=device)
     dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     dst.copy_(src, non_blocking=True)
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    dst.copy_(src, non_blocking=True)
-    end.record()
-    end.synchronize()
-    return nbytes / (start.elapsed_time(end) / 1e3)
+    best = float("inf")
+    for _ in range(repeats):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        best = min(best, start.elapsed_time(end) / 1e3)
+    return nbytes / best

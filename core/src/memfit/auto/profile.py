@@ -36,7 +36,7 @@ from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
 from memfit.adapters.spec import FamilyAdapter
-from memfit.auto.blockpeak import ForwardMemory
+from memfit.auto.blockpeak import BlockRun, ForwardMemory
 
 
 @dataclass(frozen=True)
@@ -88,10 +88,11 @@ class ModelProfile:
     # tables, or also saved outside attention): attention offload copies them once per step, freeing nothing.
     attention_shared_copy_bytes: int = 0
     attention_shared_saves: int = 0
-    # Backward FLOPs per forward FLOP of the blocks' matmuls: 1 (gradients of the inputs) + the share of the
-    # blocks' weights that train (their gradients). A frozen base with LoRA is ~1, a full fine-tune ~2: how
-    # much backward compute a block's reload can hide behind (a lower bound: attention's backward is ~2.5× its
-    # forward, and on a host-bound step the backward's Python time adds more).
+    # How long the blocks' backward takes per second of their forward: how much backward compute a block's
+    # reload can hide behind. CUDA: timed on the isolated block runs of the peak measurement, snapped to
+    # quarters (a frozen base with LoRA measures 1.5-2 on an H200: attention's backward is ~2.5x its
+    # forward). Elsewhere the matmuls' FLOP ratio, a lower bound: 1 (gradients of the inputs) + the share of
+    # the weights that train.
     backward_to_forward: float = 2.0
     outside_trainable_bytes: int = 0  # trainable weights outside every block: their gradients come first
 
@@ -104,16 +105,17 @@ class ModelProfile:
 RATE_STEPS_PER_OCTAVE = 4  # measured rates snap to 2**(k/4): within 9% of the measurement
 
 
-def round_rate(x: float, *, down: bool = False) -> float:
-    """``x`` snapped to the grid ``2**(k/4)`` (nearest, or the step below with ``down``).
+def round_rate(x: float, *, down: bool = False, per_octave: int = RATE_STEPS_PER_OCTAVE) -> float:
+    """``x`` snapped to the grid ``2**(k/per_octave)`` (nearest, or the step below with ``down``).
 
     Measured rates vary from run to run and plans should not; a quarter octave keeps the cost model
     within 9% (a whole octave, tried first, let a 55 GB/s link pass for 69 GB/s and hid real copy time).
+    Copy bandwidth snaps down on an eighth of an octave: a quarter took 55.3 GB/s for 48.6 (-12%).
     """
     if x <= 0:
         return 0.0
-    steps = math.log2(x) * RATE_STEPS_PER_OCTAVE
-    return float(2.0 ** ((math.floor(steps + 1e-9) if down else round(steps)) / RATE_STEPS_PER_OCTAVE))
+    steps = math.log2(x) * per_octave
+    return float(2.0 ** ((math.floor(steps + 1e-9) if down else round(steps)) / per_octave))
 
 
 @dataclass
@@ -277,7 +279,7 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
         for h in handles:
             h.remove()
     workspace = memory.outside_workspace(static) if memory is not None else 0
-    block_peaks = memory.block_peaks() if memory is not None else [0] * len(blocks)
+    runs = memory.block_runs() if memory is not None else [None] * len(blocks)
 
     profiles = []
     for b, ((path, index, block), (ffn, attention)) in enumerate(zip(blocks, regions, strict=True)):
@@ -299,7 +301,7 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
             has_ffn=bool(ffn), has_attention=bool(attention),
             attention_saves=sum(s.attention_saves(min_offload_bytes) for s in own
                                 if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes),
-            backward_peak_bytes=block_peaks[b],
+            backward_peak_bytes=runs[b].peak_bytes if runs[b] is not None else 0,
             trainable_bytes=_trainable_bytes(block.parameters()),
         ))
     outside = sum(s.nbytes for i, s in enumerate(rec.storages) if s.block is None or rec.shared(i))
@@ -312,11 +314,12 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
         blocks=tuple(profiles), device=str(device), static_bytes=static, outside_bytes=outside,
         workspace_bytes=workspace,
         flops_per_second=rate,
-        copy_bytes_per_second=round_rate(copy_bytes_per_second, down=True) if copy_bytes_per_second else None,
+        copy_bytes_per_second=round_rate(copy_bytes_per_second, down=True, per_octave=8)
+        if copy_bytes_per_second else None,
         counts_transient=cuda,
         attention_shared_copy_bytes=attention_copies - sum(p.attention_copy_bytes for p in profiles),
         attention_shared_saves=attention_saves - sum(p.attention_saves for p in profiles),
-        backward_to_forward=1.0 + _trainable_share(blocks),
+        backward_to_forward=_measured_backward_to_forward(runs) or 1.0 + _trainable_share(blocks),
         # (a weight shared by several blocks counts in each of them: never below 0)
         outside_trainable_bytes=max(0, _trainable_bytes(model.parameters()) - sum(p.trainable_bytes for p in profiles)),
     )
@@ -324,6 +327,16 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
 
 def _trainable_bytes(params: Any) -> int:
     return sum(p.numel() * p.element_size() for p in params if p.requires_grad)
+
+
+def _measured_backward_to_forward(runs: list[BlockRun | None]) -> float | None:
+    """Σ backward seconds / Σ forward seconds over the blocks (each block counts its kind's run), snapped to
+    quarters and never below a half; None without timed runs (off CUDA, or nothing trains)."""
+    timed = [r for r in runs if r is not None and r.forward_seconds > 0 and r.backward_seconds > 0]
+    if not timed:
+        return None
+    ratio = sum(r.backward_seconds for r in timed) / sum(r.forward_seconds for r in timed)
+    return max(0.5, round(ratio * 4) / 4)
 
 
 def _trainable_share(blocks: list) -> float:

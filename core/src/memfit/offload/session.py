@@ -318,6 +318,19 @@ def device_stash_after_parking(session: OffloadSession) -> Callable[[], DeviceSt
     return make
 
 
+def count_calls_as_regions(session: OffloadSession, modules: list[nn.Module]) -> list[Any]:
+    """Forward pre-hooks (returned, for removal) that make each call of ``modules`` a region of the step.
+
+    For ``auto``'s blocks that keep everything in a plan that also parks: without a region of their own, the
+    parked regions before a run of them would stay deferred (on the device) through it, and those blocks'
+    backward peaks would carry two parked regions' tensors instead of the one reloaded ahead.
+    """
+    def started(module: nn.Module, args: tuple) -> None:
+        if state.regions_may_open():
+            session.region_started()
+    return [m.register_forward_pre_hook(eager_hook(started)) for m in modules]
+
+
 def _storage_ptrs(tensors: Any) -> set[int]:
     """Storage addresses of ``tensors``; a DTensor (FSDP2's sharded parameter) counts by its local shard,
     and a freed storage (an FSDP2 unsharded parameter between calls) is skipped."""
