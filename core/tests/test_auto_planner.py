@@ -24,14 +24,15 @@ def block(i: int, saved: int, ffn: int, attention: int, flops: int = 10**12, cop
                         input_parkable_bytes=8 * MiB, ffn_saved_bytes=ffn * MiB, ffn_input_bytes=8 * MiB,
                         ffn_input_parkable_bytes=8 * MiB, attention_bytes=attention * MiB,
                         attention_copy_bytes=(attention if copied is None else copied) * MiB, flops=flops,
-                        ffn_flops=flops // 2, has_ffn=True, has_attention=True, attention_saves=saves)
+                        ffn_flops=flops // 2, has_ffn=True, has_attention=True, attention_saves=saves,
+                        attention_hook_calls=saves)
 
 
-def profile(blocks, *, cuda=True, bandwidth=50e9, backward_to_forward=2.0) -> ModelProfile:
+def profile(blocks, *, cuda=True, bandwidth=50e9, backward_to_forward=2.0, ffn_rate=None) -> ModelProfile:
     return ModelProfile(blocks=tuple(blocks), device="cuda:0" if cuda else "cpu", static_bytes=1000 * MiB if cuda else 0,
                         outside_bytes=16 * MiB, workspace_bytes=64 * MiB if cuda else 0, flops_per_second=1e14,
                         copy_bytes_per_second=bandwidth, counts_transient=cuda,
-                        backward_to_forward=backward_to_forward)
+                        backward_to_forward=backward_to_forward, ffn_flops_per_second=ffn_rate)
 
 
 def everything(b: BlockProfile) -> tuple[BlockPolicy, ...]:
@@ -115,8 +116,8 @@ def test_slow_copies_are_avoided():
 
 
 def test_attention_offload_is_charged_per_saved_tensor():
-    """Each tensor attention offload parks goes through Python hooks twice: a region saving many small tensors
-    costs host time its copy time does not show, and FFN recompute can be the cheaper way to the same bytes."""
+    """Each tensor saved inside an offloaded attention call goes through Python hooks twice: a region saving
+    many tensors costs host time its copy time does not show, and FFN recompute can be the cheaper way."""
     def cost(saves: int) -> float:
         b = block(0, 100, 40, 40, saves=saves)  # forward 10 ms, its FFN half 5 ms
         return {c.policy: c.seconds for c in block_choices(b, profile([b], bandwidth=1e12), everything(b))}
@@ -246,3 +247,28 @@ def test_backward_to_forward_is_timed_where_blocks_were_run():
     assert _measured_backward_to_forward([double, single, single]) == 1.75  # 7.1 / 4.0 = 1.775
     assert _measured_backward_to_forward([None, None]) is None
     assert _measured_backward_to_forward([BlockRun(0, 1e-3, 0.1e-3)]) == 0.5  # never below a half
+
+
+def test_ffn_recompute_is_priced_at_the_ffn_regions_own_rate():
+    """Where the FFN regions were timed on their own (CUDA) their recompute costs their FLOPs at their rate;
+    block recompute stays at the blocks' rate."""
+    b = block(0, 100, 40, 40)  # forward 10 ms at 1e14 FLOP/s, its FFN half 5 ms
+
+    def seconds(ffn_rate):
+        choices = block_choices(b, profile([b], ffn_rate=ffn_rate), everything(b))
+        return {c.policy: c.seconds for c in choices}
+
+    plain, fast = seconds(None), seconds(2e14)
+    assert fast[BlockPolicy.FFN] == pytest.approx(plain[BlockPolicy.FFN] - 2.5e-3)
+    assert fast[BlockPolicy.BLOCK] == plain[BlockPolicy.BLOCK]
+
+
+def test_copies_hide_behind_the_forward_with_gradients():
+    """A forward with gradients is longer than the timed one without: the copy it hides is exposed less."""
+    b = block(0, 100, 40, 40, flops=10**11, copied=60)  # forward 1 ms timed without gradients, copy 1.26 ms
+
+    def exposed(factor: float) -> float:
+        p = dataclasses.replace(profile([b], backward_to_forward=4.0), forward_with_grad=factor)
+        return next(c.seconds for c in block_choices(b, p, everything(b)) if c.policy is BlockPolicy.ATTENTION_OFFLOAD)
+
+    assert exposed(1.0) > exposed(1.25) > exposed(1.5)  # 1.25 ms leaves 8 us of the copy exposed, 1.5 none

@@ -18,15 +18,17 @@ end adds one more bound, ``Σ kept + the working memory outside the blocks``. Of
 bytes held when backward begins: ``outside + Σ kept``.
 
 Cost model.  Extra seconds per block: recomputed FLOPs at the profiled rate, plus copy time not hidden
-behind compute (a device→host copy overlaps the block's forward, the reload its backward, taken as
+behind compute (a device→host copy overlaps the block's forward, as long with gradients as the isolated
+block runs measured, the reload its backward, taken as
 ``backward_to_forward`` times as long: timed on the isolated block runs on CUDA, 1.5-2 with a frozen base
 and LoRA on an H200; elsewhere the FLOP ratio, a lower bound, so exposure is overcharged rather than hidden),
-plus host-side bookkeeping: a fixed cost per region and, for attention offload, per saved
-tensor (each one goes through Python pack and fetch hooks; a double-stream Flux block saves ~37 under
-PEFT LoRA, a synthetic block 9), the constants below, from the H200 sweeps. The fixed costs are
-converted to FLOPs at a nominal rate of the device kind, so that without copies every cost is FLOPs over
-one measured rate and the plan does not depend on that measurement at all; with copies it depends on the
-measured rates only through their snapped values (:func:`memfit.auto.profile.round_rate`).
+plus host-side bookkeeping: a fixed cost per region and, for attention offload, per tensor saved inside
+the attention call (each goes through Python pack and fetch hooks: a Flux double block saves 69 under PEFT
+LoRA, a synthetic block 15), the constants below, from the H200 sweeps. FFN recompute is priced at the FFN
+regions' own FLOP rate where one was timed (CUDA), block recompute at the blocks'. The fixed costs are
+converted to FLOPs at a nominal rate of the device kind, so that without copies or an FFN rate every cost
+is FLOPs over one measured rate and the plan does not depend on that measurement at all; otherwise it
+depends on the measured rates only through their snapped values (:func:`memfit.auto.profile.round_rate`).
 
 Search.  A multiple-choice knapsack, exact up to the byte granularity: for each possible largest copy
 ``C`` (few distinct values), a dynamic programme over kept bytes in forward order (in units of 1/1024 of the
@@ -51,13 +53,14 @@ from memfit.offload.session import PREFETCH_DEPTH
 from memfit.units import format_bytes
 
 RECOMPUTE_REGION_SECONDS = 50e-6  # hooks, frame bookkeeping, replay per recomputed region
-# plus events, pool and stream bookkeeping per parked region: the H200 sweeps of 2026-11-29 measured
-# 0.25 ms (Flux, 4096 tokens) to 0.5 ms (synthetic, 3072 wide) per attention-offload region beyond the
-# copy time the model below already charges
-OFFLOAD_REGION_SECONDS = 300e-6
-# per tensor attention offload packs (forward) and fetches (backward): Flux's offload_attention ran 0.75 ms
-# per block over none with ~25 saved tensors a block, of which the two terms above explain ~0.4 ms
-PARKED_TENSOR_SECONDS = 15e-6
+# plus events, pool and stream bookkeeping per parked region: the synthetic stack at 4096 tokens (H200,
+# 709d1e4) measured 0.02 ms (unsloth-ffn over torch-ffn) to 0.05 ms (unsloth over torch) per region
+OFFLOAD_REGION_SECONDS = 50e-6
+# per tensor saved inside an offloaded attention call, parked or not: the pack hook in forward and the fetch
+# in backward. Under PEFT LoRA a Flux double block's attention saves 69 tensors, a single block 34, a
+# synthetic block 15; Flux's offload_attention ran ~70 ms over none at 4096 tokens (f8299cb), of which
+# copies exposed ~8 ms: ~20 us per tensor where the forward is host-bound
+HOOKED_TENSOR_SECONDS = 10e-6
 NOMINAL_FLOPS_PER_SECOND = {"cuda": 4e14, "cpu": 5e10}  # converts the fixed costs above to FLOPs
 _UNITS = 1024
 
@@ -81,19 +84,23 @@ def block_choices(block: BlockProfile, profile: ModelProfile, allowed: tuple[Blo
     ``grads_after``: gradient bytes of the trainable weights that backward reaches before this block.
     """
     rate = profile.flops_per_second
+    ffn_rate = profile.ffn_flops_per_second or rate
     nominal = NOMINAL_FLOPS_PER_SECOND.get(profile.device.split(":")[0], NOMINAL_FLOPS_PER_SECOND["cpu"])
     bandwidth = profile.copy_bytes_per_second
-    forward_seconds = block.flops / rate
+    forward_seconds = block.flops / rate * profile.forward_with_grad  # what a device-to-host copy hides behind
     out = []
     for policy in allowed:
         kept, transient, copied, flops = _effect(policy, block)
+        recomputed_ffn = 0
+        if policy.recompute == "ffn":  # at the FFN regions' own rate
+            flops, recomputed_ffn = 0, flops
         if policy.recompute:
             flops += RECOMPUTE_REGION_SECONDS * nominal
         if copied:
             flops += OFFLOAD_REGION_SECONDS * nominal
         if policy.offloads_attention:
-            flops += PARKED_TENSOR_SECONDS * block.attention_saves * nominal
-        seconds = flops / rate
+            flops += HOOKED_TENSOR_SECONDS * block.attention_hook_calls * nominal
+        seconds = flops / rate + recomputed_ffn / ffn_rate
         if copied:
             if not bandwidth:
                 continue

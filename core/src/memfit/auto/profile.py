@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 import time
 import weakref
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
@@ -60,6 +61,9 @@ class BlockProfile:
     # saved tensors attention offload handles (each is packed in forward and fetched in backward by Python
     # hooks: the host time that makes a many-tensor region cost more than its copies)
     attention_saves: int = 0
+    # every tensor autograd saves inside the block's attention calls, parked or not (parameters, small
+    # tensors): each goes through the pack hook in forward and the fetch hook in backward
+    attention_hook_calls: int = 0
     # CUDA: the peak of one forward+backward of this block alone (everything it saves held, gradients of
     # its outputs, inputs and trainable weights), above its inputs; measured once per kind of block
     backward_peak_bytes: int = 0
@@ -95,6 +99,13 @@ class ModelProfile:
     # the weights that train.
     backward_to_forward: float = 2.0
     outside_trainable_bytes: int = 0  # trainable weights outside every block: their gradients come first
+    # CUDA: the FFN regions' own FLOP rate (large GEMMs run faster than the block's average: FFN recompute
+    # priced at the block's rate overcharged it by a third on the synthetic stack); None: the block rate
+    ffn_flops_per_second: float | None = None
+    # CUDA: how much longer the blocks' forward takes with gradients (autograd, saving) than the timed one
+    # without, from the isolated block runs, snapped to quarters, at least 1: the compute a block's
+    # device-to-host copies hide behind
+    forward_with_grad: float = 1.0
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -155,6 +166,7 @@ class _Recorder:
         self.counter: FlopCounterMode | None = None
         self.block_flops = [0] * n_blocks
         self.ffn_flops = [0] * n_blocks
+        self.attention_hook_calls = [0] * n_blocks
         self._mark: list[int] = []
 
     def flops_now(self) -> int:
@@ -178,6 +190,8 @@ class _Recorder:
         return self.live[key]
 
     def pack(self, tensor: torch.Tensor) -> None:
+        if self.block is not None and self.scope and self.scope[-1] == "attention":
+            self.attention_hook_calls[self.block] += 1
         i = self._lookup(tensor, create=True)
         if i is not None:
             s = self.storages[i]
@@ -301,25 +315,30 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
             has_ffn=bool(ffn), has_attention=bool(attention),
             attention_saves=sum(s.attention_saves(min_offload_bytes) for s in own
                                 if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes),
+            attention_hook_calls=rec.attention_hook_calls[b],
             backward_peak_bytes=runs[b].peak_bytes if runs[b] is not None else 0,
             trainable_bytes=_trainable_bytes(block.parameters()),
         ))
     outside = sum(s.nbytes for i, s in enumerate(rec.storages) if s.block is None or rec.shared(i))
     attention_copies = sum(s.attention_copy_bytes(min_offload_bytes) for s in rec.storages)
     attention_saves = sum(s.attention_saves(min_offload_bytes) for s in rec.storages)
-    seconds = _time_blocks(model, blocks, args, kwargs, cuda=cuda, device=device)
+    seconds, ffn_seconds = _time_blocks(model, blocks, regions, args, kwargs, cuda=cuda, device=device)
     total_flops = sum(p.flops for p in profiles)
     rate = round_rate(total_flops / seconds) if seconds > 0 and total_flops > 0 else 1.0
+    ffn_flops = sum(p.ffn_flops for p in profiles)
+    # (off CUDA a second measured rate would make plans depend on noisy timings: the block rate serves)
+    ffn_rate = round_rate(ffn_flops / ffn_seconds) if cuda and ffn_seconds > 0 and ffn_flops > 0 else None
     return ModelProfile(
         blocks=tuple(profiles), device=str(device), static_bytes=static, outside_bytes=outside,
         workspace_bytes=workspace,
-        flops_per_second=rate,
+        flops_per_second=rate, ffn_flops_per_second=ffn_rate,
         copy_bytes_per_second=round_rate(copy_bytes_per_second, down=True, per_octave=8)
         if copy_bytes_per_second else None,
         counts_transient=cuda,
         attention_shared_copy_bytes=attention_copies - sum(p.attention_copy_bytes for p in profiles),
         attention_shared_saves=attention_saves - sum(p.attention_saves for p in profiles),
         backward_to_forward=_measured_backward_to_forward(runs) or 1.0 + _trainable_share(blocks),
+        forward_with_grad=_forward_with_grad(runs, seconds),
         # (a weight shared by several blocks counts in each of them: never below 0)
         outside_trainable_bytes=max(0, _trainable_bytes(model.parameters()) - sum(p.trainable_bytes for p in profiles)),
     )
@@ -337,6 +356,15 @@ def _measured_backward_to_forward(runs: list[BlockRun | None]) -> float | None:
         return None
     ratio = sum(r.backward_seconds for r in timed) / sum(r.forward_seconds for r in timed)
     return max(0.5, round(ratio * 4) / 4)
+
+
+def _forward_with_grad(runs: list[BlockRun | None], seconds_without: float) -> float:
+    """Σ forward seconds of the block runs (with gradients) / the blocks' timed forward without, snapped to
+    quarters and at least 1 (1 without timed runs)."""
+    timed = [r.forward_seconds for r in runs if r is not None and r.forward_seconds > 0]
+    if len(timed) < len(runs) or seconds_without <= 0:
+        return 1.0
+    return max(1.0, round(sum(timed) / seconds_without * 4) / 4)
 
 
 def _trainable_share(blocks: list) -> float:
@@ -372,10 +400,11 @@ def _profile_hooks(rec: _Recorder, blocks: list, regions: list, memory: ForwardM
     return handles
 
 
-def _time_blocks(model: nn.Module, blocks: list, args: tuple, kwargs: dict, *, cuda: bool,
-                 device: torch.device) -> float:
-    """Seconds the blocks take in one forward without gradients (the FLOP rate's denominator)."""
-    marks: list[tuple[Any, Any]] = []
+def _time_blocks(model: nn.Module, blocks: list, regions: list, args: tuple, kwargs: dict, *, cuda: bool,
+                 device: torch.device) -> tuple[float, float]:
+    """Seconds the blocks, and the FFN regions inside them, take in one forward without gradients (the FLOP
+    rates' denominators)."""
+    marks: dict[str, list[tuple[Any, Any]]] = {"block": [], "ffn": []}
 
     def now() -> Any:
         if cuda:
@@ -384,10 +413,19 @@ def _time_blocks(model: nn.Module, blocks: list, args: tuple, kwargs: dict, *, c
             return event
         return time.perf_counter()
 
+    def start(kind: str) -> Callable[..., None]:
+        return lambda *a, **k: marks[kind].append((now(), None))
+
+    def stop(kind: str) -> Callable[..., None]:
+        return lambda *a: marks[kind].__setitem__(-1, (marks[kind][-1][0], now()))
+
     handles = []
-    for _, _, block in blocks:
-        handles.append(block.register_forward_pre_hook(lambda *a: marks.append((now(), None))))
-        handles.append(block.register_forward_hook(lambda *a: marks.__setitem__(-1, (marks[-1][0], now()))))
+    for (_, _, block), (ffn, _) in zip(blocks, regions, strict=True):
+        handles.append(block.register_forward_pre_hook(start("block")))
+        handles.append(block.register_forward_hook(stop("block")))
+        for chain in ffn:
+            handles.append(chain[0].register_forward_pre_hook(start("ffn")))
+            handles.append(chain[-1].register_forward_hook(stop("ffn")))
     try:
         with torch.no_grad():
             model.forward(*args, **kwargs)
@@ -396,5 +434,9 @@ def _time_blocks(model: nn.Module, blocks: list, args: tuple, kwargs: dict, *, c
             h.remove()
     if cuda:
         torch.cuda.synchronize(device)
-        return sum(start.elapsed_time(end) for start, end in marks if end is not None) / 1e3
-    return sum(end - start for start, end in marks if end is not None)
+
+    def total(kind: str) -> float:
+        if cuda:
+            return sum(a.elapsed_time(b) for a, b in marks[kind] if b is not None) / 1e3
+        return sum(b - a for a, b in marks[kind] if b is not None)
+    return total("block"), total("ffn")

@@ -397,8 +397,7 @@ class OffloadStash:
         return source._version if source is not None else value.version
 
     def prefetch(self, handle: Any = None) -> None:
-        for parked in self.parked:
-            self.session.copy.reload(parked)
+        self.session.copy.reload_many(self.parked)
 
     def on_recompute(self) -> None:
         self.prefetch()
@@ -424,8 +423,7 @@ class _SavedGroup:
         weakref.finalize(self, _release_group, session, self.parked)
 
     def prefetch(self) -> None:
-        for parked in self.parked:
-            self.session.copy.reload(parked)
+        self.session.copy.reload_many(self.parked)
 
     @staticmethod
     def tensor_of(handle: _SavedHandle) -> torch.Tensor:
