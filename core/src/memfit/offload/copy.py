@@ -173,7 +173,8 @@ class CopyEngine:
         """Issue the reloads of a region's parked tensors as one batch: one ordering event, one completion
         event (per tensor, stream and event calls cost ~10 us of host time each: a launch-bound step feels
         them)."""
-        todo = [p for p in parked if p.reloaded is None and not self._hold_source(p)]
+        # (a region lists a tensor it saved twice twice: one reload each)
+        todo = [p for p in {id(p): p for p in parked}.values() if p.reloaded is None and not self._hold_source(p)]
         if not todo:
             return
         compute = torch.cuda.current_stream(todo[0].device)
