@@ -120,7 +120,7 @@ class ForwardMemory:
 
     ``enter``/``leave`` bracket each block call: between calls the allocator's peak is the working memory
     outside the blocks; at each call the first block of its kind keeps its arguments for
-    :meth:`block_peaks`, which runs after the forward.
+    :meth:`block_runs`, which runs after the forward.
     """
 
     def __init__(self, device: torch.device, n_blocks: int) -> None:

@@ -71,7 +71,6 @@ class Choice:
 
     policy: BlockPolicy
     kept: int  # bytes held between forward and backward
-    transient: int  # bytes brought back while this block's backward runs
     seconds: float  # extra step time
     copied: int  # bytes sent to host memory per step
     own: int = 0  # the block's own peak while its backward runs, above what the blocks before it keep (CUDA)
@@ -113,8 +112,7 @@ def block_choices(block: BlockProfile, profile: ModelProfile, allowed: tuple[Blo
             # that (an entry next to its recomputed copy, a view wider than its storage) adds the difference
             own = (block.backward_peak_bytes + block.input_bytes + grads_after
                    + max(0, kept + transient - block.saved_bytes))
-        out.append(Choice(policy, max(kept, 0), transient if profile.counts_transient else 0, seconds, copied,
-                          own))
+        out.append(Choice(policy, max(kept, 0), seconds, copied, own))
     return out
 
 

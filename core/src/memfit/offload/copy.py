@@ -167,7 +167,8 @@ class CopyEngine:
 
     def reload(self, parked: Parked) -> None:
         """Issue the reload of ``parked`` (idempotent; holds the source instead while it is still alive)."""
-        self.reload_many([parked])
+        if parked.reloaded is None:  # (every fetch passes here: the usual case returns without building a batch)
+            self.reload_many([parked])
 
     def reload_many(self, parked: list[Parked]) -> None:
         """Issue the reloads of a region's parked tensors as one batch: one ordering event, one completion

@@ -346,20 +346,29 @@ def _storage_ptrs(tensors: Any) -> set[int]:
     return ptrs
 
 
-class OffloadStash:
-    """A frame's stash for the ``unsloth`` backends: entries are parked in host memory.
-
-    A handle is a small list ``[state, value, source]``: ``("device", tensor)`` kept on the device,
-    ``("pending", alias, tensor)`` waiting for the next region to start, ``("parked", Parked)``.
-    """
+class _ParkingRegion:
+    """A region of the step's timeline whose tensors are parked: numbered as it starts (the deferral of
+    :meth:`OffloadSession.region_started`) and registered for reload-ahead (:meth:`OffloadSession.needed`).
+    Subclasses say how one of their items is parked (``tensor_of``, ``park``) or kept (``keep``)."""
 
     def __init__(self, session: OffloadSession) -> None:
         self.session = session
         self.parked: list[Parked] = []
-        self.kept_bytes = 0  # entries worth parking that stay on the device (the step's last two regions)
+        self.kept_bytes = 0  # worth parking, but stays on the device (the step's last two regions)
         self.number = session.region_started()
         self.timeline = session.snapshot_timeline()
         self.index = session.register(self)
+
+    def prefetch(self, handle: Any = None) -> None:
+        self.session.copy.reload_many(self.parked)
+
+
+class OffloadStash(_ParkingRegion):
+    """A frame's stash for the ``unsloth`` backends: entries are parked in host memory.
+
+    A handle is a small list ``[state, value, source]``: ``("device", tensor)`` kept on the device,
+    ``("pending", alias, tensor)`` waiting for two later regions to start, ``("parked", Parked)``.
+    """
 
     def put(self, tensor: torch.Tensor) -> list:
         if not self.session.worth_parking(tensor):
@@ -396,9 +405,6 @@ class OffloadStash:
         source = value.source() if value.source is not None else None
         return source._version if source is not None else value.version
 
-    def prefetch(self, handle: Any = None) -> None:
-        self.session.copy.reload_many(self.parked)
-
     def on_recompute(self) -> None:
         self.prefetch()
         self.session.needed(self.index, self.timeline)
@@ -409,21 +415,13 @@ class OffloadStash:
             self.session.unpark(p)
 
 
-class _SavedGroup:
+class _SavedGroup(_ParkingRegion):
     """The tensors one attention call saved, parked together (a timeline region)."""
 
     def __init__(self, session: OffloadSession) -> None:
-        self.session = session
-        self.parked: list[Parked] = []
-        self.kept_bytes = 0  # what stays on the device (the step's last two regions)
-        self.number = session.region_started()
-        self.timeline = session.snapshot_timeline()
-        self.index = session.register(self)
+        super().__init__(session)
         self.started = False
         weakref.finalize(self, _release_group, session, self.parked)
-
-    def prefetch(self) -> None:
-        self.session.copy.reload_many(self.parked)
 
     @staticmethod
     def tensor_of(handle: _SavedHandle) -> torch.Tensor:
