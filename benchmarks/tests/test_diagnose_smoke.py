@@ -21,3 +21,10 @@ def test_diagnose_tiny_cpu(tmp_path, target):
         step, host_fwd, host_bwd = (float(c) for c in r.split("|")[2:5])
         assert step > 0 and host_fwd > 0 and host_bwd > 0
     assert "## torch" in md and '"recomputes":' in md and "Host (cProfile, one step)" in md  # the handle's stats and the profiler's table per mode
+
+
+def test_diagnose_refuses_tokens_for_a_synthetic_target(tmp_path):
+    from memfit_benchmarks import diagnose
+
+    with pytest.raises(SystemExit):
+        diagnose.main(["--family", "synthetic-1024", "--tokens", "2048", "--out", str(tmp_path)])

@@ -129,6 +129,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
+    if args.family in SYNTHETIC_TARGETS and args.tokens is not None:
+        parser.error(f"--tokens does not apply to {args.family!r}: a synthetic target names its shape; pick another "
+                     f"({', '.join(SYNTHETIC_TARGETS)})")
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if cuda:
