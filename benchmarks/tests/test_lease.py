@@ -27,6 +27,8 @@ def test_job_commands(tmp_path):
     assert lease.job_command("auto=wan,4", tmp_path)[-6:-2] == ["--targets", "wan", "--budgets", "4"]
     assert lease.job_command("auto=flux,3,pairs=2", tmp_path)[-8:-2] == ["--targets", "flux", "--budgets", "3",
                                                                         "--pairs", "2"]
+    assert lease.job_command("auto=wan,3,steps=2,warmup=1", tmp_path)[-10:-2] == [
+        "--targets", "wan", "--budgets", "3", "--steps", "2", "--warmup", "1"]
     assert "--targets" not in lease.job_command("auto", tmp_path)
     assert lease.job_command("families", tmp_path)[-3:] == ["all", "--out", str(tmp_path / "families")]
     with pytest.raises(SystemExit, match="unknown job 'benchh'"):

@@ -15,9 +15,11 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
 - ``families[=<f1>,<f2>][,rounds=<n>]``: every family (or those named) at its published size (``n`` round-robin
   rounds per mode)
 - ``fsdp2``: ``memfit_benchmarks.fsdp2 --nproc 2 --preset full``
-- ``auto[=<t1>,<t2>,<n>][,pairs=<k>]``: the ``auto``-planner sweep (``memfit_benchmarks.auto_sweep``), default or
-  named targets, ``n`` spread budgets each (default 6) plus the gap budgets, ``k`` alternations of auto and the
-  fixed mode per budget; a family target's fixed rows are also written as that family's results
+- ``auto[=<t1>,<t2>,<n>][,pairs=<k>][,steps=<s>][,warmup=<w>]``: the ``auto``-planner sweep
+  (``memfit_benchmarks.auto_sweep``), default or named targets, ``n`` spread budgets each (default 6) plus the
+  gap budgets, ``k`` alternations of auto and the fixed mode per budget, ``s`` timed and ``w`` warm-up steps per
+  row (a 14B Wan step takes ~5 s: ``auto=wan,3,steps=2,warmup=1`` fits one lane); a family target's fixed rows
+  are also written as that family's results
 - ``diagnose[=<family>]``: host vs GPU time and a profile per mode (``memfit_benchmarks.diagnose``)
 """
 
@@ -33,12 +35,19 @@ import time
 from pathlib import Path
 
 
-def _split_option(spec: str, key: str) -> tuple[list[str], str | None]:
-    """``"a,b,key=3"`` → ``(["a", "b"], "3")``: the plain comma-separated items, and the last ``key=`` value
-    (None without one)."""
+def _split_options(spec: str, *keys: str) -> tuple[list[str], dict[str, str | None]]:
+    """``"a,b,rounds=3"`` → ``(["a", "b"], {"rounds": "3"})``: the plain comma-separated items, and the last
+    value of each ``key=`` (None without one)."""
     items = [i for i in spec.split(",") if i]
-    values = [i.removeprefix(f"{key}=") for i in items if i.startswith(f"{key}=")]
-    return [i for i in items if not i.startswith(f"{key}=")], values[-1] if values else None
+    values: dict[str, str | None] = dict.fromkeys(keys)
+    plain = []
+    for item in items:
+        key, sep, value = item.partition("=")
+        if sep and key in values:
+            values[key] = value
+        else:
+            plain.append(item)
+    return plain, values
 
 
 def _flag(flag: str, value: str | None) -> list[str]:
@@ -55,24 +64,24 @@ def job_command(job: str, out: Path) -> list[str]:
     if job.startswith("gpu-"):
         return [*nox, f"gpu(adapter='{job.removeprefix('gpu-')}')"]
     if job.startswith("bench-"):
-        regimes, rounds = _split_option(job.removeprefix("bench-"), "rounds")
+        regimes, opts = _split_options(job.removeprefix("bench-"), "rounds")
         return [*nox, "bench", "--", "--regime", ",".join(regimes), "--out", str(out / "synthetic"),
-                *_flag("--rounds", rounds)]
+                *_flag("--rounds", opts["rounds"])]
     if job == "families" or job.startswith("families="):
-        families, rounds = _split_option(job.partition("=")[2], "rounds")
+        families, opts = _split_options(job.partition("=")[2], "rounds")
         return [*nox, "bench", "--", "--suite", "families", "--family", ",".join(families) or "all", "--out",
-                str(out / "families"), *_flag("--rounds", rounds)]
+                str(out / "families"), *_flag("--rounds", opts["rounds"])]
     if job == "fsdp2":
         return [py, "-m", "memfit_benchmarks.fsdp2", "--nproc", "2", "--preset", "full", "--out", str(out / "fsdp2")]
     if job == "diagnose" or job.startswith("diagnose="):
         family = job.partition("=")[2] or "flux"
         return [py, "-m", "memfit_benchmarks.diagnose", "--family", family, "--out", str(out / "diagnose")]
     if job == "auto" or job.startswith("auto="):
-        items, pairs = _split_option(job.partition("=")[2], "pairs")
+        items, opts = _split_options(job.partition("=")[2], "pairs", "steps", "warmup")
         targets = [i for i in items if not i.isdigit()]
         budgets = [i for i in items if i.isdigit()]
         args = [*_flag("--targets", ",".join(targets)), *_flag("--budgets", budgets[-1] if budgets else None),
-                *_flag("--pairs", pairs)]
+                *(flag for key in opts for flag in _flag(f"--{key}", opts[key]))]
         return [py, "-m", "memfit_benchmarks.auto_sweep", *args, "--out", str(out / "auto")]
     raise SystemExit(f"unknown job {job!r} (see python -m memfit_benchmarks.lease --help)")
 

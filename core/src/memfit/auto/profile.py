@@ -129,12 +129,16 @@ def round_rate(x: float, *, down: bool = False, per_octave: int = RATE_STEPS_PER
     return float(2.0 ** ((math.floor(steps + 1e-9) if down else round(steps)) / per_octave))
 
 
+UNSAVED = -1  # a storage seen only as a block's input so far
+
+
 @dataclass
 class _Storage:
     nbytes: int
-    block: int | None  # first block that saved it (None: outside every block)
+    block: int | None  # first block that saved it (None: outside every block; UNSAVED: nobody yet)
     ref: weakref.ref  # to the storage object
-    blocks: set[int | None] = field(default_factory=set)
+    blocks: set[int | None] = field(default_factory=set)  # every block (None: outside) that saved it
+    received: set[int] = field(default_factory=set)  # blocks that took it as an input
     scopes: set[str] = field(default_factory=set)  # "ffn", "attention", "other" within its block
     attention_views: dict[tuple, int] = field(default_factory=dict)  # saved in attention: view -> bytes
     attention_view_saves: dict[tuple, int] = field(default_factory=dict)  # view -> times saved
@@ -159,8 +163,8 @@ class _Recorder:
         self.live: dict[tuple[str, int], int] = {}
         self.block: int | None = None
         self.scope: list[str] = []
-        self.block_inputs: list[list[int | tuple[int, int]]] = [[] for _ in range(n_blocks)]
-        self.ffn_inputs: list[list[int | tuple[int, int]]] = [[] for _ in range(n_blocks)]
+        self.block_inputs: list[list[int]] = [[] for _ in range(n_blocks)]
+        self.ffn_inputs: list[list[int]] = [[] for _ in range(n_blocks)]
         # FLOPs from the counter's running total at region entry/exit (its module names are relative to
         # whichever module was *called*; the profile calls model.forward, so names would not resolve)
         self.counter: FlopCounterMode | None = None
@@ -172,7 +176,8 @@ class _Recorder:
     def flops_now(self) -> int:
         return int(self.counter.get_total_flops()) if self.counter is not None else 0
 
-    def _lookup(self, tensor: torch.Tensor, *, create: bool) -> int | None:
+    def _lookup(self, tensor: torch.Tensor, *, saved: bool) -> int | None:
+        """The record of ``tensor``'s storage, made on first sight (by a save, or as an input: UNSAVED)."""
         if tensor.layout != torch.strided or tensor.device.type == "meta":
             return None
         storage = tensor.untyped_storage()
@@ -182,17 +187,17 @@ class _Recorder:
         key = (tensor.device.type, ptr)
         i = self.live.get(key)
         if i is not None and self.storages[i].ref() is not None:
+            if saved and self.storages[i].block == UNSAVED:
+                self.storages[i].block = self.block
             return i
-        if not create:
-            return None
-        self.storages.append(_Storage(storage.nbytes(), self.block, weakref.ref(storage)))
+        self.storages.append(_Storage(storage.nbytes(), self.block if saved else UNSAVED, weakref.ref(storage)))
         self.live[key] = len(self.storages) - 1
         return self.live[key]
 
     def pack(self, tensor: torch.Tensor) -> None:
         if self.block is not None and self.scope and self.scope[-1] == "attention":
             self.attention_hook_calls[self.block] += 1
-        i = self._lookup(tensor, create=True)
+        i = self._lookup(tensor, saved=True)
         if i is not None:
             s = self.storages[i]
             s.blocks.add(self.block)
@@ -204,14 +209,17 @@ class _Recorder:
                 s.scopes.add(self.scope[-1] if self.scope else "other")
         return None  # nothing is held: see the module notes
 
-    def note_inputs(self, into: list[list[int | tuple[int, int]]], args: Any) -> None:
+    def note_inputs(self, into: list[list[int]], args: Any) -> None:
+        # inputs are judged once the forward is over: a tensor first seen here may be saved later, by this
+        # block or by several (rotary tables, text context, time embedding reach the first block unsaved)
         if self.block is None:
             return
         for t in _tensors(args):
-            i = self._lookup(t, create=False)
-            # an input nobody saved yet is still kept by a region: remember its size by address
-            into[self.block].append(i if i is not None else (t.untyped_storage().data_ptr(),
-                                                            t.untyped_storage().nbytes()))
+            i = self._lookup(t, saved=False)
+            if i is not None:
+                into[self.block].append(i)
+                if into is self.block_inputs:
+                    self.storages[i].received.add(self.block)
 
     # module hooks: they must return None (a forward hook's return value replaces the module's output)
     def enter_attention(self, module: nn.Module, args: tuple) -> None:
@@ -241,22 +249,20 @@ class _Recorder:
         self.block = None
 
     def shared(self, i: int) -> bool:
-        return len(self.storages[i].blocks) > 1
+        """Saved by more than one block (or also outside them), or an input of several: no single block's
+        plan frees it."""
+        s = self.storages[i]
+        return len(s.blocks) > 1 or len(s.received) > 1
 
-    def input_bytes(self, b: int, entries: list[int | tuple[int, int]], *, only_scope: str | None = None,
-                    min_bytes: int = 0) -> int:
+    def input_bytes(self, b: int, entries: list[int], *, only_scope: str | None = None, min_bytes: int = 0) -> int:
+        """Bytes of block ``b``'s inputs (or its FFN regions') that a region of ``b`` would be alone to keep:
+        not shared, not saved outside the blocks or by an earlier block (those hold them anyway)."""
         total, seen = 0, set()
         for e in entries:
-            if isinstance(e, tuple):
-                if e[0] in self.excluded or ("raw", e[0]) in seen:
-                    continue
-                seen.add(("raw", e[0]))
-                total += e[1] if e[1] >= min_bytes else 0
-                continue
             s = self.storages[e]
-            if e in seen or self.shared(e) or s.block != b:
+            if e in seen or self.shared(e) or s.block is None or 0 <= s.block < b:
                 continue
-            if only_scope is not None and s.scopes != {only_scope}:
+            if only_scope is not None and s.block == b and s.scopes != {only_scope}:
                 continue  # also saved outside the region: held whatever the region does
             seen.add(e)
             total += s.nbytes if s.nbytes >= min_bytes else 0
@@ -319,6 +325,7 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
             backward_peak_bytes=runs[b].peak_bytes if runs[b] is not None else 0,
             trainable_bytes=_trainable_bytes(block.parameters()),
         ))
+    # (an input of several blocks counts too: every checkpointed region among them holds it)
     outside = sum(s.nbytes for i, s in enumerate(rec.storages) if s.block is None or rec.shared(i))
     attention_copies = sum(s.attention_copy_bytes(min_offload_bytes) for s in rec.storages)
     attention_saves = sum(s.attention_saves(min_offload_bytes) for s in rec.storages)
