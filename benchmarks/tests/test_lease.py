@@ -21,6 +21,7 @@ def test_job_commands(tmp_path):
     assert lease.job_command("bench-lora,rounds=3", tmp_path)[-6:] == ["--regime", "lora", "--out",
                                                                       str(tmp_path / "synthetic"), "--rounds", "3"]
     assert lease.job_command("bench-lora,frozen,rounds=2", tmp_path)[-6:-4] == ["--regime", "lora,frozen"]
+    assert lease.job_command("bench-lora,shapes=0+2,rounds=4", tmp_path)[-4:] == ["--rounds", "4", "--shapes", "0,2"]
     assert lease.job_command("families=flux,rounds=3", tmp_path)[-5:] == ["flux", "--out", str(tmp_path / "families"),
                                                                          "--rounds", "3"]
     assert lease.job_command("auto=flux,wan", tmp_path)[-4:-2] == ["--targets", "flux,wan"]
