@@ -171,6 +171,22 @@ def test_the_first_block_keeps_no_more_than_the_others():
     assert plan.smallest_peak_bytes == profile.outside_bytes  # every block's input parked, nothing else held
 
 
+def test_an_ffn_input_counts_as_extra_only_where_the_block_does_not_save_it():
+    """An FFN region keeps its input through the recompute. When the FFN's first layer trains, that input is
+    among what the block saves (and what its recompute saves again: one tensor); when that layer is frozen
+    nothing saves it, and the region holds it on top of the block's saved tensors."""
+    from toy import TOY, build
+
+    toy = build(blocks=3, dim=16)
+    batch = {"hidden_states": torch.randn(2, 8, 16)}
+    trained = profile_model(toy, TOY, (), batch, min_offload_bytes=0, copy_bytes_per_second=None)
+    assert all(b.ffn_input_bytes > 0 and b.ffn_input_unsaved_bytes == 0 for b in trained.blocks)
+    for block in toy.blocks:
+        block.ff_in.requires_grad_(False)
+    frozen = profile_model(toy, TOY, (), batch, min_offload_bytes=0, copy_bytes_per_second=None)
+    assert [b.ffn_input_unsaved_bytes for b in frozen.blocks] == [b.ffn_input_bytes for b in trained.blocks]
+
+
 def test_backward_to_forward_counts_the_weights_that_train(model):
     """1 + the trainable share of the blocks' weights: ~1 for a frozen base (only input gradients), 2 when
     every weight trains."""

@@ -49,7 +49,8 @@ def model_peak(prof: ModelProfile, picks) -> int:
             earlier = [p.copied for p in reversed(picks[:b]) if p.copied]
             ahead = earlier[0] + (earlier[1] if len(earlier) > 1 and earlier[1] > earlier[0] else 0) \
                 if earlier else 0
-            worst = max(worst, held + c.own + ahead)
+            # a block that offloads attention meets the reload from its attention's backward on
+            worst = max(worst, held + (c.own + ahead if c.own_late is None else max(c.own, c.own_late + ahead)))
         held += c.kept
     return prof.static_bytes + prof.outside_bytes + max(worst, held + prof.workspace_bytes)
 
@@ -66,12 +67,14 @@ def brute_force(prof: ModelProfile, budget: int) -> float | None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(sizes=st.lists(st.tuples(st.integers(40, 400), st.integers(0, 30), st.integers(0, 30)), min_size=1,
-                      max_size=3), fraction=st.floats(0.05, 1.2))
-@example(sizes=[(243, 0, 14), (246, 0, 0), (246, 0, 6)], fraction=0.9740381803283126)
+@given(sizes=st.lists(st.tuples(st.integers(40, 400), st.integers(0, 30), st.integers(0, 30), st.integers(0, 100)),
+                      min_size=1, max_size=3), fraction=st.floats(0.05, 1.2))
+@example(sizes=[(243, 0, 14, 0), (246, 0, 0, 0), (246, 0, 6, 0)], fraction=0.9740381803283126)
 def test_plan_is_optimal_under_the_model_and_fits(sizes, fraction):
-    blocks = [block(i, saved, min(ffn * saved // 100, saved // 2), min(att * saved // 100, saved // 3))
-              for i, (saved, ffn, att) in enumerate(sizes)]
+    # (a block's measured peak = its saved bytes; from its attention's backward on, ``late`` % of that)
+    blocks = [dataclasses.replace(block(i, saved, min(ffn * saved // 100, saved // 2), min(att * saved // 100, saved // 3)),
+                                  backward_peak_bytes=saved * MiB, attention_backward_peak_bytes=late * saved * MiB // 100)
+              for i, (saved, ffn, att, late) in enumerate(sizes)]
     prof = profile(blocks)
     no_checkpoint = model_peak(prof, [block_choices(b, prof, (BlockPolicy.KEEP,))[0] for b in blocks])
     budget = int(no_checkpoint * fraction)
@@ -91,6 +94,10 @@ def test_plan_is_optimal_under_the_model_and_fits(sizes, fraction):
     if best_with_slack is not None:
         assert plan.predicted_extra_seconds <= best_with_slack + 1e-9
     assert plan.predicted_extra_seconds >= best - 1e-9
+    # the smallest reachable peak it reports is a plan's, and the least of all within the units' rounding
+    options = [block_choices(b, prof, everything(b)) for b in prof.blocks]
+    least = min(model_peak(prof, picks) for picks in itertools.product(*options))
+    assert least <= plan.smallest_peak_bytes <= least + (len(blocks) + 1) * unit
 
 
 def test_no_checkpointing_needed_keeps_every_block():
@@ -151,6 +158,43 @@ def test_peak_counts_the_regions_reloaded_ahead():
     nearest = next(c.copied for c in reversed(picks[:-1]) if c.copied)
     assert plan.predicted_peak_bytes >= prof.static_bytes + prof.outside_bytes + held + picks[-1].own + nearest
     assert plan.predicted_peak_bytes == model_peak(prof, picks) <= 1300 * MiB
+
+
+def test_attention_offload_meets_the_reload_ahead_after_its_ffn_backward():
+    """A block that parks only its attention reloads the blocks before it once its attention's backward
+    begins: the reload stacks on its peak from then on (measured), not on the FFN backward's peak before."""
+    blocks = [dataclasses.replace(block(i, 400, 100, 200), backward_peak_bytes=500 * MiB,
+                                  attention_backward_peak_bytes=200 * MiB) for i in range(3)]
+    prof = profile(blocks, bandwidth=1e12)
+    attention = {c.policy: c for c in block_choices(blocks[2], prof, everything(blocks[2]))}
+    ao, whole = attention[BlockPolicy.ATTENTION_OFFLOAD], attention[BlockPolicy.BLOCK_OFFLOAD]
+    extra = 8 * MiB + max(0, ao.kept + 200 * MiB - 400 * MiB)  # its input, the views wider than storages (none)
+    assert ao.own == 500 * MiB + extra and ao.own_late == 200 * MiB + extra
+    assert ao.need(200 * MiB) == ao.own  # hidden under the FFN backward's peak
+    assert ao.need(400 * MiB) == 600 * MiB + extra  # larger than the gap: the phase's peak + the reload
+    assert whole.own_late is None and whole.need(200 * MiB) == whole.own + 200 * MiB  # recompute: all at once
+    picks = [ao] * 3
+    base = prof.static_bytes + prof.outside_bytes
+    # block 2 over blocks 0 and 1's kept bytes, block 1's attention (200 MiB) reloaded meanwhile
+    assert model_peak(prof, picks) == base + max(2 * ao.kept + ao.own, 3 * ao.kept + prof.workspace_bytes)
+    budget = model_peak(prof, picks)
+    assert plan_policies(prof, budget, allowed=lambda b: (BlockPolicy.KEEP, BlockPolicy.ATTENTION_OFFLOAD)
+                         ).counts() == {"attention-offload": 3}
+
+
+def test_a_recomputed_region_counts_its_input_once():
+    """A region's input the block saves is the tensor its recompute saves again; only an FFN input nothing
+    saves is held on top of the measured peak (its input and everything it saves)."""
+    saved = dataclasses.replace(block(0, 100, 40, 30), backward_peak_bytes=150 * MiB)
+    unsaved = dataclasses.replace(saved, ffn_input_unsaved_bytes=8 * MiB)
+    prof = profile([saved])
+    own = {c.policy: c.own for c in block_choices(saved, prof, everything(saved))}
+    measured = 150 * MiB + 8 * MiB  # the peak above its inputs, and its input
+    assert own[BlockPolicy.KEEP] == own[BlockPolicy.BLOCK] == own[BlockPolicy.BLOCK_OFFLOAD] == measured
+    assert own[BlockPolicy.FFN] == own[BlockPolicy.FFN_OFFLOAD] == measured
+    own_unsaved = {c.policy: c.own for c in block_choices(unsaved, prof, everything(unsaved))}
+    assert own_unsaved[BlockPolicy.FFN] == own_unsaved[BlockPolicy.FFN_OFFLOAD] == measured + 8 * MiB
+    assert own_unsaved[BlockPolicy.BLOCK] == measured
 
 
 def test_reloads_ahead_follow_the_copy_engine_rule():

@@ -68,3 +68,34 @@ def test_block_runs_are_timed():
     block = torch.nn.Linear(1024, 1024, device=cuda)
     run = measure_block(block, (torch.randn(4096, 1024, device=cuda),), {}, cuda)
     assert run.peak_bytes > 0 and run.forward_seconds > 0 and run.backward_seconds > 0
+
+
+def test_attention_phase_peak_starts_after_the_ffn_backward():
+    """attention → wide FFN: backward runs the FFN first (its 4x-wide activations and their gradients), then
+    the attention. The peak from the attention's first saved tensor on leaves the FFN's out, the whole
+    block's keeps it; without attention modules named there is no phase."""
+    from memfit.auto.blockpeak import measure_block
+
+    n, d = 4096, 1024  # fp32: a 4096 x 4096 FFN activation is 64 MiB
+
+    class Block(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.attn = torch.nn.Linear(d, d, device=cuda)
+            self.ff_in = torch.nn.Linear(d, 4 * d, device=cuda)
+            self.ff_out = torch.nn.Linear(4 * d, d, device=cuda)
+
+        def forward(self, x):
+            x = x + self.attn(x)
+            return x + self.ff_out(torch.nn.functional.gelu(self.ff_in(x)))
+
+    block, x = Block(), torch.randn(n, d, device=cuda, requires_grad=True)
+    block(x).sum().backward()
+    block.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    run = measure_block(block, (x,), {}, cuda, attention=[block.attn])
+    # the FFN phase holds its two 64 MiB activations and a 64 MiB gradient at least; the attention phase
+    # only 16 MiB tensors (the attention's input, the gradients) and the weight gradients
+    assert run.peak_bytes >= run.attention_peak_bytes + 64 * MiB, (run.peak_bytes / MiB, run.attention_peak_bytes / MiB)
+    assert run.attention_peak_bytes >= 16 * MiB
+    assert measure_block(block, (x,), {}, cuda).attention_peak_bytes == 0

@@ -17,6 +17,7 @@ forked (dropout draws nothing from the training stream).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,32 +37,45 @@ def block_kind(block: nn.Module, args: tuple, kwargs: dict) -> tuple:
 
 @dataclass(frozen=True)
 class BlockRun:
-    """One isolated forward+backward of a block: its peak above its inputs, and how long each half took."""
+    """One isolated forward+backward of a block: its peak above its inputs, how long each half took, and the
+    peak from its attention's backward on (0: no attention modules given, or none saved anything)."""
 
     peak_bytes: int
     forward_seconds: float
     backward_seconds: float
+    attention_peak_bytes: int = 0
+    forward_peak_bytes: int = 0  # the forward half's own peak (``peak_bytes`` is the larger of the two halves)
 
 
-def measure_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> BlockRun:
-    """:func:`measure_block_peak` run twice: the second run is timed (the first loads the backward's kernels,
-    which the profiling forward never ran)."""
-    measure_block_peak(block, args, kwargs, device)
-    times: list[float] = []
-    peak = measure_block_peak(block, args, kwargs, device, times=times)
-    return BlockRun(peak, *times) if times else BlockRun(peak, 0.0, 0.0)
+def measure_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device, *,
+                  attention: Sequence[nn.Module] = ()) -> BlockRun:
+    """The block run twice: the second run is timed (the first loads the backward's kernels, which the
+    profiling forward never ran). ``attention``: the block's attention modules (see "Attention phase")."""
+    _run_block(block, args, kwargs, device, attention=attention, timed=False)
+    return _run_block(block, args, kwargs, device, attention=attention, timed=True)
 
 
-def measure_block_peak(block: nn.Module, args: tuple, kwargs: dict, device: torch.device, *,
-                       times: list[float] | None = None) -> int:
+def measure_block_peak(block: nn.Module, args: tuple, kwargs: dict, device: torch.device) -> int:
     """Peak bytes one forward+backward of ``block`` allocates above what exists before it (its inputs).
 
     The inputs require gradients exactly where they did in the profiling forward (so the first block, fed by
     frozen layers, computes no input gradient, and rotary tables or a frozen time embedding none anywhere),
     every output that requires one gets a gradient of ones, allocated inside the measurement as in a real
-    backward, and the outputs themselves do not count in the backward's peak (see "Outputs"). ``times``,
-    when given, receives the forward's and the backward's seconds (CUDA events; one synchronisation).
+    backward, and the outputs themselves do not count in the backward's peak (see "Outputs").
     """
+    return _run_block(block, args, kwargs, device, attention=(), timed=False).peak_bytes
+
+
+# Attention phase.  Attention offload reloads the next block's tensors when this block's attention
+# backward begins (its first parked tensor is fetched), after the FFN's backward and its temporaries are
+# gone. So the planner adds that reload to the peak from there on, not to the block's whole peak (Wan 14B:
+# 1.9 GB of reloaded attention counted on top of the FFN's backward, a plan of attention offload predicted
+# 2.9 GB above its measured peak). The phase starts at the first backward use of a tensor saved inside an
+# attention module: a save from an earlier-called attention module may come later, which only lengthens it.
+
+
+def _run_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device, *,
+               attention: Sequence[nn.Module], timed: bool) -> BlockRun:
     flat, spec = tree_flatten((args, kwargs))
     leaves = [x.detach().requires_grad_(x.requires_grad) if _differentiable(x) else x for x in flat]
     # the block runs on copies: it may edit its inputs in place, which a leaf that requires grad forbids
@@ -72,31 +86,73 @@ def measure_block_peak(block: nn.Module, args: tuple, kwargs: dict, device: torc
     # storages a real step holds through the backward as well: the inputs and their copies (a block may
     # return one unchanged) and, noted by the hook below, whatever the graph saves
     held = {x.untyped_storage().data_ptr() for x in (*flat, *used) if isinstance(x, torch.Tensor)}
+    phase = _AttentionPhase(device, attention)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-    with torch.enable_grad(), torch.random.fork_rng(devices=[device]), \
-            torch.autograd.graph.saved_tensors_hooks(lambda t: _note(held, t), lambda t: t):
-        marks[0].record()
-        out = block(*call_args, **call_kwargs)
-        marks[1].record()
-        outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
-        forward_peak = torch.cuda.max_memory_allocated(device)
-        backward_peak = 0
-        if outs and wrt:
-            dead = {s.data_ptr(): s.nbytes() for s in (t.untyped_storage() for t in outs) if s.data_ptr() not in held}
-            grads = [torch.ones_like(t) for t in outs]
-            torch.cuda.reset_peak_memory_stats(device)
-            marks[2].record()
-            torch.autograd.grad(outs, wrt, grads, allow_unused=True)
-            marks[3].record()
-            backward_peak = torch.cuda.max_memory_allocated(device) - sum(dead.values())
-            del grads
-        del out, outs
-    if times is not None and backward_peak:
+    try:
+        with torch.enable_grad(), torch.random.fork_rng(devices=[device]), \
+                torch.autograd.graph.saved_tensors_hooks(lambda t: phase.pack(_note(held, t)), phase.unpack):
+            marks[0].record()
+            out = block(*call_args, **call_kwargs)
+            marks[1].record()
+            outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
+            forward_peak = torch.cuda.max_memory_allocated(device)
+            backward_peak = attention_peak = 0
+            if outs and wrt:
+                dead = sum(s.nbytes() for s in {s.data_ptr(): s for s in (t.untyped_storage() for t in outs)
+                                                 if s.data_ptr() not in held}.values())
+                grads = [torch.ones_like(t) for t in outs]
+                torch.cuda.reset_peak_memory_stats(device)
+                marks[2].record()
+                torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+                marks[3].record()
+                late = torch.cuda.max_memory_allocated(device)
+                backward_peak = max(phase.peak_before or 0, late) - dead
+                attention_peak = late - dead if phase.peak_before is not None else 0
+                del grads
+            del out, outs
+    finally:
+        phase.remove()
+    times = (0.0, 0.0)
+    if timed and backward_peak:
         marks[3].synchronize()
-        times += [marks[0].elapsed_time(marks[1]) / 1e3, marks[2].elapsed_time(marks[3]) / 1e3]
-    return max(0, forward_peak - before, backward_peak - before)
+        times = (marks[0].elapsed_time(marks[1]) / 1e3, marks[2].elapsed_time(marks[3]) / 1e3)
+    return BlockRun(max(0, forward_peak - before, backward_peak - before), *times,
+                    attention_peak_bytes=max(0, attention_peak - before), forward_peak_bytes=max(0, forward_peak - before))
+
+
+class _AttentionPhase:
+    """Tags what the attention modules save; at the first backward use of such a tensor, keeps the peak so
+    far and restarts the allocator's peak (see "Attention phase")."""
+
+    def __init__(self, device: torch.device, modules: Sequence[nn.Module]) -> None:
+        self.device = device
+        self.inside = 0
+        self.peak_before: int | None = None  # the backward's peak before its attention phase began
+        self.handles = [h for m in modules for h in (
+            m.register_forward_pre_hook(lambda *_: self._enter()),
+            m.register_forward_hook(lambda *_: self._leave(), always_call=True))]
+
+    def _enter(self) -> None:
+        self.inside += 1
+
+    def _leave(self) -> None:
+        self.inside -= 1
+
+    def pack(self, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        return t, self.inside > 0
+
+    def unpack(self, packed: tuple[torch.Tensor, bool]) -> torch.Tensor:
+        t, in_attention = packed
+        if in_attention and self.peak_before is None:
+            self.peak_before = torch.cuda.max_memory_allocated(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        return t
+
+    def remove(self) -> None:
+        for h in self.handles:
+            h.remove()
 
 
 # Outputs.  In a training step a block's outputs are dead by the time its backward runs: the next block
@@ -123,17 +179,19 @@ class ForwardMemory:
     :meth:`block_runs`, which runs after the forward.
     """
 
-    def __init__(self, device: torch.device, n_blocks: int) -> None:
+    def __init__(self, device: torch.device, n_blocks: int, *,
+                 attention: Sequence[Sequence[nn.Module]] | None = None) -> None:
         self.device = device
         self.kinds: list[tuple | None] = [None] * n_blocks
-        self.samples: dict[tuple, tuple[nn.Module, tuple, dict]] = {}
+        self.attention = attention or [()] * n_blocks  # per block, its attention modules
+        self.samples: dict[tuple, tuple[nn.Module, tuple, dict, Sequence[nn.Module]]] = {}
         self.peak = torch.cuda.memory_allocated(device)
         torch.cuda.reset_peak_memory_stats(device)
 
     def enter(self, b: int, block: nn.Module, args: tuple, kwargs: dict) -> None:
         self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device))
         self.kinds[b] = kind = block_kind(block, args, kwargs)
-        self.samples.setdefault(kind, (block, args, kwargs))
+        self.samples.setdefault(kind, (block, args, kwargs, self.attention[b]))
 
     def leave(self, b: int) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)  # a block's own peak is measured on its own
@@ -145,5 +203,6 @@ class ForwardMemory:
     def block_runs(self) -> list[BlockRun | None]:
         """Per block, the measured run of its kind (None for a block the forward never called)."""
         samples, self.samples = self.samples, {}  # the sample arguments are not held past the measurement
-        runs = {kind: measure_block(block, args, kwargs, self.device) for kind, (block, args, kwargs) in samples.items()}
+        runs = {kind: measure_block(block, args, kwargs, self.device, attention=attention)
+                for kind, (block, args, kwargs, attention) in samples.items()}
         return [runs.get(kind) if kind is not None else None for kind in self.kinds]

@@ -13,7 +13,9 @@ everything it saves held (so it carries the backward's gradient buffers and the 
 temporaries), plus its inputs, adjusted by what the policy keeps or brings back beyond what the block saves.
 ``grads after b``: the trainable weights of the blocks after it (and outside every block) have their
 gradients by then. ``reloaded ahead``: what the copy engine brings back for the blocks backward visits
-next, by its own rule (the next block that copies, a second when the first is the smaller). The forward's
+next, by its own rule (the next block that copies, a second when the first is the smaller); a block whose
+only parked regions are its attention calls issues that reload when its attention's backward begins, so
+there the term is ``max(own(b), own from then on + reloaded ahead)``. The forward's
 end adds one more bound, ``Σ kept + the working memory outside the blocks``. Off CUDA the budget counts the
 bytes held when backward begins: ``outside + Σ kept``.
 
@@ -30,11 +32,11 @@ converted to FLOPs at a nominal rate of the device kind, so that without copies 
 is FLOPs over one measured rate and the plan does not depend on that measurement at all; otherwise it
 depends on the measured rates only through their snapped values (:func:`memfit.auto.profile.round_rate`).
 
-Search.  A multiple-choice knapsack, exact up to the byte granularity: for each possible largest copy
-``C`` (few distinct values), a dynamic programme over kept bytes in forward order (in units of 1/1024 of the
-total, rounded up: never optimistic) picks one policy per block minimising extra seconds, a policy allowed
-only from prefixes that leave room for its block's own peak. Ties go to the less intrusive policy
-(``BlockPolicy`` order), then to the smaller peak: the same profile and budget always give the same plan.
+Search.  :mod:`memfit.auto.search`: a dynamic programme over the blocks in forward order whose state is
+the kept bytes so far (in units of 1/1024 of the total, rounded up: never optimistic) and the two nearest
+copies before the block (what is reloaded ahead of it), exact under this model up to the units. It answers
+the cheapest plan within the budget and the smallest peak any plan reaches. Ties go to the less intrusive
+policy (``BlockPolicy`` order): the same profile and budget always give the same plan.
 """
 
 from __future__ import annotations
@@ -44,8 +46,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-import torch
-
+from memfit.auto import search
 from memfit.auto.policy import BlockPolicy
 from memfit.auto.profile import BlockProfile, ModelProfile
 from memfit.errors import BudgetError
@@ -74,6 +75,14 @@ class Choice:
     seconds: float  # extra step time
     copied: int  # bytes sent to host memory per step
     own: int = 0  # the block's own peak while its backward runs, above what the blocks before it keep (CUDA)
+    # with attention offload: its own peak from its attention's backward on, when the reload ahead is issued
+    # (None: the reload ahead meets the whole backward)
+    own_late: int | None = None
+
+    def need(self, ahead: int) -> int:
+        """Bytes above what the blocks before it keep while its backward runs, with ``ahead`` bytes reloaded
+        for the blocks backward visits next."""
+        return self.own + ahead if self.own_late is None else max(self.own, self.own_late + ahead)
 
 
 def block_choices(block: BlockProfile, profile: ModelProfile, allowed: tuple[BlockPolicy, ...], *,
@@ -89,7 +98,7 @@ def block_choices(block: BlockProfile, profile: ModelProfile, allowed: tuple[Blo
     forward_seconds = block.flops / rate * profile.forward_with_grad  # what a device-to-host copy hides behind
     out = []
     for policy in allowed:
-        kept, transient, copied, flops = _effect(policy, block)
+        kept, extra, copied, flops = _effect(policy, block)
         recomputed_ffn = 0
         if policy.recompute == "ffn":  # at the FFN regions' own rate
             flops, recomputed_ffn = 0, flops
@@ -106,34 +115,39 @@ def block_choices(block: BlockProfile, profile: ModelProfile, allowed: tuple[Blo
             copy = copied / bandwidth
             seconds += (max(0.0, copy - forward_seconds)
                         + max(0.0, copy - profile.backward_to_forward * forward_seconds))
-        own = 0
+        own, own_late = 0, None
         if profile.counts_transient:
-            # measured with everything the block saves held; a policy that keeps or brings back more than
-            # that (an entry next to its recomputed copy, a view wider than its storage) adds the difference
-            own = (block.backward_peak_bytes + block.input_bytes + grads_after
-                   + max(0, kept + transient - block.saved_bytes))
-        out.append(Choice(policy, max(kept, 0), seconds, copied, own))
+            # measured with its inputs and everything it saves held; what the policy holds beyond that adds
+            extra += block.input_bytes + grads_after
+            own = block.backward_peak_bytes + extra
+            if policy.offloads_attention and block.attention_backward_peak_bytes:
+                # its only parked regions are its attention calls: backward reaches them, and reloads the
+                # blocks before, once the FFN's backward is over (memfit.auto.blockpeak, "Attention phase")
+                own_late = block.attention_backward_peak_bytes + extra
+        out.append(Choice(policy, max(kept, 0), seconds, copied, own, own_late))
     return out
 
 
 def _effect(policy: BlockPolicy, b: BlockProfile) -> tuple[int, int, int, int]:
-    """(kept, transient, copied bytes, recomputed FLOPs) of ``policy`` on block ``b``.
+    """(kept, extra, copied bytes, recomputed FLOPs) of ``policy`` on block ``b``.
 
-    A reload brings back each parked view (what was copied), which can exceed the storages it freed."""
+    ``extra``: what the policy holds while the block's backward runs beyond its inputs and what the block
+    saves (the isolated run's view): a reload brings back each parked view (what was copied), which can
+    exceed the storages it freed, and an FFN region keeps an input the block does not save. A region's input
+    that the block does save is the same tensor its recompute saves again: counted once (twice, the Wan
+    plans of FFN or block recompute were predicted 0.13 GiB above their measured peaks)."""
     after_ffn = b.saved_bytes - b.ffn_saved_bytes
+    views = b.attention_copy_bytes - b.attention_bytes
     return {
         BlockPolicy.KEEP: (b.saved_bytes, 0, 0, 0),
-        BlockPolicy.ATTENTION_OFFLOAD: (b.saved_bytes - b.attention_bytes, b.attention_copy_bytes,
-                                        b.attention_copy_bytes, 0),
-        BlockPolicy.FFN: (after_ffn + b.ffn_input_bytes, b.ffn_saved_bytes, 0, b.ffn_flops),
+        BlockPolicy.ATTENTION_OFFLOAD: (b.saved_bytes - b.attention_bytes, views, b.attention_copy_bytes, 0),
+        BlockPolicy.FFN: (after_ffn + b.ffn_input_bytes, b.ffn_input_unsaved_bytes, 0, b.ffn_flops),
         BlockPolicy.FFN_ATTENTION_OFFLOAD: (after_ffn + b.ffn_input_bytes - b.attention_bytes,
-                                            b.ffn_saved_bytes + b.attention_copy_bytes, b.attention_copy_bytes,
-                                            b.ffn_flops),
-        BlockPolicy.FFN_OFFLOAD: (after_ffn + b.ffn_input_bytes - b.ffn_input_parkable_bytes, b.ffn_saved_bytes,
-                                  b.ffn_input_parkable_bytes, b.ffn_flops),
-        BlockPolicy.BLOCK: (b.input_bytes, b.saved_bytes, 0, b.flops),
-        BlockPolicy.BLOCK_OFFLOAD: (b.input_bytes - b.input_parkable_bytes, b.saved_bytes, b.input_parkable_bytes,
-                                    b.flops),
+                                            b.ffn_input_unsaved_bytes + views, b.attention_copy_bytes, b.ffn_flops),
+        BlockPolicy.FFN_OFFLOAD: (after_ffn + b.ffn_input_bytes - b.ffn_input_parkable_bytes,
+                                  b.ffn_input_unsaved_bytes, b.ffn_input_parkable_bytes, b.ffn_flops),
+        BlockPolicy.BLOCK: (b.input_bytes, 0, 0, b.flops),
+        BlockPolicy.BLOCK_OFFLOAD: (b.input_bytes - b.input_parkable_bytes, 0, b.input_parkable_bytes, b.flops),
     }[policy]
 
 
@@ -211,23 +225,18 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
         prefix = worst = 0
         for b, c in enumerate(picks):
             if profile.counts_transient:
-                worst = max(worst, prefix + c.own + reloaded_ahead([p.copied for p in reversed(picks[:b])], depth))
+                worst = max(worst, prefix + c.need(reloaded_ahead([p.copied for p in reversed(picks[:b])], depth)))
             prefix += c.kept
         return base + max(worst, prefix + profile.workspace_bytes)
 
-    no_checkpoint = peak([next(c for c in opts if c.policy is BlockPolicy.KEEP) for opts in options])
-    # every largest copy some plan can have, with the plan of least kept bytes it allows (the floor)
-    # (off CUDA the budget counts what is held when backward begins, before anything is reloaded: one level)
-    copies = sorted({c.copied for opts in options for c in opts})
-    if not depth:
-        copies = copies[-1:]
-    floors: dict[int, tuple[int, list[Choice]]] = {}
-    for cap in copies:
-        usable = [[c for c in opts if c.copied <= cap] for opts in options]
-        if all(usable):
-            picks = [min(u, key=lambda c: (c.kept, c.own)) for u in usable]
-            floors[cap] = (peak(picks), picks)
-    smallest = min(f for f, _ in floors.values())
+    keep_all = [next(c for c in opts if c.policy is BlockPolicy.KEEP) for opts in options]
+    no_checkpoint = peak(keep_all)
+    unit = max(1, -(-sum(b.saved_bytes for b in profile.blocks) // _UNITS))
+    problem = search.Problem(options, unit, depth, own_counts=profile.counts_transient)
+    # the least peak any plan reaches: exact under the model up to the units, recomputed in bytes
+    floor_picks = search.smallest(problem, sum(max(problem.units(c) for c in opts) for opts in options),
+                                  profile.workspace_bytes)
+    smallest = min(peak(floor_picks), no_checkpoint)
 
     def make(picks: list[Choice]) -> Plan:
         return Plan(
@@ -238,35 +247,18 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
             copied_bytes=sum(c.copied for c in picks), metric=metric)
 
     if no_checkpoint <= budget_bytes:
-        return make([next(c for c in opts if c.policy is BlockPolicy.KEEP) for opts in options])
+        return make(keep_all)
     if smallest > budget_bytes:
         raise BudgetError(
             f"memory budget {format_bytes(budget_bytes)} is below what any plan reaches: the smallest predicted "
             f"{metric} is {format_bytes(smallest)} (no checkpointing: {format_bytes(no_checkpoint)}). Raise "
             f"gradient_checkpointing_memory_budget to at least that, or shrink the step (batch, resolution).",
             smallest_peak_bytes=smallest)
-    unit = max(1, -(-sum(b.saved_bytes for b in profile.blocks) // _UNITS))
     room = budget_bytes - base  # for kept bytes, and each block's own peak on top of those before it
-    best: tuple[float, int, list[Choice]] | None = None
-    for cap, (floor, _) in floors.items():
-        if floor > budget_bytes:
-            continue
-        # room for one region reloaded ahead (equal neighbours); if the plan found reloads more (a smaller
-        # copy just before a larger one), search again with room for ``depth`` of them
-        for ahead in dict.fromkeys((min(depth, 1) * cap, depth * cap)):
-            picks = _knapsack(options, cap, (room - profile.workspace_bytes) // unit, unit,
-                              room - ahead if profile.counts_transient else None)
-            if picks is None or peak(picks) <= budget_bytes:
-                break
-        if picks is None or peak(picks) > budget_bytes:
-            continue
-        plan = make(picks)
-        key = (round(plan.predicted_extra_seconds, 9), plan.predicted_peak_bytes)
-        if best is None or key < best[:2]:
-            best = (*key, picks)
-    if best is None:  # only the byte rounding stood in the way: take the smallest plan, which fits exactly
-        return make(min(floors.values(), key=lambda f: f[0])[1])
-    return make(best[2])
+    picks = search.cheapest(problem, (room - profile.workspace_bytes) // unit, room)
+    if picks is None or peak(picks) > budget_bytes:  # only the units' rounding stood in the way
+        picks = floor_picks  # the smallest plan, which fits exactly
+    return make(picks)
 
 
 def reloaded_ahead(copied: list[int], depth: int) -> int:
@@ -289,43 +281,3 @@ def _gradients_after(profile: ModelProfile) -> list[int]:
         out.append(pending)
         pending += b.trainable_bytes
     return out[::-1]
-
-
-def _knapsack(options: list[list[Choice]], copy_cap: int, capacity: int, unit: int,
-              own_room: int | None) -> list[Choice] | None:
-    """Cheapest picks with every copy ≤ ``copy_cap`` and Σ kept ≤ ``capacity`` units, each pick's own peak
-    fitting in ``own_room`` bytes above the kept bytes of the picks before it (None: no such bound)."""
-    if capacity < 0:
-        return None
-    inf = float("inf")
-    cost = torch.full((capacity + 1,), inf, dtype=torch.float64)
-    cost[0] = 0.0
-    trail: list[tuple[list[Choice], torch.Tensor]] = []
-    for opts in options:
-        usable = [c for c in opts if c.copied <= copy_cap]
-        if not usable:
-            return None
-        new = torch.full_like(cost, inf)
-        which = torch.full((capacity + 1,), -1, dtype=torch.int64)
-        for k, c in enumerate(usable):
-            w = -(-c.kept // unit)
-            # the prefixes this pick may follow: its own peak must fit above them (units round up: safe)
-            last = capacity - w if own_room is None else min(capacity - w, (own_room - c.own) // unit)
-            if last < 0:
-                continue
-            candidate = torch.full_like(cost, inf)
-            candidate[w: w + last + 1] = cost[: last + 1] + c.seconds
-            better = candidate < new  # strict: earlier (less intrusive) policies win ties
-            new = torch.where(better, candidate, new)
-            which = torch.where(better, torch.full_like(which, k), which)
-        cost = new
-        trail.append((usable, which))
-    if not torch.isfinite(cost).any():
-        return None
-    w = int(torch.argmin(cost))  # first minimum: the smallest kept bytes among the cheapest
-    picks: list[Choice] = []
-    for usable, which in reversed(trail):
-        c = usable[int(which[w])]
-        picks.append(c)
-        w -= -(-c.kept // unit)
-    return picks[::-1]

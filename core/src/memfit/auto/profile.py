@@ -67,7 +67,14 @@ class BlockProfile:
     # CUDA: the peak of one forward+backward of this block alone (everything it saves held, gradients of
     # its outputs, inputs and trainable weights), above its inputs; measured once per kind of block
     backward_peak_bytes: int = 0
+    forward_peak_bytes: int = 0  # CUDA: the same run's forward half alone (in the profile for inspection)
     trainable_bytes: int = 0  # its weights that train: their gradients exist from its backward on
+    # CUDA: the same run's peak from its attention's backward on (the first use of a tensor its attention
+    # calls saved), above its inputs: what a reload issued then meets; 0 where not measured
+    attention_backward_peak_bytes: int = 0
+    # the FFN regions' inputs that the block does not save itself (an FFN whose first layer is frozen): a
+    # region keeps them through its recompute, where the isolated run had freed them
+    ffn_input_unsaved_bytes: int = 0
 
     @property
     def name(self) -> str:
@@ -254,13 +261,15 @@ class _Recorder:
         s = self.storages[i]
         return len(s.blocks) > 1 or len(s.received) > 1
 
-    def input_bytes(self, b: int, entries: list[int], *, only_scope: str | None = None, min_bytes: int = 0) -> int:
+    def input_bytes(self, b: int, entries: list[int], *, only_scope: str | None = None, min_bytes: int = 0,
+                    unsaved: bool = False) -> int:
         """Bytes of block ``b``'s inputs (or its FFN regions') that a region of ``b`` would be alone to keep:
-        not shared, not saved outside the blocks or by an earlier block (those hold them anyway)."""
+        not shared, not saved outside the blocks or by an earlier block (those hold them anyway). ``unsaved``:
+        only those block ``b`` does not save either."""
         total, seen = 0, set()
         for e in entries:
             s = self.storages[e]
-            if e in seen or self.shared(e) or s.block is None or 0 <= s.block < b:
+            if e in seen or self.shared(e) or s.block is None or 0 <= s.block < b or (unsaved and s.block == b):
                 continue
             if only_scope is not None and s.block == b and s.scopes != {only_scope}:
                 continue  # also saved outside the region: held whatever the region does
@@ -287,7 +296,7 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
     rec = _Recorder(excluded, len(blocks))
     regions = [(adapter.ffn_chains(block), adapter.attention_modules(block)) for _, _, block in blocks]
     static = torch.cuda.memory_allocated(device) if cuda else 0
-    memory = ForwardMemory(device, len(blocks)) if cuda else None
+    memory = ForwardMemory(device, len(blocks), attention=[a for _, a in regions]) if cuda else None
     handles = _profile_hooks(rec, blocks, regions, memory)
     try:
         with torch.enable_grad(), FlopCounterMode(display=False) as rec.counter, \
@@ -323,6 +332,9 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
                                 if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes),
             attention_hook_calls=rec.attention_hook_calls[b],
             backward_peak_bytes=runs[b].peak_bytes if runs[b] is not None else 0,
+            forward_peak_bytes=runs[b].forward_peak_bytes if runs[b] is not None else 0,
+            attention_backward_peak_bytes=runs[b].attention_peak_bytes if runs[b] is not None else 0,
+            ffn_input_unsaved_bytes=rec.input_bytes(b, rec.ffn_inputs[b], only_scope="ffn", unsaved=True),
             trainable_bytes=_trainable_bytes(block.parameters()),
         ))
     # (an input of several blocks counts too: every checkpointed region among them holds it)

@@ -1,0 +1,155 @@
+"""The planner's search: one choice per block, exact under the peak model up to the byte granularity.
+
+Design notes
+------------
+State.  What a block's backward meets besides its own peak depends on the blocks before it: the bytes they
+keep (a prefix sum) and what the copy engine reloads ahead of it — the nearest earlier block that copies,
+and the one before that when it copies more (``PREFETCH_DEPTH`` = 2, :func:`memfit.auto.planner.reloaded_ahead`).
+So the dynamic programme runs in forward order over (kept bytes, the two nearest copy sizes). Copies take
+few distinct sizes (one per kind of block and policy), so there are few states; kept bytes are counted in
+units rounded up per block, never optimistic (the caller recomputes the exact peak of what it picks).
+
+Two questions.  :func:`cheapest`: the least extra seconds with Σ kept, and each block's own term on top of
+the blocks before it, within the budget. :func:`smallest`: the least peak any plan reaches — the same
+programme, minimising the largest term instead of summing seconds.
+
+Ties.  Within a cell the earlier choice wins (choices come in ``BlockPolicy`` order, least intrusive
+first); among the cheapest end cells, the fewest kept bytes, then the lowest state: the same inputs always
+give the same plan.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from memfit.auto.planner import Choice
+
+_INF = float("inf")
+
+
+@dataclass(frozen=True)
+class Problem:
+    """The choices per block (forward order) and how the peak model weighs them."""
+
+    options: list[list[Choice]]
+    unit: int  # bytes per unit of kept bytes
+    depth: int  # copies reloaded ahead of a block's backward (0: none, off CUDA)
+    own_counts: bool  # each block's own peak counts (CUDA); else only Σ kept does
+
+    def units(self, c: Choice) -> int:
+        return -(-c.kept // self.unit)
+
+
+class _Copies:
+    """States: the nearest two copy sizes before a block (index 0 = none), and what they reload ahead."""
+
+    def __init__(self, problem: Problem) -> None:
+        if problem.depth > 2:
+            raise NotImplementedError("the search follows at most two copies reloaded ahead (PREFETCH_DEPTH <= 2)")
+        sizes = sorted({c.copied for opts in problem.options for c in opts if c.copied}) if problem.depth else []
+        self.sizes = [0, *sizes]
+        self.index = {s: i for i, s in enumerate(self.sizes)}
+        self.n = len(self.sizes)
+        self.count = self.n * self.n if problem.depth > 1 else self.n
+        self.depth = problem.depth
+
+    def split(self, state: int) -> tuple[int, int]:
+        return (state // self.n, state % self.n) if self.depth > 1 else (state, 0)
+
+    def ahead(self, state: int) -> int:
+        nearest, before = (self.sizes[i] for i in self.split(state))
+        if not self.depth or not nearest:
+            return 0
+        return nearest + (before if self.depth > 1 and before > nearest else 0)
+
+    def after(self, state: int, copied: int) -> int:
+        """The state of the next block once a block that copies ``copied`` bytes is passed."""
+        if not self.depth or not copied:
+            return state
+        nearest, _ = self.split(state)
+        i = self.index[copied]
+        return i * self.n + nearest if self.depth > 1 else i
+
+
+def cheapest(problem: Problem, capacity: int, room: int) -> list[Choice] | None:
+    """The least-seconds picks with Σ kept ≤ ``capacity`` units and, where own peaks count, every block's
+    ``need`` on top of the kept bytes before it within ``room`` bytes (None: no such plan)."""
+    def step(value: torch.Tensor, c: Choice, ahead: int, w: int) -> tuple[torch.Tensor, int]:
+        last = capacity - w
+        if problem.own_counts:
+            last = min(last, (room - c.need(ahead)) // problem.unit)
+        return value[: max(last + 1, 0)] + c.seconds, last
+
+    return _run(problem, capacity, step, lambda value, states: value)
+
+
+def smallest(problem: Problem, capacity: int, workspace: int) -> list[Choice]:
+    """The picks whose largest term (a block's own peak above the kept bytes before it, or Σ kept plus the
+    ``workspace``) is least, with Σ kept ≤ ``capacity`` units (enough for every choice)."""
+    prefix = torch.arange(capacity + 1, dtype=torch.float64) * problem.unit
+
+    def step(value: torch.Tensor, c: Choice, ahead: int, w: int) -> tuple[torch.Tensor, int]:
+        last = capacity - w
+        worst = value[: last + 1]
+        if problem.own_counts:
+            worst = torch.maximum(worst, prefix[: last + 1] + c.need(ahead))
+        return worst, last
+
+    def final(value: torch.Tensor, _: int) -> torch.Tensor:
+        return torch.maximum(value, prefix + workspace)
+
+    picks = _run(problem, capacity, step, final)
+    assert picks is not None  # every block has a choice and the capacity fits the largest
+    return picks
+
+
+def _run(problem: Problem, capacity: int,
+         step: Callable[[torch.Tensor, Choice, int, int], tuple[torch.Tensor, int]],
+         final: Callable[[torch.Tensor, int], torch.Tensor]) -> list[Choice] | None:
+    """The programme: ``step`` gives a choice's values over the reachable prefixes (and the last prefix it may
+    follow), cells keep the least; ``final`` scores the end cells."""
+    if capacity < 0:
+        return None
+    copies = _Copies(problem)
+    value = torch.full((copies.count, capacity + 1), _INF, dtype=torch.float64)
+    value[0, 0] = 0.0
+    trail: list[tuple[torch.Tensor, torch.Tensor]] = []
+    for opts in problem.options:
+        new = torch.full_like(value, _INF)
+        which = torch.full(new.shape, -1, dtype=torch.int32)
+        origin = torch.full(new.shape, -1, dtype=torch.int32)
+        for state in range(copies.count):
+            if not torch.isfinite(value[state]).any():
+                continue
+            ahead = copies.ahead(state)
+            for k, c in enumerate(opts):
+                w = problem.units(c)
+                candidate, last = step(value[state], c, ahead, w)
+                if last < 0:
+                    continue
+                to = copies.after(state, c.copied)
+                span = slice(w, w + last + 1)
+                better = candidate < new[to, span]  # strict: earlier (less intrusive) choices win ties
+                new[to, span] = torch.where(better, candidate, new[to, span])
+                which[to, span] = torch.where(better, k, which[to, span])
+                origin[to, span] = torch.where(better, state, origin[to, span])
+        value = new
+        trail.append((which, origin))
+    scores = torch.stack([final(value[s], s) for s in range(copies.count)])
+    if not torch.isfinite(scores).any():
+        return None
+    best = scores.min()
+    # the fewest kept units among the best, then the lowest state
+    hits = (scores == best).nonzero().tolist()
+    state, w = min(hits, key=lambda sw: (sw[1], sw[0]))
+    picks: list[Choice] = []
+    for opts, (which, origin) in zip(reversed(problem.options), reversed(trail), strict=True):
+        c = opts[int(which[state, w])]
+        picks.append(c)
+        state, w = int(origin[state, w]), w - problem.units(c)
+    return picks[::-1]
