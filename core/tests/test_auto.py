@@ -213,6 +213,29 @@ def test_budget_below_any_plan_names_the_smallest_peak(model, reference):
     assert held <= info.value.smallest_peak_bytes
 
 
+def test_a_budget_beyond_the_allocators_room_is_planned_for_less_and_says_so(model, reference, monkeypatch):
+    """Near the device's capacity the caching allocator's reserve (up to 1.19x the allocated peak under
+    offload, measured) would not fit: the plan is made for ALLOCATOR_HEADROOM of what the process can hold,
+    with one warning that names the figure."""
+    from memfit.auto import controller
+
+    assert controller.plannable_budget(100, None) == 100
+    assert controller.plannable_budget(100, 1000) == 100
+    assert controller.plannable_budget(1000, 1000) == int(1000 * controller.ALLOCATOR_HEADROOM)
+    no_checkpoint = run_auto(model, "1GiB")[3].no_checkpoint_peak_bytes
+    # a budget that needs no checkpointing, on a device that holds a little more than it
+    capacity = int(no_checkpoint / controller.ALLOCATOR_HEADROOM * 0.9)
+    monkeypatch.setattr(controller, "device_capacity", lambda device: capacity)
+    handle = memfit.apply(model, auto(no_checkpoint))
+    try:
+        with pytest.warns(memfit.MemfitWarning, match="caching allocator too little room"):
+            step(model, inputs(model))
+        assert handle.plan.needed and handle.plan.budget_bytes == int(capacity * controller.ALLOCATOR_HEADROOM)
+        assert handle.plan.predicted_peak_bytes <= handle.plan.budget_bytes
+    finally:
+        handle.remove()
+
+
 def test_budget_that_needs_no_checkpointing_installs_nothing_and_says_so(model, reference):
     handle = memfit.apply(model, auto("1GiB"))
     with pytest.warns(memfit.MemfitWarning, match="needs no checkpointing"):

@@ -49,8 +49,10 @@ def model_peak(prof: ModelProfile, picks) -> int:
             earlier = [p.copied for p in reversed(picks[:b]) if p.copied]
             ahead = earlier[0] + (earlier[1] if len(earlier) > 1 and earlier[1] > earlier[0] else 0) \
                 if earlier else 0
-            # a block that offloads attention meets the reload from its attention's backward on
-            worst = max(worst, held + (c.own + ahead if c.own_late is None else max(c.own, c.own_late + ahead)))
+            # a block that offloads attention meets the reload from its attention's backward on, unless it is
+            # the last and its attention one region (the block before it keeps its tensors on the device)
+            late = c.own_late if b < len(picks) - 1 or prof.blocks[-1].attention_calls >= 2 else None
+            worst = max(worst, held + (c.own + ahead if late is None else max(c.own, late + ahead)))
         held += c.kept
     return prof.static_bytes + prof.outside_bytes + max(worst, held + prof.workspace_bytes)
 
@@ -164,7 +166,7 @@ def test_attention_offload_meets_the_reload_ahead_after_its_ffn_backward():
     """A block that parks only its attention reloads the blocks before it once its attention's backward
     begins: the reload stacks on its peak from then on (measured), not on the FFN backward's peak before."""
     blocks = [dataclasses.replace(block(i, 400, 100, 200), backward_peak_bytes=500 * MiB,
-                                  attention_backward_peak_bytes=200 * MiB) for i in range(3)]
+                                  attention_backward_peak_bytes=200 * MiB, attention_calls=2) for i in range(3)]
     prof = profile(blocks, bandwidth=1e12)
     attention = {c.policy: c for c in block_choices(blocks[2], prof, everything(blocks[2]))}
     ao, whole = attention[BlockPolicy.ATTENTION_OFFLOAD], attention[BlockPolicy.BLOCK_OFFLOAD]
@@ -180,6 +182,32 @@ def test_attention_offload_meets_the_reload_ahead_after_its_ffn_backward():
     budget = model_peak(prof, picks)
     assert plan_policies(prof, budget, allowed=lambda b: (BlockPolicy.KEEP, BlockPolicy.ATTENTION_OFFLOAD)
                          ).counts() == {"attention-offload": 3}
+
+
+def test_before_a_last_block_with_one_attention_region_nothing_is_reloaded_late():
+    """The step's last two regions keep their tensors on the device. When the last block's attention is a
+    single region, the block before it is one of those two: its tensors are there through the last block's
+    whole backward, not brought back when its attention's backward begins. Two attention calls (Wan: self-
+    and cross-attention) fill the last two regions themselves."""
+    def plan(calls: int, budget: int):
+        blocks = [dataclasses.replace(block(i, 400, 100, 200), backward_peak_bytes=500 * MiB,
+                                      attention_backward_peak_bytes=200 * MiB, attention_calls=calls)
+                  for i in range(3)]
+        return plan_policies(profile(blocks, bandwidth=1e12), budget,
+                             allowed=lambda b: (BlockPolicy.KEEP, BlockPolicy.ATTENTION_OFFLOAD))
+
+    prof = profile([dataclasses.replace(block(0, 400, 100, 200), backward_peak_bytes=500 * MiB,
+                                        attention_backward_peak_bytes=200 * MiB)], bandwidth=1e12)
+    ao = {c.policy: c for c in block_choices(prof.blocks[0], prof, everything(prof.blocks[0]))}
+    ao = ao[BlockPolicy.ATTENTION_OFFLOAD]
+    base = prof.static_bytes + prof.outside_bytes
+    budget = base + 2 * ao.kept + ao.own + 200 * MiB  # room for the last block's own peak + block 1's copy
+    with_one, with_two = plan(1, budget), plan(2, budget)
+    assert with_one.counts() == with_two.counts() == {"attention-offload": 3}
+    # one region: the last block's whole peak carries block 1's attention; two: only its attention phase does
+    assert with_one.predicted_peak_bytes == base + 2 * ao.kept + ao.own + ao.copied
+    assert with_two.predicted_peak_bytes == base + max(2 * ao.kept + ao.need(ao.copied), 3 * ao.kept + prof.workspace_bytes)
+    assert with_two.predicted_peak_bytes < with_one.predicted_peak_bytes
 
 
 def test_a_recomputed_region_counts_its_input_once():

@@ -66,12 +66,13 @@ def measure_block_peak(block: nn.Module, args: tuple, kwargs: dict, device: torc
     return _run_block(block, args, kwargs, device, attention=(), timed=False).peak_bytes
 
 
-# Attention phase.  Attention offload reloads the next block's tensors when this block's attention
-# backward begins (its first parked tensor is fetched), after the FFN's backward and its temporaries are
-# gone. So the planner adds that reload to the peak from there on, not to the block's whole peak (Wan 14B:
-# 1.9 GB of reloaded attention counted on top of the FFN's backward, a plan of attention offload predicted
-# 2.9 GB above its measured peak). The phase starts at the first backward use of a tensor saved inside an
-# attention module: a save from an earlier-called attention module may come later, which only lengthens it.
+# Attention phase.  Attention offload reloads the next block's tensors when the backward of this block's
+# first attention call begins (its first parked tensor is fetched; a later call's region, reached before it
+# in backward, reloads only that first call's), after the FFN's backward and its temporaries are gone. So
+# the planner adds that reload to the peak from there on, not to the block's whole peak (Wan 14B: 1.9 GB of
+# reloaded attention counted on top of the FFN's backward, a plan of attention offload predicted 2.9 GB
+# above its measured peak). The phase starts at the first backward use of a tensor saved inside the first
+# attention call of the forward.
 
 
 def _run_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device, *,
@@ -123,29 +124,31 @@ def _run_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device
 
 
 class _AttentionPhase:
-    """Tags what the attention modules save; at the first backward use of such a tensor, keeps the peak so
-    far and restarts the allocator's peak (see "Attention phase")."""
+    """Tags what the first attention call saves; at the first backward use of such a tensor, keeps the peak
+    so far and restarts the allocator's peak (see "Attention phase")."""
 
     def __init__(self, device: torch.device, modules: Sequence[nn.Module]) -> None:
         self.device = device
         self.inside = 0
+        self.calls = 0  # attention calls entered so far (outermost ones)
         self.peak_before: int | None = None  # the backward's peak before its attention phase began
         self.handles = [h for m in modules for h in (
             m.register_forward_pre_hook(lambda *_: self._enter()),
             m.register_forward_hook(lambda *_: self._leave(), always_call=True))]
 
     def _enter(self) -> None:
+        self.calls += self.inside == 0
         self.inside += 1
 
     def _leave(self) -> None:
         self.inside -= 1
 
     def pack(self, t: torch.Tensor) -> tuple[torch.Tensor, bool]:
-        return t, self.inside > 0
+        return t, self.inside > 0 and self.calls == 1
 
     def unpack(self, packed: tuple[torch.Tensor, bool]) -> torch.Tensor:
-        t, in_attention = packed
-        if in_attention and self.peak_before is None:
+        t, in_first_call = packed
+        if in_first_call and self.peak_before is None:
             self.peak_before = torch.cuda.max_memory_allocated(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
         return t

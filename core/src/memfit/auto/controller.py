@@ -41,6 +41,30 @@ from memfit.offload.session import (
 )
 from memfit.units import format_bytes
 
+# Allocator headroom.  The caching allocator reserves more than it hands out: blocks freed while a copy
+# stream still reads them wait for its event, and mixed sizes fragment its segments. Under attention offload
+# on Wan 14B (H200, 93316be) the peak reserved reached 1.19x the peak allocated (96.0 -> 114.0 GiB), and a
+# plan predicted right at a budget of 138.4 GiB on the 140.4 GiB card ran out of memory. A budget is
+# therefore planned for at most this share of what the process can hold on its device.
+ALLOCATOR_HEADROOM = 0.84
+
+
+def plannable_budget(budget_bytes: int, capacity_bytes: int | None) -> int:
+    """The budget the planner works to: ``budget_bytes``, at most :data:`ALLOCATOR_HEADROOM` of
+    ``capacity_bytes`` (what the process can hold on its device; None: no cap)."""
+    if capacity_bytes is None:
+        return budget_bytes
+    return min(budget_bytes, int(capacity_bytes * ALLOCATOR_HEADROOM))
+
+
+def device_capacity(device: torch.device) -> int | None:
+    """Bytes this process can hold on ``device``: what is free plus what its allocator reserved (None off
+    CUDA)."""
+    if device.type != "cuda":
+        return None
+    free, _ = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
+
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:
     """What a plan depends on: tensor shapes/dtypes/devices and plain scalar arguments."""
@@ -89,6 +113,7 @@ class AutoController:
         self._handles: list[Any] = []
         self._region_marks: list[Any] = []  # hooks of the blocks that keep everything (see _put_on)
         self._warned_unneeded = False
+        self._warned_capacity = False
 
     # -- installation -------------------------------------------------------------------------------------------
 
@@ -158,7 +183,17 @@ class AutoController:
                                 copy_bytes_per_second=self._bandwidth())
         self.profiles[signature] = profile
         can_offload = self.session is not None
-        plan = plan_policies(profile, self.budget_bytes, allowed=lambda b: allowed_policies(
+        capacity = device_capacity(next(self.model.parameters()).device)
+        budget = plannable_budget(self.budget_bytes, capacity)
+        if budget < self.budget_bytes and not self._warned_capacity:
+            self._warned_capacity = True
+            warnings.warn(
+                f"gradient_checkpointing_backend='auto': the budget of {format_bytes(self.budget_bytes)} leaves the "
+                f"CUDA caching allocator too little room on this device ({format_bytes(capacity or 0)} usable by "
+                f"this process; its reserve runs up to 1.19x the allocated peak under offload): planning for "
+                f"{format_bytes(budget)}. Set gradient_checkpointing_memory_budget at or below that to silence "
+                f"this.", MemfitWarning, stacklevel=4)
+        plan = plan_policies(profile, budget, allowed=lambda b: allowed_policies(
             has_ffn=b.has_ffn, has_attention=b.has_attention, can_offload=can_offload))
         self.plans[signature] = plan
         if not plan.needed and not self._warned_unneeded:

@@ -41,6 +41,7 @@ policy (``BlockPolicy`` order): the same profile and budget always give the same
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -217,6 +218,10 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
     grads_after = _gradients_after(profile)
     options = [block_choices(b, profile, allowed(b), grads_after=g)
                for b, g in zip(profile.blocks, grads_after, strict=True)]
+    if options and profile.blocks[-1].attention_calls < 2:
+        # the step's last two regions keep their tensors on the device: before a last block whose attention
+        # is one region, the block before it is never reloaded, its tensors stay through the whole backward
+        options[-1] = [dataclasses.replace(c, own_late=None) for c in options[-1]]
     base = profile.static_bytes + profile.outside_bytes
     metric = "peak allocated" if profile.static_bytes or profile.workspace_bytes else "held activations"
     depth = PREFETCH_DEPTH if profile.counts_transient else 0

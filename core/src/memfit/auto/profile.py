@@ -75,6 +75,7 @@ class BlockProfile:
     # the FFN regions' inputs that the block does not save itself (an FFN whose first layer is frozen): a
     # region keeps them through its recompute, where the isolated run had freed them
     ffn_input_unsaved_bytes: int = 0
+    attention_calls: int = 0  # calls of its declared attention modules (one region each under attention offload)
 
     @property
     def name(self) -> str:
@@ -178,6 +179,7 @@ class _Recorder:
         self.block_flops = [0] * n_blocks
         self.ffn_flops = [0] * n_blocks
         self.attention_hook_calls = [0] * n_blocks
+        self.attention_calls = [0] * n_blocks
         self._mark: list[int] = []
 
     def flops_now(self) -> int:
@@ -230,6 +232,8 @@ class _Recorder:
 
     # module hooks: they must return None (a forward hook's return value replaces the module's output)
     def enter_attention(self, module: nn.Module, args: tuple) -> None:
+        if self.block is not None:
+            self.attention_calls[self.block] += 1
         self.scope.append("attention")
 
     def leave_scope(self, module: nn.Module, args: tuple, output: Any) -> None:
@@ -335,6 +339,7 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
             forward_peak_bytes=runs[b].forward_peak_bytes if runs[b] is not None else 0,
             attention_backward_peak_bytes=runs[b].attention_peak_bytes if runs[b] is not None else 0,
             ffn_input_unsaved_bytes=rec.input_bytes(b, rec.ffn_inputs[b], only_scope="ffn", unsaved=True),
+            attention_calls=rec.attention_calls[b],
             trainable_bytes=_trainable_bytes(block.parameters()),
         ))
     # (an input of several blocks counts too: every checkpointed region among them holds it)
