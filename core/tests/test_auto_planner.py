@@ -225,6 +225,23 @@ def test_a_recomputed_region_counts_its_input_once():
     assert own_unsaved[BlockPolicy.BLOCK] == measured
 
 
+@settings(max_examples=60, deadline=None)
+@given(copies=st.lists(st.sampled_from([0, 3, 24, 27, 100, 198]), max_size=8))
+def test_the_searchs_two_copy_state_reloads_what_the_rule_reloads(copies):
+    """The search carries only the two nearest copies before a block; with them it must reload ahead exactly
+    what :func:`reloaded_ahead` (the copy engine's rule) reloads given every copy before the block."""
+    from memfit.auto import search
+
+    choices = [[dataclasses.replace(block_choices(block(0, 100, 40, 30), profile([block(0, 100, 40, 30)]),
+                                                  (BlockPolicy.KEEP,))[0], copied=c * MiB)] for c in copies]
+    states = search._Copies(search.Problem(choices, unit=MiB, depth=PREFETCH_DEPTH, own_counts=True))
+    state = 0
+    for b, c in enumerate(copies):
+        before = [x * MiB for x in reversed(copies[:b])]
+        assert states.ahead(state) == reloaded_ahead(before, PREFETCH_DEPTH)
+        state = states.after(state, c * MiB)
+
+
 def test_reloads_ahead_follow_the_copy_engine_rule():
     """The next block that copies is reloaded ahead; a second one only when the first is smaller (a short
     backward cannot hide a larger reload), never more than PREFETCH_DEPTH."""
