@@ -85,7 +85,7 @@ def cheapest(problem: Problem, capacity: int, room: int) -> list[Choice] | None:
             last = min(last, (room - c.need(ahead)) // problem.unit)
         return value[: max(last + 1, 0)] + c.seconds, last
 
-    return _run(problem, capacity, step, lambda value, states: value)
+    return _run(problem, capacity, step, lambda value, _state: value)
 
 
 def smallest(problem: Problem, capacity: int, workspace: int) -> list[Choice]:
