@@ -183,3 +183,7 @@ def test_checks_tolerance_and_peaks():
     bad = auto_checks([row(100, 1.03, 1.0, 101), row(150, 1.0, 1.05, 140)])
     assert [c[1] for c in bad] == [False, False, False, True]
     assert "0.000 MiB over at" in bad[2][2]
+    assert "runs alternated" not in bad[0][2]  # one run each: nothing to show
+    noisy = row(100, 0.76, 0.707, 90)
+    noisy["step_s_pairs"], noisy["best_fixed"]["step_s_pairs"] = [0.645, 0.875], [0.70, 0.714]
+    assert "(runs alternated: auto 0.6450, 0.8750 s, fixed 0.7000, 0.7140 s)" in auto_checks([noisy])[0][2]

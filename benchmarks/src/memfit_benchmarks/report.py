@@ -204,7 +204,7 @@ def auto_checks(rows: list[dict[str, Any]], noise: float = AUTO_NOISE) -> list[t
     oom = [r for r in compared if r.get("oom")]
     slow = [r for r in timed if r["speedup"] < 1 / (1 + noise)]
     never_slower = (f"worst fixed/auto {worst['speedup']:.3f}× at {_at(worst)} vs {worst['best_fixed']['mode']}"
-                    if worst else "no auto row timed") + "".join(f"; OOM at {_at(r)}" for r in oom)
+                    + _pairs(worst) if worst else "no auto row timed") + "".join(f"; OOM at {_at(r)}" for r in oom)
     over = [r for r in ran if not r.get("within_budget")]
     unreachable = [r for r in rows if r.get("unreachable") and r.get("best_fixed") is not None]
     return [
@@ -220,6 +220,16 @@ def auto_checks(rows: list[dict[str, Any]], noise: float = AUTO_NOISE) -> list[t
          "; ".join(f"unreachable at {_at(r)} (planner's smallest {fmt_bytes(r.get('smallest_peak_bytes'))}) where "
                    f"{r['best_fixed']['mode']} fits" for r in unreachable) or "all reached"),
     ]
+
+
+def _pairs(row: dict[str, Any]) -> str:
+    """The alternated runs behind a row's speedup (with ``--pairs`` > 1): how far apart they were says how much
+    of a miss is noise."""
+    auto, fixed = row.get("step_s_pairs"), row["best_fixed"].get("step_s_pairs")
+    if not auto or not fixed or len(auto) < 2:
+        return ""
+    runs = lambda steps: ", ".join(f"{s:.4f}" for s in steps)  # noqa: E731
+    return f" (runs alternated: auto {runs(auto)} s, fixed {runs(fixed)} s)"
 
 
 def _over(row: dict[str, Any]) -> str:
