@@ -33,7 +33,7 @@ from memfit.config import MemfitConfig
 from memfit.offload.copy import CopyEngine
 from memfit.offload.pool import PinnedBucketPool
 from memfit_benchmarks.auto_sweep import SYNTHETIC_TARGETS, build_target
-from memfit_benchmarks.families import add_lora
+from memfit_benchmarks.families import build_lora_model
 from memfit_benchmarks.runner import MODES, is_offload
 
 VARIANTS = {
@@ -141,11 +141,8 @@ def main(argv: list[str] | None = None) -> None:
         model, batch, adapter, _ = build_target(args.family, args.preset, device, dtype, 16)
     else:
         adapter = memfit.available_adapters()[args.family]
-        preset = adapter.presets[args.preset]
-        model, _ = add_lora(preset.build(dtype=dtype, device=device), adapter, 16, dtype)
-        batch = preset.inputs(model, tokens=args.tokens or preset.default_tokens, batch=1,
-                              generator=torch.Generator().manual_seed(0))
-        batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+        model, batch, _ = build_lora_model(adapter, args.preset, dtype=dtype, device=device, rank=16,
+                                           tokens=args.tokens or adapter.presets[args.preset].default_tokens)
     modes = {m.name: m for m in MODES}
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
