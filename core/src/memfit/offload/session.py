@@ -359,7 +359,7 @@ class _ParkingRegion:
         self.timeline = session.snapshot_timeline()
         self.index = session.register(self)
 
-    def prefetch(self, handle: Any = None) -> None:
+    def prefetch(self) -> None:
         self.session.copy.reload_many(self.parked)
 
 
