@@ -16,10 +16,11 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
 - ``families[=<f1>,<f2>][,rounds=<n>]``: every family (or those named) at its published size (``n`` round-robin
   rounds per mode)
 - ``fsdp2``: ``memfit_benchmarks.fsdp2 --nproc 2 --preset full``
-- ``auto[=<t1>,<t2>,<n>][,pairs=<k>][,steps=<s>][,warmup=<w>][,no-adjacent]``: the ``auto``-planner sweep
-  (``memfit_benchmarks.auto_sweep``), default or named targets, ``n`` spread budgets each (default 6) plus the
-  gap budgets, ``k`` alternations of auto and the fixed mode per budget, ``s`` timed and ``w`` warm-up steps per
-  row, ``no-adjacent``: compare with the fixed modes' first measurement (a 14B Wan step takes ~5 s:
+- ``auto[=<t1>,<t2>,<n>][,pairs=<k>][,steps=<s>][,warmup=<w>][,no-adjacent][,no-gaps]``: the ``auto``-planner
+  sweep (``memfit_benchmarks.auto_sweep``), default or named targets, ``n`` spread budgets each (default 6) plus
+  the gap budgets (``no-gaps``: without them; ``n`` = 0: the gap budgets alone, so two lanes can share one
+  target's budgets), ``k`` alternations of auto and the fixed mode per budget, ``s`` timed and ``w`` warm-up
+  steps per row, ``no-adjacent``: compare with the fixed modes' first measurement (a 14B Wan step takes ~5 s:
   ``auto=wan,3,steps=2,warmup=1,no-adjacent`` fits one lane); a family target's fixed rows are also written as
   that family's results
 - ``diagnose[=<family>]``: host vs GPU time and a profile per mode (``memfit_benchmarks.diagnose``)
@@ -80,12 +81,13 @@ def job_command(job: str, out: Path) -> list[str]:
         return [py, "-m", "memfit_benchmarks.diagnose", "--family", family, "--out", str(out / "diagnose")]
     if job == "auto" or job.startswith("auto="):
         items, opts = _split_options(job.partition("=")[2], "pairs", "steps", "warmup")
-        adjacent = "no-adjacent" not in items
-        items = [i for i in items if i != "no-adjacent"]
+        flags = {"no-adjacent": "--no-adjacent", "no-gaps": "--no-gaps"}
+        chosen = [flags[i] for i in items if i in flags]
+        items = [i for i in items if i not in flags]
         targets = [i for i in items if not i.isdigit()]
         budgets = [i for i in items if i.isdigit()]
         args = [*_flag("--targets", ",".join(targets)), *_flag("--budgets", budgets[-1] if budgets else None),
-                *(flag for key in opts for flag in _flag(f"--{key}", opts[key])), *([] if adjacent else ["--no-adjacent"])]
+                *(flag for key in opts for flag in _flag(f"--{key}", opts[key])), *chosen]
         return [py, "-m", "memfit_benchmarks.auto_sweep", *args, "--out", str(out / "auto")]
     raise SystemExit(f"unknown job {job!r} (see python -m memfit_benchmarks.lease --help)")
 

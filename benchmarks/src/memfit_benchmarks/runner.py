@@ -110,6 +110,10 @@ def _free(cuda: bool) -> None:
         torch.cuda.empty_cache()
 
 
+def _alloc_retries() -> int:
+    return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
+
+
 def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], mode: Mode, *,
                  adapter: FamilyAdapter | None, warmup: int = 2, steps: int = 5,
                  optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None,
@@ -159,6 +163,7 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
             torch.cuda.reset_peak_memory_stats()
         if handle is not None:
             handle.reset_stats()
+        retries_before = _alloc_retries() if cuda else 0
         times = []
         backward_peaks.clear()
         peaks: list[tuple[int, int]] = []
@@ -187,6 +192,8 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
             # full regime: the peak of forward+backward alone (the optimizer step's own peak comes after)
             "peak_allocated_before_optimizer": max(backward_peaks) if backward_peaks else None,
             "timing": "cuda-events" if cuda else "perf_counter",
+            # the caching allocator freed its cache and retried a cudaMalloc (slow: a device sync each time)
+            "alloc_retries_in_timed_steps": _alloc_retries() - retries_before if cuda else None,
             "oom": False,
         }
         if handle is not None:
