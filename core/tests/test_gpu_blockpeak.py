@@ -34,6 +34,14 @@ def test_block_peak_counts_what_a_real_backward_holds():
     assert 36 * MiB <= peak_with_input_grad < 40 * MiB, peak_with_input_grad / MiB
     assert block.weight.grad is None  # the measurement never accumulates into .grad
 
+    # each half on its own: the forward makes the 16 MiB output; the backward the two gradients
+    from memfit.auto.blockpeak import measure_block
+
+    run = measure_block(block, (frozen_input,), {}, cuda)
+    assert 16 * MiB <= run.forward_peak_bytes < 20 * MiB, run.forward_peak_bytes / MiB
+    assert 20 * MiB <= run.backward_peak_bytes < 24 * MiB, run.backward_peak_bytes / MiB
+    assert run.peak_bytes == max(run.forward_peak_bytes, run.backward_peak_bytes)
+
 
 def test_block_peak_keeps_an_output_the_graph_saved():
     """exp saves its result for backward: a real step holds that output through the backward too."""

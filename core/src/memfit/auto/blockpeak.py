@@ -45,6 +45,7 @@ class BlockRun:
     backward_seconds: float
     attention_peak_bytes: int = 0
     forward_peak_bytes: int = 0  # the forward half's own peak (``peak_bytes`` is the larger of the two halves)
+    backward_peak_bytes: int = 0  # the backward half's own peak
 
 
 def measure_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device, *,
@@ -120,7 +121,8 @@ def _run_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device
         marks[3].synchronize()
         times = (marks[0].elapsed_time(marks[1]) / 1e3, marks[2].elapsed_time(marks[3]) / 1e3)
     return BlockRun(max(0, forward_peak - before, backward_peak - before), *times,
-                    attention_peak_bytes=max(0, attention_peak - before), forward_peak_bytes=max(0, forward_peak - before))
+                    attention_peak_bytes=max(0, attention_peak - before), forward_peak_bytes=max(0, forward_peak - before),
+                    backward_peak_bytes=max(0, backward_peak - before))
 
 
 class _AttentionPhase:

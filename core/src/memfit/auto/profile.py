@@ -67,7 +67,10 @@ class BlockProfile:
     # CUDA: the peak of one forward+backward of this block alone (everything it saves held, gradients of
     # its outputs, inputs and trainable weights), above its inputs; measured once per kind of block
     backward_peak_bytes: int = 0
-    forward_peak_bytes: int = 0  # CUDA: the same run's forward half alone (in the profile for inspection)
+    # CUDA: the same run's forward half alone, and its backward half alone (in the profile for inspection:
+    # where a block peaks in its forward, a recompute that skips part of it never reaches that peak)
+    forward_peak_bytes: int = 0
+    backward_only_peak_bytes: int = 0
     trainable_bytes: int = 0  # its weights that train: their gradients exist from its backward on
     # CUDA: the same run's peak from its attention's backward on (the first use of a tensor its attention
     # calls saved), above its inputs: what a reload issued then meets; 0 where not measured
@@ -337,6 +340,7 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
             attention_hook_calls=rec.attention_hook_calls[b],
             backward_peak_bytes=runs[b].peak_bytes if runs[b] is not None else 0,
             forward_peak_bytes=runs[b].forward_peak_bytes if runs[b] is not None else 0,
+            backward_only_peak_bytes=runs[b].backward_peak_bytes if runs[b] is not None else 0,
             attention_backward_peak_bytes=runs[b].attention_peak_bytes if runs[b] is not None else 0,
             ffn_input_unsaved_bytes=rec.input_bytes(b, rec.ffn_inputs[b], only_scope="ffn", unsaved=True),
             attention_calls=rec.attention_calls[b],
