@@ -32,6 +32,7 @@ def test_job_commands(tmp_path):
         "--targets", "wan", "--budgets", "3", "--steps", "2", "--warmup", "1"]
     assert lease.job_command("auto=wan,steps=2,no-adjacent", tmp_path)[-5:-2] == ["--steps", "2", "--no-adjacent"]
     assert lease.job_command("auto=wan,3,no-gaps", tmp_path)[-5:-2] == ["--budgets", "3", "--no-gaps"]
+    assert lease.job_command("bench-lora,shapes=0,steps=20", tmp_path)[-4:] == ["--shapes", "0", "--steps", "20"]
     assert lease.job_command("auto=wan,0", tmp_path)[-4:-2] == ["--budgets", "0"]
     assert "--targets" not in lease.job_command("auto", tmp_path)
     assert lease.job_command("families", tmp_path)[-3:] == ["all", "--out", str(tmp_path / "families")]

@@ -10,9 +10,10 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
 ``summary.txt`` (the device tool returns at most 8 files). Jobs:
 
 - ``gpu`` / ``gpu-<adapter>``: ``nox -s gpu`` (all adapters) or one adapter's GPU half of the kit
-- ``bench-<regime>[,<regime>][,rounds=<n>][,shapes=<i>+<j>]``: the synthetic sweep in those regimes (lora,
-  frozen, full), ``n`` round-robin rounds per mode, only the shapes of those indices (``bench-lora,rounds=3``,
-  ``bench-lora,rounds=5,shapes=0``: the 1024-token shape alone)
+- ``bench-<regime>[,<regime>][,rounds=<n>][,shapes=<i>+<j>][,steps=<s>]``: the synthetic sweep in those
+  regimes (lora, frozen, full), ``n`` round-robin rounds per mode, only the shapes of those indices
+  (``bench-lora,rounds=3``, ``bench-lora,rounds=5,shapes=0``: the 1024-token shape alone), ``s`` timed steps
+  per measurement (a launch-bound 1024-token step varies by tens of percent from one step to the next)
 - ``families[=<f1>,<f2>][,rounds=<n>]``: every family (or those named) at its published size (``n`` round-robin
   rounds per mode)
 - ``fsdp2``: ``memfit_benchmarks.fsdp2 --nproc 2 --preset full``
@@ -67,9 +68,10 @@ def job_command(job: str, out: Path) -> list[str]:
     if job.startswith("gpu-"):
         return [*nox, f"gpu(adapter='{job.removeprefix('gpu-')}')"]
     if job.startswith("bench-"):
-        regimes, opts = _split_options(job.removeprefix("bench-"), "rounds", "shapes")
+        regimes, opts = _split_options(job.removeprefix("bench-"), "rounds", "shapes", "steps")
         return [*nox, "bench", "--", "--regime", ",".join(regimes), "--out", str(out / "synthetic"),
-                *_flag("--rounds", opts["rounds"]), *_flag("--shapes", (opts["shapes"] or "").replace("+", ","))]
+                *_flag("--rounds", opts["rounds"]), *_flag("--shapes", (opts["shapes"] or "").replace("+", ",")),
+                *_flag("--steps", opts["steps"])]
     if job == "families" or job.startswith("families="):
         families, opts = _split_options(job.partition("=")[2], "rounds")
         return [*nox, "bench", "--", "--suite", "families", "--family", ",".join(families) or "all", "--out",
