@@ -34,6 +34,9 @@ def test_job_commands(tmp_path):
     assert lease.job_command("auto=wan,3,no-gaps", tmp_path)[-5:-2] == ["--budgets", "3", "--no-gaps"]
     assert lease.job_command("bench-lora,shapes=0,steps=20", tmp_path)[-4:] == ["--shapes", "0", "--steps", "20"]
     assert lease.job_command("auto=wan,0", tmp_path)[-4:-2] == ["--budgets", "0"]
+    # two lanes on one target write to folders of their own
+    assert lease.job_command("auto=wan,0", tmp_path)[-1] == str(tmp_path / "auto" / "auto_wan_0")
+    assert lease.job_command("auto=wan,3,no-gaps", tmp_path)[-1] == str(tmp_path / "auto" / "auto_wan_3_no-gaps")
     assert "--targets" not in lease.job_command("auto", tmp_path)
     assert lease.job_command("families", tmp_path)[-3:] == ["all", "--out", str(tmp_path / "families")]
     with pytest.raises(SystemExit, match="unknown job 'benchh'"):

@@ -356,3 +356,15 @@ def test_blocks_that_keep_everything_count_as_regions_of_the_step(model):
         plain["bytes_offloaded"] + plain["bytes_kept_on_device"]
     assert torch.equal(marked_loss, plain_loss)
     assert all(torch.equal(marked_grads[n], g) for n, g in plain_grads.items())
+
+
+def test_the_bandwidth_probe_takes_the_fastest_of_samples_spread_in_time():
+    """Another process's copies slow a burst of samples; spread samples catch the link free, and the plan is
+    priced at its own rate (see controller's "Bandwidth probe")."""
+    from memfit.auto.controller import fastest_of_spaced
+
+    timings = iter([0.004, 0.0039, 0.0021, 0.0038, 0.0012, 0.004])  # contended, then free once
+    slept: list[float] = []
+    best = fastest_of_spaced(lambda: next(timings), samples=6, spacing_s=0.01, sleep=slept.append)
+    assert best == 0.0012
+    assert slept == [0.01] * 5  # between samples, not before the first or after the last

@@ -59,6 +59,11 @@ def _flag(flag: str, value: str | None) -> list[str]:
     return [flag, value] if value else []
 
 
+def job_slug(job: str) -> str:
+    """``"auto=wan,3,steps=2"`` → ``"auto_wan_3_steps_2"``: a job's name for files and folders."""
+    return job.replace("=", "_").replace(",", "_").replace("+", "_")
+
+
 def job_command(job: str, out: Path) -> list[str]:
     """The command line of one named job, writing its results under ``out``."""
     py = sys.executable
@@ -90,7 +95,8 @@ def job_command(job: str, out: Path) -> list[str]:
         budgets = [i for i in items if i.isdigit()]
         args = [*_flag("--targets", ",".join(targets)), *_flag("--budgets", budgets[-1] if budgets else None),
                 *(flag for key in opts for flag in _flag(f"--{key}", opts[key])), *chosen]
-        return [py, "-m", "memfit_benchmarks.auto_sweep", *args, "--out", str(out / "auto")]
+        # a folder per job: two lanes sharing one target's budgets would otherwise write the same file
+        return [py, "-m", "memfit_benchmarks.auto_sweep", *args, "--out", str(out / "auto" / job_slug(job))]
     raise SystemExit(f"unknown job {job!r} (see python -m memfit_benchmarks.lease --help)")
 
 
@@ -124,7 +130,7 @@ class Lease:
         env = dict(os.environ)
         if gpu is not None:
             env["CUDA_VISIBLE_DEVICES"] = gpu
-        log = self.out / "logs" / f"{job.replace('=', '_').replace(',', '_')}-gpu{gpu or 'all'}.log"
+        log = self.out / "logs" / f"{job_slug(job)}-gpu{gpu or 'all'}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         start = time.monotonic()
         with log.open("w") as fh:
