@@ -61,8 +61,9 @@ def measure_block_peak(block: nn.Module, args: tuple, kwargs: dict, device: torc
 
     The inputs require gradients exactly where they did in the profiling forward (so the first block, fed by
     frozen layers, computes no input gradient, and rotary tables or a frozen time embedding none anywhere),
-    every output that requires one gets a gradient of ones, allocated inside the measurement as in a real
-    backward, and the outputs themselves do not count in the backward's peak (see "Outputs").
+    every output that requires one gets a gradient of ones that autograd alone holds, as in a step's
+    backward, and the outputs are released before the backward unless the graph saved them (see "Output
+    gradients").
     """
     return _run_block(block, args, kwargs, device, attention=(), timed=False).peak_bytes
 
@@ -85,16 +86,13 @@ def _run_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device
     wrt = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
     wrt += [p for p in block.parameters() if p.requires_grad]
     call_args, call_kwargs = tree_unflatten(used, spec)
-    # storages a real step holds through the backward as well: the inputs and their copies (a block may
-    # return one unchanged) and, noted by the hook below, whatever the graph saves
-    held = {x.untyped_storage().data_ptr() for x in (*flat, *used) if isinstance(x, torch.Tensor)}
     phase = _AttentionPhase(device, attention)
     before = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
     try:
         with torch.enable_grad(), torch.random.fork_rng(devices=[device]), \
-                torch.autograd.graph.saved_tensors_hooks(lambda t: phase.pack(_note(held, t)), phase.unpack):
+                torch.autograd.graph.saved_tensors_hooks(phase.pack, phase.unpack):
             marks[0].record()
             out = block(*call_args, **call_kwargs)
             marks[1].record()
@@ -102,18 +100,18 @@ def _run_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device
             forward_peak = torch.cuda.max_memory_allocated(device)
             backward_peak = attention_peak = 0
             if outs and wrt:
-                dead = sum(s.nbytes() for s in {s.data_ptr(): s for s in (t.untyped_storage() for t in outs)
-                                                 if s.data_ptr() not in held}.values())
-                grads = [torch.ones_like(t) for t in outs]
+                root = _OutputGradients.apply(*outs)
+                del out, outs  # dead in a step's backward, unless the graph saved them (see "Output gradients")
                 torch.cuda.reset_peak_memory_stats(device)
                 marks[2].record()
-                torch.autograd.grad(outs, wrt, grads, allow_unused=True)
+                torch.autograd.grad(root, wrt, allow_unused=True)
                 marks[3].record()
                 late = torch.cuda.max_memory_allocated(device)
-                backward_peak = max(phase.peak_before or 0, late) - dead
-                attention_peak = late - dead if phase.peak_before is not None else 0
-                del grads
-            del out, outs
+                backward_peak = max(phase.peak_before or 0, late)
+                attention_peak = late if phase.peak_before is not None else 0
+                del root
+            else:
+                del out, outs
     finally:
         phase.remove()
     times = (0.0, 0.0)
@@ -123,6 +121,31 @@ def _run_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device
     return BlockRun(max(0, forward_peak - before, backward_peak - before), *times,
                     attention_peak_bytes=max(0, attention_peak - before), forward_peak_bytes=max(0, forward_peak - before),
                     backward_peak_bytes=max(0, backward_peak - before))
+
+
+# Output gradients.  In a step, a block's outputs are dead by the time its backward runs (the next block
+# consumed them and released what it kept of them), and the gradients of its outputs come out of the next
+# block's backward, owned by autograd alone: consumed, and in a residual block summed in place into the
+# gradient of the residual stream. Passed in by the caller (``grad_outputs``) they stay referenced through
+# the whole backward and cannot be summed in place, so a residual block held one more output-sized gradient
+# than in the step: the planner put the smallest peak of Flux and of the synthetic stack, whose blocks peak
+# in backward, one block output above what ``unsloth`` measures (29 and 24 MiB; Wan's blocks peak in their
+# forward half and matched). So the run drops its outputs before the backward (an output the graph saved
+# stays, as in the step) and roots the backward at a scalar whose backward creates the outputs' gradients.
+
+
+class _OutputGradients(torch.autograd.Function):
+    """A scalar root over a block's outputs; its backward gives each output a gradient of ones that only
+    autograd references (see "Output gradients"). Keeps the outputs' metadata, not the outputs."""
+
+    @staticmethod
+    def forward(ctx: Any, *outs: torch.Tensor) -> torch.Tensor:
+        ctx.meta = [(o.shape, o.dtype, o.device) for o in outs]
+        return outs[0].new_zeros(())
+
+    @staticmethod
+    def backward(ctx: Any, _: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return tuple(torch.ones(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.meta)
 
 
 class _AttentionPhase:
@@ -158,18 +181,6 @@ class _AttentionPhase:
     def remove(self) -> None:
         for h in self.handles:
             h.remove()
-
-
-# Outputs.  In a training step a block's outputs are dead by the time its backward runs: the next block
-# consumed them and released what it kept of them. Held here through the backward (autograd wants them as
-# roots) they would add their size to its peak (~27 MiB for a Flux block at 4096 tokens), so the backward's
-# peak is read on its own and their bytes taken off, unless the graph saved them (then a real step holds
-# them too).
-
-
-def _note(storages: set[int], t: torch.Tensor) -> torch.Tensor:
-    storages.add(t.untyped_storage().data_ptr())
-    return t
 
 
 def _differentiable(x: Any) -> bool:
