@@ -327,9 +327,9 @@ def test_fsdp2_models_are_refused_with_the_fix(model, monkeypatch):
 
 def test_blocks_that_keep_everything_count_as_regions_of_the_step(model):
     """In an ``auto`` plan that parks, a block that keeps everything still starts a region of the step
-    (``count_calls_as_regions``): the attention parked before a run of such blocks leaves the device two
+    (``mark_keeping_blocks``): the attention parked before a run of such blocks leaves the device two
     regions later, as the planner's peak model assumes, instead of staying there through their backward."""
-    from memfit.offload.session import count_calls_as_regions
+    from memfit.offload.session import mark_keeping_blocks
 
     batch = inputs(model)
     blocks = [block for _, _, block in ADAPTER.iter_blocks(model)]
@@ -337,7 +337,7 @@ def test_blocks_that_keep_everything_count_as_regions_of_the_step(model):
     def offload_attention(marked):
         with memfit.apply(model, {"gradient_checkpointing_offload_attention": True}, copy_engine=cpu_copy_engine(),
                           min_offload_bytes=0) as handle:
-            marks = count_calls_as_regions(handle._session, blocks[-2:]) if marked else []
+            marks = mark_keeping_blocks(handle._session, [(b, 0) for b in blocks[-2:]]) if marked else []
             loss = ADAPTER.loss(model(**batch))
             loss.backward()
             for h in marks:

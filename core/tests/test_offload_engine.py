@@ -249,25 +249,34 @@ class _ReloadLog(SyncCopyEngine):
         super().reload(parked)
 
 
-def _log_backward_reloads(monkeypatch, model, adapter, batch, loss_fn, backend):
+def _log_backward_reloads(monkeypatch, model, adapter, batch, loss_fn, backend, *, config=None):
     """Run one step; return the regions' parked bytes (forward order) and, in backward order, each region's
-    backward start (``start``) and each reload attempt of a parked tensor (``reload``/``alive``) with its region."""
-    from memfit.offload.session import OffloadStash
+    backward start (``start``) and each reload attempt of a parked tensor (``reload``/``alive``) with its region.
+    ``config`` replaces the backend's (attention offload: a region's backward starts at its first unpack)."""
+    from memfit.offload.session import AttentionOffloader, OffloadStash
 
     engine = _ReloadLog()
-    real_on_recompute = OffloadStash.on_recompute
+    real_on_recompute, real_unpack = OffloadStash.on_recompute, AttentionOffloader._unpack
 
     def on_recompute(self):  # a region's backward starts (its recompute): logged before it reloads anything
         engine.events.append(("start", self.index))
         real_on_recompute(self)
 
+    def unpack(self, handle):  # an attention call's backward starts at its first saved tensor
+        group = handle.group
+        if group is not None and not any(kind == "start" and i == group.index for kind, i in engine.events):
+            engine.events.append(("start", group.index))
+        return real_unpack(self, handle)
+
     monkeypatch.setattr(OffloadStash, "on_recompute", on_recompute)
-    with memfit.apply(model, {**ON, "gradient_checkpointing_backend": backend}, adapter=adapter, copy_engine=engine,
-                      min_offload_bytes=0) as handle:
+    monkeypatch.setattr(AttentionOffloader, "_unpack", unpack)
+    config = config if config is not None else {**ON, "gradient_checkpointing_backend": backend}
+    with memfit.apply(model, config, adapter=adapter, copy_engine=engine, min_offload_bytes=0) as handle:
         loss = loss_fn(model(**batch))
         regions = [ref() for ref in handle._session.snapshot_timeline()]
-        region_of = {id(p): i for i, region in enumerate(regions) for p in region.parked}
-        sizes = [sum(p.nbytes for p in region.parked) for region in regions]  # (backward empties the lists)
+        # (a region nothing holds any more parked nothing; backward empties the lists)
+        region_of = {id(p): i for i, region in enumerate(regions) if region is not None for p in region.parked}
+        sizes = [sum(p.nbytes for p in region.parked) if region is not None else 0 for region in regions]
         engine.events.clear()
         loss.backward()
     started = {i: n for n, (kind, i) in enumerate(engine.events) if kind == "start"}
@@ -312,6 +321,21 @@ def test_on_equal_regions_one_region_is_reloaded_ahead(monkeypatch):
             assert started[r + 1] < first[r] < started[r], f"region {r} was not reloaded exactly one region ahead"
 
 
+def test_attention_offload_reloads_every_parked_call_before_its_backward(monkeypatch):
+    """The step's last two attention calls keep theirs on the device; their backward still reloads the calls
+    before them ahead of need, so no attention call of the step waits for its own reload (it did for the
+    first parked one, right after the kept ones: on Wan a 1.4 GB copy in the open)."""
+    from toy import build, inputs
+
+    model = build(blocks=6, dim=16)
+    batch = inputs(model, tokens=8, generator=torch.Generator().manual_seed(1))
+    config = {"gradient_checkpointing": False, "gradient_checkpointing_offload_attention": True}
+    sizes, started, first = _log_backward_reloads(monkeypatch, model, TOY, batch, lambda out: out.square().mean(),
+                                                  None, config=config)
+    parked = [r for r, size in enumerate(sizes) if size]
+    assert len(parked) == len(sizes) - 2 and set(parked) <= set(first)  # (on demand fails inside the helper)
+
+
 def test_a_source_held_by_reload_ahead_is_checked_again_when_fetched():
     """Reload ahead holds a parked tensor that is still on its device instead of copying it back; if it is
     modified in place before its region needs it, the fetch returns the parked (host) copy, not the change."""
@@ -339,3 +363,34 @@ def test_an_attention_activation_edited_in_place_after_the_call_is_an_error(mode
         assert handle._session.copy.pool.stats().buffers_in_use == 0  # the failed forward gave its buffers back
     finally:
         edit.remove()
+
+
+def test_auto_blocks_that_keep_everything_reload_the_parked_block_before_them_ahead(monkeypatch):
+    """An ``auto`` plan whose last blocks keep everything: their backward has no region to start, so the
+    parked block before them was fetched only when its own backward began. Each such block's backward start
+    now reloads the parked regions before it (``mark_keeping_blocks``): none waits, gradients unchanged."""
+    flux = pytest.importorskip("memfit_flux").ADAPTER
+    from memfit.auto import BlockPolicy, controller
+    from memfit.auto.planner import Plan
+
+    def forced(profile, budget, *, allowed):  # block offload everywhere but the last two blocks
+        names = [b.name for b in profile.blocks]
+        policies = tuple((n, BlockPolicy.KEEP if i >= len(names) - 2 else BlockPolicy.BLOCK_OFFLOAD)
+                         for i, n in enumerate(names))
+        return Plan(blocks=policies, budget_bytes=budget, predicted_peak_bytes=0, predicted_extra_seconds=0.0,
+                    no_checkpoint_peak_bytes=0, smallest_peak_bytes=0, copied_bytes=1, metric="held activations")
+
+    monkeypatch.setattr(controller, "plan_policies", forced)
+    torch.manual_seed(0)
+    model = flux.presets["tiny"].build(dtype=torch.float32, device="cpu")
+    batch = flux.presets["tiny"].inputs(model, tokens=64, generator=torch.Generator().manual_seed(1))
+    flux.loss(model(**batch)).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    config = {**ON, "gradient_checkpointing_backend": "auto", "gradient_checkpointing_memory_budget": "1GiB"}
+    sizes, started, first = _log_backward_reloads(monkeypatch, model, flux, batch, flux.loss, None, config=config)
+    last_parked = max(r for r, size in enumerate(sizes) if size)
+    assert sizes[last_parked + 1:] == [0, 0]  # the two keeping blocks' regions, after it
+    assert last_parked in first  # reloaded, and not on demand (the helper checks every region's reloads)
+    assert reference.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+    assert all(torch.equal(p.grad, reference[n]) for n, p in model.named_parameters() if p.grad is not None)

@@ -38,8 +38,8 @@ from memfit.offload.session import (
     AttentionOffloader,
     OffloadSession,
     OffloadStash,
-    count_calls_as_regions,
     device_stash_after_parking,
+    mark_keeping_blocks,
 )
 from memfit.units import format_bytes
 
@@ -143,13 +143,15 @@ class AutoController:
             self.offloader.remove()
             self.offloader = None
 
-    def _put_on(self, plan: Plan | None) -> None:
+    def _put_on(self, plan: Plan | None, profile: ModelProfile | None) -> None:
         self.engine = self._new_engine(plan)
         self.engine.install(model_hooks=False)
         if plan is not None and plan.copied_bytes and self.session is not None:
-            # blocks that keep everything still count towards the deferral of the parked regions before them
-            self._region_marks = count_calls_as_regions(self.session, [
-                block for path, index, block in self.adapter.iter_blocks(self.model)
+            # blocks that keep everything are regions of the step too: for the deferral of the parked regions
+            # before them, and to reload those ahead of their backward
+            kept = {b.name: b.saved_bytes for b in profile.blocks} if profile is not None else {}
+            self._region_marks = mark_keeping_blocks(self.session, [
+                (block, kept.get(f"{path}.{index}", 0)) for path, index, block in self.adapter.iter_blocks(self.model)
                 if plan.policy(f"{path}.{index}") is BlockPolicy.KEEP])
         attention = self._attention_modules(plan) if plan is not None else []
         if attention:
@@ -176,7 +178,10 @@ class AutoController:
             if plan is None:
                 plan = self._make_plan(signature, args, kwargs)
         finally:  # a BudgetError leaves the previous plan (or none) installed, never a half-removed one
-            self._put_on(plan if plan is not None else self.plan)
+            if plan is not None:
+                self._put_on(plan, self.profiles.get(signature))
+            else:
+                self._put_on(self.plan, self.profiles.get(self._signature) if self._signature else None)
         self._signature, self.plan = signature, plan
         self.replans += 1
 

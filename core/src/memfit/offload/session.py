@@ -9,9 +9,12 @@ region of a step:
   tables, text context, one input saved as a new view by each of several ops) is parked
   once and shared; tensors below ``min_offload_bytes``, parameters and tensors not on the
   compute device stay where they are (copying them frees nothing worth a copy);
-* a **timeline** of the step's parking regions in forward order. Backward visits them in
-  reverse, so when region *i* is first needed, region *i-1* is reloaded ahead (its copy
-  overlaps region *i*'s recompute/backward), and *i-2* too when *i-1* is the smaller one;
+* a **timeline** of the step's regions in forward order. Backward visits them in reverse, so
+  when region *i* is first needed, region *i-1* is reloaded ahead (its copy overlaps region
+  *i*'s recompute/backward), and *i-2* too when *i-1* is the smaller one. Every region
+  triggers this as its backward starts, also one that keeps its tensors on the device (the
+  step's last two, ``auto``'s blocks that keep everything): otherwise the first parked region
+  after them in backward would be reloaded only when needed, in the open;
 * a **deferral** of every region's parking until two later regions have started: the step's
   last two regions never park (at the backward peak they are on the device anyway).
 
@@ -33,6 +36,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from memfit.distributed import is_fsdp_module
 from memfit.engine import state
@@ -318,17 +322,37 @@ def device_stash_after_parking(session: OffloadSession) -> Callable[[], DeviceSt
     return make
 
 
-def count_calls_as_regions(session: OffloadSession, modules: list[nn.Module]) -> list[Any]:
-    """Forward pre-hooks (returned, for removal) that make each call of ``modules`` a region of the step.
+def mark_keeping_blocks(session: OffloadSession, blocks: list[tuple[nn.Module, int]]) -> list[Any]:
+    """Hooks (returned, for removal) that make each call of these blocks a :class:`_KeepingRegion` of the step.
 
-    For ``auto``'s blocks that keep everything in a plan that also parks: without a region of their own, the
-    parked regions before a run of them would stay deferred (on the device) through it, and those blocks'
-    backward peaks would carry two parked regions' tensors instead of the one reloaded ahead.
+    For ``auto``'s blocks that keep everything in a plan that also parks; ``blocks`` pairs each with the bytes it
+    keeps (its profile's). Without a region of their own, the parked regions before a run of them would stay
+    deferred (on the device) through it, and those blocks' backward peaks would carry two parked regions'
+    tensors instead of the one reloaded ahead; without a backward start of their own, the first parked region
+    after them in backward would be reloaded only when needed, in the open.
     """
+    calls: dict[int, list[_KeepingRegion]] = {}
+
     def started(module: nn.Module, args: tuple) -> None:
         if state.regions_may_open():
-            session.region_started()
-    return [m.register_forward_pre_hook(eager_hook(started)) for m in modules]
+            calls.setdefault(id(module), []).append(_KeepingRegion(session, kept[id(module)]))
+
+    def returned(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        pending = calls.get(id(module))
+        if not pending:
+            return
+        region = pending.pop()
+        inputs = {id(a) for a in tree_flatten((args, kwargs))[0]}  # an input passed through is not its output
+        for out in tree_flatten(output)[0]:
+            if isinstance(out, torch.Tensor) and out.requires_grad and id(out) not in inputs:
+                out.register_hook(region.backward_reached)
+
+    kept = {id(block): nbytes for block, nbytes in blocks}
+    handles = []
+    for block, _ in blocks:
+        handles.append(block.register_forward_pre_hook(eager_hook(started)))
+        handles.append(block.register_forward_hook(eager_hook(returned), with_kwargs=True, always_call=True))
+    return handles
 
 
 def _storage_ptrs(tensors: Any) -> set[int]:
@@ -413,6 +437,22 @@ class OffloadStash(_ParkingRegion):
         parked, self.parked = self.parked, []
         for p in parked:
             self.session.unpark(p)
+
+
+class _KeepingRegion(_ParkingRegion):
+    """A call of a block that keeps everything on the device, in a plan that also parks (``auto``): it parks
+    nothing, its kept bytes stand for its backward's compute in the reload-ahead rule, and when its backward
+    starts (the gradient of its output arrives) it reloads the parked regions before it ahead of need."""
+
+    def __init__(self, session: OffloadSession, kept_bytes: int) -> None:
+        super().__init__(session)
+        self.kept_bytes = kept_bytes
+        self.reached = False
+
+    def backward_reached(self, grad: torch.Tensor) -> None:
+        if not self.reached:
+            self.reached = True
+            self.session.needed(self.index, self.timeline)
 
 
 class _SavedGroup(_ParkingRegion):
@@ -518,13 +558,14 @@ class AttentionOffloader:
         return handle
 
     def _unpack(self, handle: _SavedHandle) -> torch.Tensor:
-        if handle.parked is None:  # kept on the device (or backward ran inside the forward call)
-            assert handle.device_tensor is not None
-            return handle.device_tensor
         group = handle.group
-        assert group is not None
-        if not group.started:
+        # its backward starts (parked, or kept as one of the step's last two calls: that one too reloads the
+        # calls before it ahead of need; not while still pending, when a backward runs inside the forward)
+        if group is not None and not group.started and (handle.parked is not None or group.kept_bytes):
             group.started = True
             group.prefetch()
             self.session.needed(group.index, group.timeline)
+        if handle.parked is None:  # kept on the device (or backward ran inside the forward call)
+            assert handle.device_tensor is not None
+            return handle.device_tensor
         return self.session.copy.fetch(handle.parked)
