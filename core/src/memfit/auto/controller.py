@@ -181,7 +181,7 @@ class AutoController:
             if plan is not None:
                 self._put_on(plan, self.profiles.get(signature))
             else:
-                self._put_on(self.plan, self.profiles.get(self._signature) if self._signature is not None else None)
+                self._put_on(self.plan, self.profiles.get(self._signature))  # (None before any plan)
         self._signature, self.plan = signature, plan
         self.replans += 1
 
