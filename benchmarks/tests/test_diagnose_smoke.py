@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import pytest
 
 pytest.importorskip("peft")
@@ -28,3 +30,16 @@ def test_diagnose_refuses_tokens_for_a_synthetic_target(tmp_path):
 
     with pytest.raises(SystemExit):
         diagnose.main(["--family", "synthetic-1024", "--tokens", "2048", "--out", str(tmp_path)])
+
+
+def test_diagnose_runs_auto_at_a_budget(tmp_path):
+    """``auto@<budget>`` is the auto backend at that budget, its plan's counts in the report (on CPU the budget
+    counts held activation bytes: 96 KiB is well below the tiny model's, so blocks are recomputed)."""
+    from memfit_benchmarks import diagnose
+
+    diagnose.main(["--family", "flux", "--preset", "tiny", "--device", "cpu", "--modes", "torch,auto@96KiB",
+                   "--steps", "1", "--warmup", "1", "--out", str(tmp_path)])
+    md = (tmp_path / "diagnose-flux.md").read_text()
+    assert "| auto@96KiB |" in md and "## auto@96KiB" in md
+    counts = json.loads(md.split("## auto@96KiB")[1].split("plan: `")[1].split("`")[0])
+    assert sum(counts.values()) == 7 and set(counts) - {"keep"}, counts  # every block planned, not all kept

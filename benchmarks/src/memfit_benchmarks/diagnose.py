@@ -9,7 +9,9 @@ Per mode: median over timed steps of the GPU step time (CUDA events) and of the 
 reaches the GPU time, the step is bound by Python/launch overhead, not by kernels or copies. Then one step
 under ``torch.profiler``: the ops with the most self CPU time go to ``diagnose-<family>.md`` with one more
 step's Python profile (cProfile), and a Chrome trace per offload mode to ``trace-<family>-<mode>.json.gz``. Variants (``unsloth[no-timing]`` …) rerun a
-mode with one engine knob changed, to test a hypothesis side by side.
+mode with one engine knob changed, to test a hypothesis side by side; ``auto@<budget>`` (``auto@103.8GiB``)
+is the ``auto`` backend at that budget, traced too, its plan's counts in the report (a plan against the fixed
+mode it should beat, profiled side by side).
 """
 
 from __future__ import annotations
@@ -32,9 +34,10 @@ import memfit
 from memfit.config import MemfitConfig
 from memfit.offload.copy import CopyEngine
 from memfit.offload.pool import PinnedBucketPool
-from memfit_benchmarks.auto_sweep import SYNTHETIC_TARGETS, build_target
+from memfit.units import parse_bytes
+from memfit_benchmarks.auto_sweep import SYNTHETIC_TARGETS, auto_config, build_target
 from memfit_benchmarks.families import build_lora_model
-from memfit_benchmarks.runner import MODES, is_offload
+from memfit_benchmarks.runner import MODES, Mode, is_offload
 
 VARIANTS = {
     # name: (mode name, apply() keyword arguments built from the parsed config)
@@ -108,13 +111,15 @@ def measure(model, batch, loss_fn, config, apply_kwargs, *, adapter, cuda: bool,
                 gpu.append(start.elapsed_time(end) if start is not None else (t3 - t0) * 1e3)
         host_profile = _host_profile(lambda: loss_fn(model(**batch)).backward(), model, cuda)
         stats = handle.stats() if handle is not None else {}
+        plan = getattr(handle, "plan", None)
     finally:
         model.zero_grad(set_to_none=True)
         if handle is not None:
             handle.remove()
     return {"host_forward_ms": statistics.median(fwd), "host_backward_ms": statistics.median(bwd),
             "step_ms": statistics.median(gpu), "profile_table": table, "host_profile": host_profile,
-            "stats": {k: v for k, v in stats.items() if isinstance(v, int | float)}}
+            "stats": {k: v for k, v in stats.items() if isinstance(v, int | float)},
+            "plan": plan.counts() if plan is not None else None}
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -151,19 +156,22 @@ def main(argv: list[str] | None = None) -> None:
              "|---|---|---|---|"]
     for name in [m.strip() for m in args.modes.split(",")]:
         base, make_kwargs = VARIANTS.get(name, (name, lambda cfg: {}))
-        mode = modes[base]
+        mode = Mode(name, auto_config(parse_bytes(base.removeprefix("auto@")))) if base.startswith("auto@") \
+            else modes[base]
         if is_offload(mode) and not cuda:
             continue
         kwargs = make_kwargs(MemfitConfig.from_dict(mode.config)) if mode.config else {}
-        slug = name.replace(" ", "_").replace("[", "-").replace("]", "")
-        trace = args.out / f"trace-{args.family}-{slug}.json.gz" if name in {"unsloth", "offload_attention"} else None
+        slug = name.replace(" ", "_").replace("[", "-").replace("]", "").replace("@", "-")
+        traced = name in {"unsloth", "offload_attention"} or base.startswith("auto@")
+        trace = args.out / f"trace-{args.family}-{slug}.json.gz" if traced else None
         r = measure(model, batch, adapter.loss, mode.config, kwargs, adapter=adapter, cuda=cuda, steps=args.steps,
                     warmup=args.warmup, trace=trace)
         results[name] = r
         lines.append(f"| {name} | {r['step_ms']:.1f} | {r['host_forward_ms']:.1f} | {r['host_backward_ms']:.1f} |")
         print(lines[-1], flush=True)
     for name, r in results.items():
-        lines += ["", f"## {name}", "", f"stats: `{json.dumps(r['stats'])}`", "", "```", r["profile_table"], "```",
+        plan = [f"plan: `{json.dumps(r['plan'])}`", ""] if r["plan"] is not None else []
+        lines += ["", f"## {name}", "", *plan, f"stats: `{json.dumps(r['stats'])}`", "", "```", r["profile_table"], "```",
                   "", "Host (cProfile, one step):", "", "```", r["host_profile"], "```"]
     (args.out / f"diagnose-{args.family}.md").write_text("\n".join(lines) + "\n")
 

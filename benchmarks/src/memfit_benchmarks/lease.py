@@ -24,7 +24,9 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
   steps per row, ``no-adjacent``: compare with the fixed modes' first measurement (a 14B Wan step takes ~5 s:
   ``auto=wan,3,steps=2,warmup=1,no-adjacent`` fits one lane); a family target's fixed rows are also written as
   that family's results
-- ``diagnose[=<family>]``: host vs GPU time and a profile per mode (``memfit_benchmarks.diagnose``)
+- ``diagnose[=<family>][,modes=<m1>+<m2>][,steps=<s>][,warmup=<w>]``: host vs GPU time and a profile per mode
+  (``memfit_benchmarks.diagnose``), e.g. ``diagnose=wan,modes=offload_attention+auto@103.8GiB,steps=2,warmup=1``
+  (mode names with spaces cannot be given here)
 """
 
 from __future__ import annotations
@@ -84,8 +86,10 @@ def job_command(job: str, out: Path) -> list[str]:
     if job == "fsdp2":
         return [py, "-m", "memfit_benchmarks.fsdp2", "--nproc", "2", "--preset", "full", "--out", str(out / "fsdp2")]
     if job == "diagnose" or job.startswith("diagnose="):
-        family = job.partition("=")[2] or "flux"
-        return [py, "-m", "memfit_benchmarks.diagnose", "--family", family, "--out", str(out / "diagnose")]
+        items, opts = _split_options(job.partition("=")[2], "modes", "steps", "warmup")
+        return [py, "-m", "memfit_benchmarks.diagnose", "--family", items[0] if items else "flux",
+                *_flag("--modes", (opts["modes"] or "").replace("+", ",")), *_flag("--steps", opts["steps"]),
+                *_flag("--warmup", opts["warmup"]), "--out", str(out / "diagnose" / job_slug(job))]
     if job == "auto" or job.startswith("auto="):
         items, opts = _split_options(job.partition("=")[2], "pairs", "steps", "warmup")
         flags = {"no-adjacent": "--no-adjacent", "no-gaps": "--no-gaps"}
