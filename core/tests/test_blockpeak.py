@@ -47,3 +47,27 @@ def test_the_root_does_not_keep_the_outputs_alive():
     assert alive() is None
     (grad_x,) = torch.autograd.grad(root, [x])
     assert grad_x.shape == x.shape
+
+
+def test_a_residual_blocks_input_gradient_is_summed_into_the_output_gradient_in_place():
+    """The mechanism behind "Output gradients": the gradient of x in x + FFN(x) is the output's gradient plus
+    the FFN's share. Held by autograd alone (as in a step, and from this root) the sum goes into the output
+    gradient's own storage; passed in by the caller it cannot, and takes a new tensor of the output's size."""
+
+    def summed_in_place(backward) -> bool:
+        block = _residual_block()
+        x = torch.randn(3, 8, requires_grad=True)
+        seen = {}
+        out, _ = block(x, torch.randn(2, 8))
+        out.register_hook(lambda g: seen.update(out_grad=g.data_ptr()))
+        grad_x = backward(out, x)
+        return seen["out_grad"] == grad_x.data_ptr()
+
+    def from_the_root(out, x):
+        root = _OutputGradients.apply(out)
+        del out
+        return torch.autograd.grad(root, [x])[0]
+
+    assert summed_in_place(lambda out, x: torch.autograd.grad((out * 1.0).sum(), [x])[0])  # a step
+    assert summed_in_place(from_the_root)
+    assert not summed_in_place(lambda out, x: torch.autograd.grad(out, [x], torch.ones_like(out))[0])
