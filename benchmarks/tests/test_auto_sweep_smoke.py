@@ -48,7 +48,7 @@ def _check_output(path, tmp_path, budgets=2):
     md = (tmp_path / f"{path.stem}.md").read_text()
     assert "| budget MiB |" in md and md.count("PASS") + md.count("FAIL") == 4
     table = md.split("## auto at each budget")[1].split("\n\n")[1].splitlines()
-    assert "allocator retries" in table[0]
+    assert "allocator retries" in table[0] and "planned at GB/s" in table[0]
     assert {line.count("|") for line in table} == {table[0].count("|")}  # every row has the header's cells
     assert (tmp_path / f"{path.stem}.png").stat().st_size > 1000
     return data

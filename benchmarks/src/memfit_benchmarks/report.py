@@ -247,8 +247,8 @@ def auto_table(payload: dict[str, Any]) -> list[str]:
 
     lines = [f"| budget {unit} | fastest fixed mode that fits | its step s | auto step s | speedup | auto {mem} {unit} "
              f"| within budget | plan counts | predicted peak {unit} | warm-up peak {unit} | predicted extra ms "
-             "| exposed copy ms | allocator retries |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| exposed copy ms | allocator retries | planned at GB/s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     gaps = set(payload.get("gap_budgets") or ())
     for r in payload.get("auto_rows", []):
         fixed = r.get("best_fixed") or {}
@@ -258,10 +258,10 @@ def auto_table(payload: dict[str, Any]) -> list[str]:
             step = f"{fixed['step_s_adjacent']:.4f} ({step})"
         head = f"| {b(r['budget_bytes'])}{floor} | {fixed.get('mode', '-')} | {step} "
         if r.get("unreachable"):
-            lines.append(head + f"| unreachable (smallest {b(r.get('smallest_peak_bytes'))}) | | | | | | | | | |")
+            lines.append(head + f"| unreachable (smallest {b(r.get('smallest_peak_bytes'))}) | | | | | | | | | | |")
             continue
         if r.get("oom"):
-            lines.append(head + f"| {_oom(r)} | | | | | | | | | |")
+            lines.append(head + f"| {_oom(r)} | | | | | | | | | | |")
             continue
         plan = r.get("plan") or {}
         extra = plan.get("predicted_extra_seconds")
@@ -270,7 +270,8 @@ def auto_table(payload: dict[str, Any]) -> list[str]:
                      f"{'yes' if r.get('within_budget') else 'NO'} | {counts} | "
                      f"{b(plan.get('predicted_peak_bytes'))} | {b(r.get('peak_allocated_warmup'))} | "
                      f"{'-' if extra is None else f'{extra * 1e3:.1f}'} | "
-                     f"{_fmt(r, 'exposed_copy_ms_per_step', 1, 1)} | {r.get('alloc_retries_in_timed_steps', '-')} |")
+                     f"{_fmt(r, 'exposed_copy_ms_per_step', 1, 1)} | {r.get('alloc_retries_in_timed_steps', '-')} | "
+                     f"{_fmt(r.get('profile') or {}, 'copy_bytes_per_second', 1e9, 1)} |")  # the probe's rate
     return lines
 
 
