@@ -278,9 +278,10 @@ class AutoController:
 # Bandwidth probe.  The copy bandwidth prices every offload, and plans turn on it: Wan at a 103.8 GiB budget
 # is planned as attention offload on 37 blocks at 53 GB/s, as FFN recompute with FFN-input offload at 45 (the
 # same profile replanned). Profiled while the host's other GPU ran its own offload sweep, the planner took
-# the second branch, measured 7% slower than plain attention offload. Three back-to-back 64 MiB copies
-# (~4 ms) fit inside one burst of another process's copies; samples spread over ~0.1 s catch the link
-# between bursts, and the fastest is the link's own rate.
+# the second branch, measured 7% slower than plain attention offload (the rate it read was not kept: a
+# probe caught in the other GPU's copies is the likely cause). Three back-to-back 64 MiB copies (~4 ms) fit
+# inside one burst of another process's copies; samples spread over ~0.1 s catch the link between bursts,
+# and the fastest is the link's own rate.
 PROBE_SAMPLES = 8
 PROBE_SPACING_S = 0.012
 
