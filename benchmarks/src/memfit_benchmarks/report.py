@@ -245,10 +245,14 @@ def auto_table(payload: dict[str, Any]) -> list[str]:
     def b(value: Any) -> str:
         return "-" if value is None else f"{value / scale:.3f}"
 
-    lines = [f"| budget {unit} | fastest fixed mode that fits | its step s | auto step s | speedup | auto {mem} {unit} "
-             f"| within budget | plan counts | predicted peak {unit} | warm-up peak {unit} | predicted extra ms "
-             "| exposed copy ms | allocator retries | planned at GB/s |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    columns = [f"budget {unit}", "fastest fixed mode that fits", "its step s", "auto step s", "speedup",
+               f"auto {mem} {unit}", "within budget", "plan counts", f"predicted peak {unit}", f"warm-up peak {unit}",
+               "predicted extra ms", "exposed copy ms", "allocator retries", "planned at GB/s"]
+    lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
+
+    def short(head: str, cell: str) -> str:  # a row with one cell after the head's three, the rest empty
+        return head + f"| {cell} |" + " |" * (len(columns) - 4)
+
     gaps = set(payload.get("gap_budgets") or ())
     for r in payload.get("auto_rows", []):
         fixed = r.get("best_fixed") or {}
@@ -258,10 +262,10 @@ def auto_table(payload: dict[str, Any]) -> list[str]:
             step = f"{fixed['step_s_adjacent']:.4f} ({step})"
         head = f"| {b(r['budget_bytes'])}{floor} | {fixed.get('mode', '-')} | {step} "
         if r.get("unreachable"):
-            lines.append(head + f"| unreachable (smallest {b(r.get('smallest_peak_bytes'))}) | | | | | | | | | | |")
+            lines.append(short(head, f"unreachable (smallest {b(r.get('smallest_peak_bytes'))})"))
             continue
         if r.get("oom"):
-            lines.append(head + f"| {_oom(r)} | | | | | | | | | | |")
+            lines.append(short(head, _oom(r)))
             continue
         plan = r.get("plan") or {}
         extra = plan.get("predicted_extra_seconds")
