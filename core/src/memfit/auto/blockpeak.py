@@ -99,9 +99,9 @@ def _run_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             forward_peak = torch.cuda.max_memory_allocated(device)
             backward_peak = attention_peak = 0
-            if outs and wrt:
-                root = _OutputGradients.apply(*outs)
-                del out, outs  # dead in a step's backward, unless the graph saved them (see "Output gradients")
+            root = _OutputGradients.apply(*outs) if outs and wrt else None
+            del out, outs  # dead in a step's backward, unless the graph saved them (see "Output gradients")
+            if root is not None:
                 torch.cuda.reset_peak_memory_stats(device)
                 marks[2].record()
                 torch.autograd.grad(root, wrt, allow_unused=True)
@@ -110,8 +110,6 @@ def _run_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device
                 backward_peak = max(phase.peak_before or 0, late)
                 attention_peak = late if phase.peak_before is not None else 0
                 del root
-            else:
-                del out, outs
     finally:
         phase.remove()
     times = (0.0, 0.0)
