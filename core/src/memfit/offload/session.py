@@ -386,6 +386,11 @@ class _ParkingRegion:
     def prefetch(self) -> None:
         self.session.copy.reload_many(self.parked)
 
+    def backward_starts(self) -> None:
+        """Its backward begins: bring back what it parked, and reload the regions backward visits next."""
+        self.prefetch()
+        self.session.needed(self.index, self.timeline)
+
 
 class OffloadStash(_ParkingRegion):
     """A frame's stash for the ``unsloth`` backends: entries are parked in host memory.
@@ -430,8 +435,7 @@ class OffloadStash(_ParkingRegion):
         return source._version if source is not None else value.version
 
     def on_recompute(self) -> None:
-        self.prefetch()
-        self.session.needed(self.index, self.timeline)
+        self.backward_starts()
 
     def release_all(self) -> None:
         parked, self.parked = self.parked, []
@@ -447,12 +451,13 @@ class _KeepingRegion(_ParkingRegion):
     def __init__(self, session: OffloadSession, kept_bytes: int) -> None:
         super().__init__(session)
         self.kept_bytes = kept_bytes
-        self.reached = False
+        self.started = False
 
     def backward_reached(self, grad: torch.Tensor) -> None:
-        if not self.reached:
-            self.reached = True
-            self.session.needed(self.index, self.timeline)
+        """Hook on its outputs' gradients: the first one to arrive starts its backward."""
+        if not self.started:
+            self.started = True
+            self.backward_starts()
 
 
 class _SavedGroup(_ParkingRegion):
@@ -563,8 +568,7 @@ class AttentionOffloader:
         # calls before it ahead of need; not while still pending, when a backward runs inside the forward)
         if group is not None and not group.started and (handle.parked is not None or group.kept_bytes):
             group.started = True
-            group.prefetch()
-            self.session.needed(group.index, group.timeline)
+            group.backward_starts()
         if handle.parked is None:  # kept on the device (or backward ran inside the forward call)
             assert handle.device_tensor is not None
             return handle.device_tensor
