@@ -43,3 +43,14 @@ def test_diagnose_runs_auto_at_a_budget(tmp_path):
     assert "| auto@96KiB |" in md and "## auto@96KiB" in md
     counts = json.loads(md.split("## auto@96KiB")[1].split("plan: `")[1].split("`")[0])
     assert sum(counts.values()) == 7 and set(counts) - {"keep"}, counts  # every block planned, not all kept
+
+
+@pytest.mark.parametrize("mode, says", [("auto@lots", "not a size"), ("unslot", "unknown mode 'unslot'")])
+def test_diagnose_refuses_a_bad_mode_before_building_anything(tmp_path, capsys, mode, says):
+    from memfit_benchmarks import diagnose
+
+    with pytest.raises(SystemExit):
+        diagnose.main(["--family", "flux", "--preset", "tiny", "--device", "cpu", "--modes", f"torch,{mode}",
+                       "--out", str(tmp_path)])
+    assert says in capsys.readouterr().err
+    assert not any(tmp_path.iterdir())  # stopped before any output

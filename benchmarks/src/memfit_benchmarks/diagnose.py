@@ -122,6 +122,26 @@ def measure(model, batch, loss_fn, config, apply_kwargs, *, adapter, cuda: bool,
             "plan": plan.counts() if plan is not None else None}
 
 
+def _resolve_modes(names: list[str], parser: argparse.ArgumentParser) -> list[tuple[str, str, Mode, Any]]:
+    """(name, base mode name, mode, apply() kwargs maker) per requested mode; a typo stops here."""
+    modes = {m.name: m for m in MODES}
+    out = []
+    for name in names:
+        base, make_kwargs = VARIANTS.get(name, (name, lambda cfg: {}))
+        if base.startswith("auto@"):
+            try:
+                mode = Mode(name, auto_config(parse_bytes(base.removeprefix("auto@"))))
+            except ValueError:
+                parser.error(f"mode {name!r}: the budget after 'auto@' is not a size; write e.g. auto@103.8GiB")
+        elif base in modes:
+            mode = modes[base]
+        else:
+            parser.error(f"unknown mode {name!r}: one of {sorted(modes)}, a variant {sorted(VARIANTS)}, "
+                         f"or auto@<budget>")
+        out.append((name, base, mode, make_kwargs))
+    return out
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--family", default="flux")
@@ -137,6 +157,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.family in SYNTHETIC_TARGETS and args.tokens is not None:
         parser.error(f"--tokens does not apply to {args.family!r}: a synthetic target names its shape; pick another "
                      f"({', '.join(SYNTHETIC_TARGETS)})")
+    chosen = _resolve_modes([m.strip() for m in args.modes.split(",")], parser)  # before a model is built
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if cuda:
@@ -148,16 +169,12 @@ def main(argv: list[str] | None = None) -> None:
         adapter = memfit.available_adapters()[args.family]
         model, batch, _ = build_lora_model(adapter, args.preset, dtype=dtype, device=device, rank=16,
                                            tokens=args.tokens or adapter.presets[args.preset].default_tokens)
-    modes = {m.name: m for m in MODES}
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
     lines = [f"# diagnose {args.family} ({args.preset}) on {torch.cuda.get_device_name() if cuda else 'cpu'}, "
              f"torch {torch.__version__}\n", "| mode | step ms | host forward ms | host backward ms |",
              "|---|---|---|---|"]
-    for name in [m.strip() for m in args.modes.split(",")]:
-        base, make_kwargs = VARIANTS.get(name, (name, lambda cfg: {}))
-        mode = Mode(name, auto_config(parse_bytes(base.removeprefix("auto@")))) if base.startswith("auto@") \
-            else modes[base]
+    for name, base, mode, make_kwargs in chosen:
         if is_offload(mode) and not cuda:
             continue
         kwargs = make_kwargs(MemfitConfig.from_dict(mode.config)) if mode.config else {}
