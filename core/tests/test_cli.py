@@ -47,6 +47,11 @@ def test_unknown_family_is_a_clear_error(capsys):
     assert "no memfit adapter for family 'nope'" in capsys.readouterr().out
 
 
+def test_a_budget_that_is_not_a_size_is_a_clear_error(capsys):
+    assert main(["fit", "--tokens", "16", "--budget", "24XB", "--steps", "1"]) == 2
+    assert "--budget '24XB' is not a size" in capsys.readouterr().out
+
+
 def test_list_shows_flux(capsys):
     assert main(["list"]) == 0
     assert "flux" in capsys.readouterr().out

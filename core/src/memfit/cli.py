@@ -80,7 +80,11 @@ def _cmd_fit(args: argparse.Namespace) -> int:
         raise MemfitError("--device cuda was asked for but CUDA is not available; use --device cpu")
     dtype = getattr(torch, args.dtype) if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
     preset = adapter.presets[args.preset]
-    budget = parse_bytes(args.budget) if args.budget else None
+    try:
+        budget = parse_bytes(args.budget) if args.budget else None
+    except ValueError:
+        raise MemfitError(f"--budget {args.budget!r} is not a size; write e.g. 24GiB, 512MiB or a number of "
+                          f"bytes") from None
     if budget is None and device.type == "cuda":
         budget = torch.cuda.mem_get_info(device)[0]
 
