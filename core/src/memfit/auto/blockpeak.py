@@ -123,13 +123,12 @@ def _run_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device
 
 # Output gradients.  In a step, a block's outputs are dead by the time its backward runs (the next block
 # consumed them and released what it kept of them), and the gradients of its outputs come out of the next
-# block's backward, owned by autograd alone: consumed, and in a residual block summed in place into the
-# gradient of the residual stream. Passed in by the caller (``grad_outputs``) they stay referenced through
-# the whole backward and cannot be summed in place, so a residual block held one more output-sized gradient
-# than in the step: the planner put the smallest peak of Flux and of the synthetic stack, whose blocks peak
-# in backward, one block output above what ``unsloth`` measures (29 and 24 MiB; Wan's blocks peak in their
-# forward half and matched). So the run drops its outputs before the backward (an output the graph saved
-# stays, as in the step) and roots the backward at a scalar whose backward creates the outputs' gradients.
+# block's backward, owned by autograd alone. So the run drops its outputs before the backward (an output the
+# graph saved stays, as in the step) and roots the backward at a scalar whose backward creates the outputs'
+# gradients; on a residual block its backward peak is a real step's (H200, GPU test). Gradients passed in by
+# the caller (``grad_outputs``) cannot be summed in place into the residual stream's gradient (CPU test), but
+# on the H200 that did not raise the peak either (5b7bd5f): it was not why the planner's smallest peak of Flux
+# and of the synthetic stack is one block output above what ``unsloth`` measures (26 and 24 MiB).
 
 
 class _OutputGradients(torch.autograd.Function):

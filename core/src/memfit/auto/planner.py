@@ -8,9 +8,13 @@ its activations back (kept, recomputed or reloaded). So block *b* under a plan n
 
     static + outside + Σ_{j<b} kept(j) + own(b) + grads after b + reloaded ahead
 
-where ``own(b)`` is the peak of one forward+backward of the block alone, measured in the profile with
-everything it saves held (so it carries the backward's gradient buffers and the attention kernel's own
-temporaries), plus its inputs, adjusted by what the policy keeps or brings back beyond what the block saves.
+where ``outside`` is what is saved before the blocks or shared between them, ``kept(j)`` includes what the
+layers between block *j* and the next one save (a final projection saving the last block's output is freed
+before any block's backward runs: counting it throughout put the smallest peaks of Flux and the synthetic
+stack one block output above ``unsloth``'s measured one), and ``own(b)`` is the peak of one
+forward+backward of the block alone, measured in the profile with everything it saves held (so it carries
+the backward's gradient buffers and the attention kernel's own temporaries), plus its inputs, adjusted by
+what the policy keeps or brings back beyond what the block saves.
 ``grads after b``: the trainable weights of the blocks after it (and outside every block) have their
 gradients by then. ``reloaded ahead``: what the copy engine brings back for the blocks backward visits
 next, by its own rule (the next block that copies, a second when the first is the smaller); a block whose
@@ -72,7 +76,7 @@ class Choice:
     """What one policy does to one block."""
 
     policy: BlockPolicy
-    kept: int  # bytes held between forward and backward
+    kept: int  # bytes held between forward and backward (with what is saved between it and the next block)
     seconds: float  # extra step time
     copied: int  # bytes sent to host memory per step
     own: int = 0  # the block's own peak while its backward runs, above what the blocks before it keep (CUDA)
@@ -125,7 +129,7 @@ def block_choices(block: BlockProfile, profile: ModelProfile, allowed: tuple[Blo
                 # its only parked regions are its attention calls: backward reaches them, and reloads the
                 # blocks before, once the FFN's backward is over (memfit.auto.blockpeak, "Attention phase")
                 own_late = block.attention_backward_peak_bytes + extra
-        out.append(Choice(policy, max(kept, 0), seconds, copied, own, own_late))
+        out.append(Choice(policy, max(kept, 0) + block.saved_after_bytes, seconds, copied, own, own_late))
     return out
 
 

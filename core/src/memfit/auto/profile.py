@@ -79,6 +79,10 @@ class BlockProfile:
     # region keeps them through its recompute, where the isolated run had freed them
     ffn_input_unsaved_bytes: int = 0
     attention_calls: int = 0  # calls of its declared attention modules (one region each under attention offload)
+    # saved outside every block after this block's call and before the next block's (a final norm or
+    # projection saving the last block's output, a concatenation between two stacks): held from the forward
+    # until backward reaches those layers, so under the backward of the blocks after this one only
+    saved_after_bytes: int = 0
 
     @property
     def name(self) -> str:
@@ -92,7 +96,7 @@ class ModelProfile:
     blocks: tuple[BlockProfile, ...]
     device: str
     static_bytes: int  # allocated before the forward (CUDA; 0 elsewhere)
-    outside_bytes: int  # saved outside the blocks, or shared between blocks: held under every plan
+    outside_bytes: int  # saved before the blocks, or shared between blocks: held under every plan
     workspace_bytes: int  # the forward's working memory outside the blocks, on top of what is held (CUDA)
     flops_per_second: float
     copy_bytes_per_second: float | None  # None: no copy engine, offload policies are not offered
@@ -148,6 +152,7 @@ class _Storage:
     nbytes: int
     block: int | None  # first block that saved it (None: outside every block; UNSAVED: nobody yet)
     ref: weakref.ref  # to the storage object
+    after: int = -1  # saved outside every block: the last block that had returned then (-1: none yet)
     blocks: set[int | None] = field(default_factory=set)  # every block (None: outside) that saved it
     received: set[int] = field(default_factory=set)  # blocks that took it as an input
     scopes: set[str] = field(default_factory=set)  # "ffn", "attention", "other" within its block
@@ -173,6 +178,7 @@ class _Recorder:
         self.storages: list[_Storage] = []
         self.live: dict[tuple[str, int], int] = {}
         self.block: int | None = None
+        self.last_returned = -1  # the last block whose call has returned
         self.scope: list[str] = []
         self.block_inputs: list[list[int]] = [[] for _ in range(n_blocks)]
         self.ffn_inputs: list[list[int]] = [[] for _ in range(n_blocks)]
@@ -200,9 +206,10 @@ class _Recorder:
         i = self.live.get(key)
         if i is not None and self.storages[i].ref() is not None:
             if saved and self.storages[i].block == UNSAVED:
-                self.storages[i].block = self.block
+                self.storages[i].block, self.storages[i].after = self.block, self.last_returned
             return i
-        self.storages.append(_Storage(storage.nbytes(), self.block if saved else UNSAVED, weakref.ref(storage)))
+        self.storages.append(_Storage(storage.nbytes(), self.block if saved else UNSAVED, weakref.ref(storage),
+                                      after=self.last_returned))
         self.live[key] = len(self.storages) - 1
         return self.live[key]
 
@@ -261,12 +268,19 @@ class _Recorder:
     def leave_block(self, b: int) -> None:
         self.block_flops[b] += self.flops_now() - self._mark.pop()
         self.block = None
+        self.last_returned = b
 
     def shared(self, i: int) -> bool:
         """Saved by more than one block (or also outside them), or an input of several: no single block's
         plan frees it."""
         s = self.storages[i]
         return len(s.blocks) > 1 or len(s.received) > 1
+
+    def saved_after(self, b: int) -> int:
+        """Bytes saved outside every block between block ``b``'s call and the next block's, not shared
+        (``b`` = -1: before the first block)."""
+        return sum(s.nbytes for i, s in enumerate(self.storages)
+                   if s.block is None and s.after == b and not self.shared(i))
 
     def input_bytes(self, b: int, entries: list[int], *, only_scope: str | None = None, min_bytes: int = 0,
                     unsaved: bool = False) -> int:
@@ -344,10 +358,12 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
             attention_backward_peak_bytes=runs[b].attention_peak_bytes if runs[b] is not None else 0,
             ffn_input_unsaved_bytes=rec.input_bytes(b, rec.ffn_inputs[b], only_scope="ffn", unsaved=True),
             attention_calls=rec.attention_calls[b],
+            saved_after_bytes=rec.saved_after(b),
             trainable_bytes=_trainable_bytes(block.parameters()),
         ))
-    # (an input of several blocks counts too: every checkpointed region among them holds it)
-    outside = sum(s.nbytes for i, s in enumerate(rec.storages) if s.block is None or rec.shared(i))
+    # (an input of several blocks counts too: every checkpointed region among them holds it; what is saved
+    # outside the blocks after one of them is that block's ``saved_after_bytes``)
+    outside = rec.saved_after(-1) + sum(s.nbytes for i, s in enumerate(rec.storages) if rec.shared(i))
     attention_copies = sum(s.attention_copy_bytes(min_offload_bytes) for s in rec.storages)
     attention_saves = sum(s.attention_saves(min_offload_bytes) for s in rec.storages)
     seconds, ffn_seconds = _time_blocks(model, blocks, regions, args, kwargs, cuda=cuda, device=device)
