@@ -187,16 +187,22 @@ class _Measure:
             # with --pairs N > 1 alternate the two N times and compare medians.
             fixed_steps: list[float] = []
             auto_steps = [row["step_s"]]
+            # every timed step of each run, in order (is a run's first step slower: warm-up left over?)
+            auto_times, fixed_times = [row.get("step_times_s")], []
             for i in range(self.args.pairs if self.args.adjacent else 0):
                 if i:
                     again_auto = self.row(Mode("auto", auto_config(budget)))
                     if again_auto.get("step_s"):
                         auto_steps.append(again_auto["step_s"])
+                        auto_times.append(again_auto.get("step_times_s"))
                 again = self.row(Mode(best["mode"], best["config"]))
                 if again.get("step_s"):
                     fixed_steps.append(again["step_s"])
+                    fixed_times.append(again.get("step_times_s"))
+            row["step_times_s_runs"] = auto_times
             if fixed_steps:
                 row["best_fixed"]["step_s_adjacent"] = statistics.median(fixed_steps)
+                row["best_fixed"]["step_times_s_adjacent"] = fixed_times
             if len(auto_steps) > 1:
                 row["step_s_pairs"], row["best_fixed"]["step_s_pairs"] = auto_steps, fixed_steps
                 row["step_s"] = statistics.median(auto_steps)

@@ -247,7 +247,7 @@ def auto_table(payload: dict[str, Any]) -> list[str]:
 
     columns = [f"budget {unit}", "fastest fixed mode that fits", "its step s", "auto step s", "speedup",
                f"auto {mem} {unit}", "within budget", "plan counts", f"predicted peak {unit}", f"warm-up peak {unit}",
-               "predicted extra ms", "exposed copy ms", "allocator retries", "planned at GB/s"]
+               "predicted extra ms", "exposed copy ms", "allocator retries", "new segments", "planned at GB/s"]
     lines = ["| " + " | ".join(columns) + " |", "|---" * len(columns) + "|"]
 
     def short(head: str, cell: str) -> str:  # a row with one cell after the head's three, the rest empty
@@ -275,6 +275,7 @@ def auto_table(payload: dict[str, Any]) -> list[str]:
                      f"{b(plan.get('predicted_peak_bytes'))} | {b(r.get('peak_allocated_warmup'))} | "
                      f"{'-' if extra is None else f'{extra * 1e3:.1f}'} | "
                      f"{_fmt(r, 'exposed_copy_ms_per_step', 1, 1)} | {r.get('alloc_retries_in_timed_steps', '-')} | "
+                     f"{_fmt(r, 'segments_allocated_in_timed_steps', digits=0)} | "
                      f"{_fmt(r.get('profile') or {}, 'copy_bytes_per_second', 1e9, 1)} |")  # the probe's rate
     return lines
 

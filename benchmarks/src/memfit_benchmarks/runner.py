@@ -114,6 +114,11 @@ def _alloc_retries() -> int:
     return int(torch.cuda.memory_stats().get("num_alloc_retries", 0))
 
 
+def _segments_allocated() -> int:
+    """cudaMalloc calls of the caching allocator so far (each a new segment; slow, and they synchronize)."""
+    return int(torch.cuda.memory_stats().get("segment.all.allocated", 0))
+
+
 def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], mode: Mode, *,
                  adapter: FamilyAdapter | None, warmup: int = 2, steps: int = 5,
                  optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None,
@@ -164,6 +169,7 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
         if handle is not None:
             handle.reset_stats()
         retries_before = _alloc_retries() if cuda else 0
+        segments_before = _segments_allocated() if cuda else 0
         times = []
         backward_peaks.clear()
         peaks: list[tuple[int, int]] = []
@@ -194,6 +200,8 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
             "timing": "cuda-events" if cuda else "perf_counter",
             # the caching allocator freed its cache and retried a cudaMalloc (slow: a device sync each time)
             "alloc_retries_in_timed_steps": _alloc_retries() - retries_before if cuda else None,
+            "segments_allocated_in_timed_steps": _segments_allocated() - segments_before if cuda else None,
+            "step_times_s": times,  # each timed step, in order (a first step slower than the rest: warm-up left)
             "oom": False,
         }
         if handle is not None:
