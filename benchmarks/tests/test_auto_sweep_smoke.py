@@ -26,6 +26,9 @@ def _check_output(path, tmp_path, budgets=2):
     assert data["memory_metric"] == "held_bytes"
     assert [r["mode"] for r in data["fixed_rows"]][:3] == ["none", "torch-ffn", "torch"]
     assert all(r["held_bytes"] > 0 for r in data["fixed_rows"])
+    # every timed step kept, in order (here one); the allocator's counters are CUDA's alone
+    assert all(len(r["step_times_s"]) == 1 and r["step_times_s"][0] > 0 for r in data["fixed_rows"])
+    assert all(r["segments_allocated_in_timed_steps"] is None for r in data["fixed_rows"])
     assert "unsloth" in data["skipped"] and "offload_attention" in data["skipped"]
     none = next(r for r in data["fixed_rows"] if r["mode"] == "none")
     assert data["high_bytes"] == none["held_bytes"] and data["low_bytes"] < data["high_bytes"]
@@ -44,11 +47,14 @@ def _check_output(path, tmp_path, budgets=2):
         assert r["best_fixed"] is not None and r["best_fixed"]["memory_bytes"] <= r["budget_bytes"]
         if not r.get("unreachable"):
             assert r["step_s"] > 0 and isinstance(r["within_budget"], bool) and r["plan_counts"]
+            # each auto run's timed steps, and the adjacent fixed runs' (one pair by default)
+            assert [len(t) for t in r["step_times_s_runs"]] == [1]
+            assert [len(t) for t in r["best_fixed"]["step_times_s_adjacent"]] == [1]
     assert data["complete"] and len(data["checks"]) == 4
     md = (tmp_path / f"{path.stem}.md").read_text()
     assert "| budget MiB |" in md and md.count("PASS") + md.count("FAIL") == 4
     table = md.split("## auto at each budget")[1].split("\n\n")[1].splitlines()
-    assert "allocator retries" in table[0] and "planned at GB/s" in table[0]
+    assert "allocator retries" in table[0] and "new segments" in table[0] and "planned at GB/s" in table[0]
     assert {line.count("|") for line in table} == {table[0].count("|")}  # every row has the header's cells
     assert (tmp_path / f"{path.stem}.png").stat().st_size > 1000
     return data
