@@ -108,7 +108,7 @@ def test_attention_phase_peak_starts_after_the_ffn_backward():
     assert measure_block(block, (x,), {}, cuda).attention_peak_bytes == 0
 
 
-def test_a_residual_blocks_output_gradient_is_summed_in_place_as_in_a_step():
+def test_a_residual_blocks_run_peaks_as_in_a_step():
     """x + FFN(x): the output's gradient flows to x directly and through the FFN, and the FFN's share is added
     to it. The block run's backward peak is a real step's, where the output is dead and its gradient
     autograd's own (see blockpeak's "Output gradients")."""

@@ -10,11 +10,10 @@ its activations back (kept, recomputed or reloaded). So block *b* under a plan n
 
 where ``outside`` is what is saved before the blocks, after the last one, or shared between them,
 ``kept(j)`` includes what the layers between block *j* and the next one save (freed as backward passes
-them, before the blocks before them; see "Head" for the layers after the last block), and ``own(b)`` is the
-peak of one
-forward+backward of the block alone, measured in the profile with everything it saves held (so it carries
-the backward's gradient buffers and the attention kernel's own temporaries), plus its inputs, adjusted by
-what the policy keeps or brings back beyond what the block saves.
+them, before the blocks before them; see "Head" for the layers after the last block), and ``own(b)`` is
+the peak of one forward+backward of the block alone, measured in the profile with everything it saves
+held (so it carries the backward's gradient buffers and the attention kernel's own temporaries), plus its
+inputs, adjusted by what the policy keeps or brings back beyond what the block saves.
 ``grads after b``: the trainable weights of the blocks after it (and outside every block) have their
 gradients by then. ``reloaded ahead``: what the copy engine brings back for the blocks backward visits
 next, by its own rule (the next block that copies, a second when the first is the smaller); a block whose

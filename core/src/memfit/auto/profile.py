@@ -96,7 +96,7 @@ class ModelProfile:
     blocks: tuple[BlockProfile, ...]
     device: str
     static_bytes: int  # allocated before the forward (CUDA; 0 elsewhere)
-    outside_bytes: int  # saved before the blocks, or shared between blocks: held under every plan
+    outside_bytes: int  # saved before the blocks, or shared between them (after a block: its saved_after_bytes)
     workspace_bytes: int  # the forward's working memory outside the blocks, on top of what is held (CUDA)
     flops_per_second: float
     copy_bytes_per_second: float | None  # None: no copy engine, offload policies are not offered
