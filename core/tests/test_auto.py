@@ -114,6 +114,7 @@ def test_offload_policies_exact_through_a_copy_engine(model, reference):
     assert held <= budget
     assert any(BlockPolicy(p).copies for p in plan.counts()), plan.counts()
     assert stats["bytes_offloaded"] > 0 and stats["host_buffers_in_use"] == 0
+    assert stats["pool_waits"] == 0 and stats["pool_overflows"] == 0  # synchronous copies: never waited on
     assert torch.equal(loss, ref_loss)
     for name, g in grads.items():
         assert torch.equal(g, ref_grads[name]), name

@@ -448,7 +448,12 @@ def test_ready_event_delays_reuse():
     late = Event(False)
     pool.release(c, ready=late)
     pool.clear()  # never frees memory a copy still uses
-    assert late.synced == 1
+    assert late.synced == 1 and pool.stats().waits == 2  # a host wait too
+    pool.clear()  # finished copies: no wait counted
+    d = pool.acquire(MiB)
+    pool.release(d, ready=Event(True))
+    pool.clear()
+    assert pool.stats().waits == 2
 
 
 def test_bad_arguments():

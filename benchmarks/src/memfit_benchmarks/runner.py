@@ -215,6 +215,8 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
                     pinned_bytes_held=s["pinned_bytes_held"],
                     new_pinned_allocations_in_timed_steps=s["pinned_allocations"],
                     pool_hits=s["pool_hits"],
+                    # host syncs on a buffer's copy (not in the exposed copy time, which counts GPU-side waits)
+                    pool_waits_in_timed_steps=s["pool_waits"],
                     dedup_hits_per_step=s["dedup_hits"] / steps,
                 )
             if inspect is not None:

@@ -91,6 +91,9 @@ class MemfitHandle:
             "pool_hits": pool.hits,
             "pool_misses": pool.misses,
             "pinned_allocations": pool.pinned_allocations,
+            # the host blocked on a copy still using a buffer (reuse before its copy finished, an eviction)
+            "pool_waits": pool.waits,
+            "pool_overflows": pool.overflows,  # past max_buckets with nothing to evict: pageable, synchronous
             "host_buffers_in_use": pool.buffers_in_use,
         }
         if self._offloader is not None:

@@ -228,8 +228,8 @@ class PoolStats:
     pinned_bytes_allocated: int
     evictions: int
     fallbacks: int
-    overflows: int
-    waits: int
+    overflows: int  # requests past max_buckets with nothing idle to evict: served pageable
+    waits: int  # times the host blocked until a copy still using a buffer finished (reuse, eviction, free)
 
     @property
     def hit_rate(self) -> float:
@@ -442,7 +442,7 @@ class PinnedBucketPool:
         else:
             self._pageable_held -= buf.capacity
             if ready is not None:
-                ready.synchronize()
+                self._wait_for(ready)
             buf._state = _FREED
             buf._tensor = None
 
@@ -455,15 +455,20 @@ class PinnedBucketPool:
                 buf._ready = None
                 return buf
         buf = bucket.idle.pop(0)
-        self.waits += 1
         assert buf._ready is not None
-        buf._ready.synchronize()
+        self._wait_for(buf._ready)
         buf._ready = None
         return buf
 
+    def _wait_for(self, ready: ReadyEvent) -> None:
+        """Block the host until a copy using a buffer has finished; counted in ``waits`` when it had not."""
+        if not ready.query():
+            self.waits += 1
+            ready.synchronize()
+
     def _free(self, buf: HostBuffer, evicted: bool = True) -> None:
         if buf._ready is not None:
-            buf._ready.synchronize()
+            self._wait_for(buf._ready)
             buf._ready = None
         buf._state = _FREED
         buf._tensor = None
