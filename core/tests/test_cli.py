@@ -71,3 +71,32 @@ def test_ladder_order_follows_the_spec():
     assert names == ["none", "torch-ffn", "torch", "unsloth-ffn", "unsloth"]
     assert [r.name for r in ladder(memfit_flux.ADAPTER)] == ["none", "torch-ffn", "torch"]
     assert [r.name for r in ladder(None, offload=True)] == ["none", "torch", "unsloth"]
+
+
+def test_a_leaner_config_as_fast_within_the_measured_spread_is_recommended():
+    """Configurations a few percent apart took turns being the fastest from run to run: within the spread of
+    the measurements the leaner one wins (more headroom, same speed); beyond it, the faster one."""
+    from memfit.fit import MIN_TIE, Rung, RungResult, recommend
+    from memfit.measure import StepMeasurement
+
+    def result(name: str, seconds: float, held: int, spread: float = 0.0) -> RungResult:
+        return RungResult(Rung(name, {}), StepMeasurement(held, None, seconds, 1, spread), True)
+
+    fat = result("torch interval 4", 1.00, 300, spread=0.02)
+    lean = result("torch", 1.015, 100, spread=0.01)
+    assert recommend([fat, lean]) is lean  # 1.5% slower, within the fat one's 2% spread
+    slower = result("torch", 1.05, 100, spread=0.01)
+    assert recommend([fat, slower]) is fat  # 5% slower: speed wins
+    # one timed step each (no spread): the margin is MIN_TIE
+    assert recommend([result("a", 1.0, 300), result("b", 1.0 + MIN_TIE / 2, 100)]).rung.name == "b"
+    assert recommend([result("a", 1.0, 300), result("b", 1.0 + 2 * MIN_TIE, 100)]).rung.name == "a"
+    # equally lean: the faster
+    assert recommend([result("a", 1.0, 100), result("b", 1.005, 100)]).rung.name == "a"
+
+
+def test_the_step_spread_ignores_one_outlier_among_three():
+    from memfit.measure import relative_spread
+
+    assert relative_spread([1.0]) == 0.0
+    assert relative_spread([1.0, 1.02, 1.5]) == pytest.approx(2 * 0.02 / 1.02)  # the slow step does not count
+    assert relative_spread([0.9, 1.0, 1.1]) == pytest.approx(0.2)

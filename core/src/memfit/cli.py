@@ -125,6 +125,10 @@ def _cmd_fit(args: argparse.Namespace) -> int:
                       f"{format_bytes(smallest)}. Lower the resolution/batch, or raise the budget.")
         code = 1
     else:
+        fastest = min((r for r in report.results if r.fits), key=lambda r: r.measurement.step_seconds)
+        if fastest is not report.recommended:  # see memfit.fit, "Ties"
+            console.print(f"{fastest.rung.name} measured fastest, but within the spread of the step times: the "
+                          f"leaner {report.recommended.rung.name} is as fast and leaves more headroom.")
         console.print(f"Recommended: [bold]{report.recommended.rung.name}[/] — paste into your trainer config:")
         console.print_json(json.dumps(report.recommended_config()))
         code = 0

@@ -7,6 +7,12 @@ checkpointing is needed, the ``auto`` backend at the same budget is measured too
 
 What "fits" means: on CUDA, the step's peak allocated memory is within the budget; on a
 CPU-only machine (no real peak to read), the activation bytes held for backward are.
+
+Ties.  The fastest candidate is recommended, unless a leaner one is as fast within the spread of the
+measurements (``StepMeasurement.step_spread`` of either, at least :data:`MIN_TIE`): the measurement
+cannot tell those apart, and the leaner leaves more headroom for a larger aspect-ratio bucket or a longer
+caption. (Drift between measurements, large on a loaded CPU, is not in that spread: there the
+recommendation can still change from run to run.)
 """
 
 from __future__ import annotations
@@ -22,6 +28,8 @@ from memfit.adapters.spec import FamilyAdapter
 from memfit.config import Backend
 from memfit.errors import BudgetError
 from memfit.measure import StepMeasurement, measure_step
+
+MIN_TIE = 0.01  # step times closer than this are the same speed (see "Ties")
 
 
 @dataclass(frozen=True)
@@ -153,5 +161,17 @@ def find_fit(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], 
             result = run(Rung.of(Backend.TORCH, interval))
             if result.fits:
                 candidates.append(result)
-    report.recommended = min(candidates, key=lambda r: r.measurement.step_seconds)
+    report.recommended = recommend(candidates)
     return report
+
+
+def recommend(candidates: list[RungResult]) -> RungResult:
+    """The fastest of ``candidates``, or a leaner one as fast within the measurements' spread (see "Ties")."""
+    fastest = min(candidates, key=lambda r: r.measurement.step_seconds)
+
+    def as_fast(r: RungResult) -> bool:
+        tie = max(MIN_TIE, r.measurement.step_spread, fastest.measurement.step_spread)
+        return r.measurement.step_seconds <= fastest.measurement.step_seconds * (1 + tie)
+
+    return min((r for r in candidates if as_fast(r)),
+               key=lambda r: (r.budget_bytes_used, r.measurement.step_seconds))

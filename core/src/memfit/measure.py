@@ -24,12 +24,21 @@ class StepMeasurement:
         peak_bytes: ``torch.cuda.max_memory_allocated`` during the step (None on CPU).
         step_seconds: median wall time of the timed steps (forward + backward).
         frames: regions recorded per step (0 when nothing is installed).
+        step_spread: how far apart the timed steps were: twice their median absolute deviation, over their
+            median (0 with one step; one outlier among three steps does not move it).
     """
 
     held_bytes: int
     peak_bytes: int | None
     step_seconds: float
     frames: int
+    step_spread: float = 0.0
+
+
+def relative_spread(times: list[float]) -> float:
+    """Twice the median absolute deviation of ``times`` over their median (see ``StepMeasurement``)."""
+    median = statistics.median(times)
+    return 2 * statistics.median(abs(t - median) for t in times) / median if median > 0 else 0.0
 
 
 def _sync(device: torch.device) -> None:
@@ -69,7 +78,7 @@ def measure_step(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
             del loss
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         model.zero_grad(set_to_none=True)
-        return StepMeasurement(held, peak, statistics.median(times), frames)
+        return StepMeasurement(held, peak, statistics.median(times), frames, relative_spread(times))
     finally:
         if handle is not None:
             handle.remove()
