@@ -74,8 +74,8 @@ def test_ladder_order_follows_the_spec():
 
 
 def test_a_leaner_config_as_fast_within_the_measured_spread_is_recommended():
-    """Configurations a few percent apart took turns being the fastest from run to run: within the spread of
-    the measurements the leaner one wins (more headroom, same speed); beyond it, the faster one."""
+    """A measurement cannot tell configurations apart within its own spread: there the leaner one wins (more
+    headroom, same speed); beyond it, the faster one."""
     from memfit.fit import MIN_TIE, Rung, RungResult, recommend
     from memfit.measure import StepMeasurement
 
