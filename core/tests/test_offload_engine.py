@@ -1,7 +1,8 @@
 """The offload backends' logic on CPU tensors (SyncCopyEngine): same gradients, parking, dedup, pool return.
 
-The CUDA copy engine (streams, events, pinned memory) is exercised by the GPU tests; everything
-above it — which tensors are parked, shared, reloaded ahead and returned — is the same code here.
+The CUDA copy engine's stream and event ordering is checked on CPU with recording fakes
+(``test_copy_engine_order``), its real streams and pinned memory by the GPU tests; everything above it —
+which tensors are parked, shared, reloaded ahead and returned — is the same code here.
 """
 
 from __future__ import annotations

@@ -27,6 +27,10 @@ Telemetry.  Waits of the compute stream on copy events are bracketed by timing e
 their durations (stall = copy time not hidden behind compute) are read lazily in
 :meth:`stats`, when the events have long completed.
 
+Streams and events come from a :class:`StreamApi` (``torch.cuda`` by default). Tests pass a
+recording fake instead and run the engine on CPU tensors: its ordering (who waits on which event,
+which memory is tied to which stream) is then checked without a GPU.
+
 ``SyncCopyEngine`` does the same bookkeeping with plain synchronous copies: it runs on
 CPU tensors, so the parking, dedup and pool logic is testable without a GPU.
 """
@@ -93,6 +97,27 @@ class CopyStats:
     stall_ms_resolved: float = 0.0
 
 
+class StreamApi:
+    """The stream and event calls of :class:`CopyEngine`, on CUDA (a test passes a recording fake)."""
+
+    def new_stream(self) -> Any:
+        return torch.cuda.Stream()
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def new_event(self, *, timing: bool = False) -> Any:
+        return torch.cuda.Event(enable_timing=timing)
+
+    def use(self, stream: Any) -> Any:
+        """Context manager: work issued inside runs on ``stream``."""
+        return torch.cuda.stream(stream)
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        """``tensor``'s memory is not handed out again before ``stream``'s work issued so far has finished."""
+        tensor.record_stream(stream)
+
+
 class CopyEngine:
     """Asynchronous parking on CUDA (see the module notes).
 
@@ -100,17 +125,20 @@ class CopyEngine:
         pool: where host buffers come from.
         max_inflight_bytes: bound on device→host bytes issued and not yet finished.
         timing: record stall-timing events (cheap; a few events per fetch).
+        streams: the stream and event calls (default: ``torch.cuda``'s).
     """
 
     parks_cpu_tensors = False  # CPU tensors stay where they are: there is no device memory to free
 
-    def __init__(self, pool: PinnedBucketPool, *, max_inflight_bytes: int = 2 << 30, timing: bool = True) -> None:
+    def __init__(self, pool: PinnedBucketPool, *, max_inflight_bytes: int = 2 << 30, timing: bool = True,
+                 streams: StreamApi | None = None) -> None:
         self.pool = pool
         self.max_inflight_bytes = max_inflight_bytes
         self.timing = timing
         self.stats = CopyStats()
-        self._d2h = torch.cuda.Stream()
-        self._h2d = torch.cuda.Stream()
+        self.streams = StreamApi() if streams is None else streams
+        self._d2h = self.streams.new_stream()
+        self._h2d = self.streams.new_stream()
         self._inflight: deque[tuple[Any, int]] = deque()
         self._inflight_bytes = 0
 
@@ -124,26 +152,27 @@ class CopyEngine:
         """Park several tensors produced on the same stream: one ordering event, one completion event."""
         if not tensors:
             return []
-        compute = torch.cuda.current_stream(tensors[0].device)
-        produced = torch.cuda.Event()
+        api = self.streams
+        compute = api.current_stream(tensors[0].device)
+        produced = api.new_event()
         produced.record(compute)
         self._d2h.wait_event(produced)
         staged = []
-        with torch.cuda.stream(self._d2h):
+        with api.use(self._d2h):
             for tensor in tensors:
                 src = tensor if dense_layout(tensor) else tensor.contiguous()
                 nbytes = src.numel() * src.element_size()
                 buf = self.pool.acquire(nbytes)
                 buf.strided_view(src.dtype, src.shape, src.stride()).copy_(src, non_blocking=buf.pinned)
                 staged.append((tensor, src, buf, nbytes))
-            done = torch.cuda.Event()
+            done = api.new_event()
             done.record(self._d2h)
         out = []
         total = 0
         for tensor, src, buf, nbytes in staged:
-            src.record_stream(self._d2h)
+            api.record_stream(src, self._d2h)
             if src is not tensor:
-                tensor.record_stream(self._d2h)
+                api.record_stream(tensor, self._d2h)
             total += nbytes
             out.append(Parked(buf, src.shape, src.dtype, tensor.device, nbytes, weakref.ref(tensor),
                               tensor._version, d2h_done=done, stride=src.stride(),
@@ -178,24 +207,25 @@ class CopyEngine:
         todo = [p for p in {id(p): p for p in parked}.values() if p.reloaded is None and not self._hold_source(p)]
         if not todo:
             return
-        compute = torch.cuda.current_stream(todo[0].device)
+        api = self.streams
+        compute = api.current_stream(todo[0].device)
         outs = []
         for p in todo:  # allocated on compute: the memory is free for us only after compute's earlier work
             stride = p.stride or torch.empty(p.shape, device="meta").stride()
             outs.append(torch.empty_strided(p.shape, stride, dtype=p.dtype, device=p.device))
-        ready = torch.cuda.Event()
+        ready = api.new_event()
         ready.record(compute)
         self._h2d.wait_event(ready)
         for d2h_done in {id(p.d2h_done): p.d2h_done for p in todo}.values():
             self._h2d.wait_event(d2h_done)
-        with torch.cuda.stream(self._h2d):
+        with api.use(self._h2d):
             for p, out in zip(todo, outs, strict=True):
                 assert p.buffer is not None
                 out.copy_(p.buffer.strided_view(p.dtype, p.shape, out.stride()), non_blocking=p.buffer.pinned)
-            done = torch.cuda.Event()
+            done = api.new_event()
             done.record(self._h2d)
         for p, out in zip(todo, outs, strict=True):
-            out.record_stream(self._h2d)
+            api.record_stream(out, self._h2d)
             p.fetches_left = p.users
             p.reloaded, p.h2d_done, p.copied_back = out, done, True
             self.stats.bytes_reloaded += p.nbytes
@@ -232,13 +262,13 @@ class CopyEngine:
 
     def _wait_for_reload(self, parked: Parked) -> None:
         """Make the current stream wait until ``parked``'s reload has landed."""
-        self._wait(torch.cuda.current_stream(parked.device), parked.h2d_done)
+        self._wait(self.streams.current_stream(parked.device), parked.h2d_done)
 
     def _wait(self, stream: Any, event: Any) -> None:
         if event.query():  # already complete (the usual case when reloads run ahead): nothing to wait for
             return
         if self.timing:
-            before, after = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before, after = self.streams.new_event(timing=True), self.streams.new_event(timing=True)
             before.record(stream)
             stream.wait_event(event)
             after.record(stream)
