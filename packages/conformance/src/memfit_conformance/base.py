@@ -29,6 +29,7 @@ from memfit_conformance.harness import (
     run_step,
 )
 from memfit_conformance.plugin import require_cuda
+from memfit_conformance.streams import order_checking_copy_engine
 
 
 def cpu_copy_engine() -> SyncCopyEngine:
@@ -110,14 +111,16 @@ class AdapterConformance:
 
     @classmethod
     def apply(cls, model: nn.Module, config: dict[str, Any]) -> memfit.MemfitHandle:
-        """``memfit.apply`` for the kit. Offload modes of a CPU model park through ``SyncCopyEngine``
-        (the same parking, dedup and pool logic as on CUDA, with synchronous copies into pageable buffers);
+        """``memfit.apply`` for the kit. Offload modes of a CPU model park through the CUDA copy engine over
+        recording streams whose events never complete by themselves (:mod:`memfit_conformance.streams`):
+        the same parking, dedup, pool and stream ordering as on CUDA, with synchronous copies into pageable
+        buffers, and every reload and every use of a reloaded tensor checked for its wait.
         ``min_offload_bytes=0`` so the tiny model's tensors are parked too."""
         cfg = memfit.MemfitConfig.from_dict(config)
         offloads = cfg.offload_attention or (cfg.enabled and cfg.backend.offloads_inputs)
         device = next(model.parameters()).device
         if offloads and device.type == "cpu":
-            return memfit.apply(model, config, adapter=cls.adapter, copy_engine=cpu_copy_engine(),
+            return memfit.apply(model, config, adapter=cls.adapter, copy_engine=order_checking_copy_engine(),
                                 min_offload_bytes=0)
         if offloads:
             return memfit.apply(model, config, adapter=cls.adapter, min_offload_bytes=0)
