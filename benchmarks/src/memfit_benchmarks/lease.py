@@ -25,7 +25,7 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
   ``auto=wan,3,no-gaps,steps=2,warmup=2`` fits one lane; with one warm-up step, auto's first timed step after
   planning ran ~2% slow); a family target's fixed rows are also written as that family's results
 - ``diagnose[=<family>][,modes=<m1>+<m2>][,steps=<s>][,warmup=<w>]``: host vs GPU time and a profile per mode
-  (``memfit_benchmarks.diagnose``), e.g. ``diagnose=wan,modes=offload_attention+auto@103.8GiB,steps=2,warmup=1``
+  (``memfit_benchmarks.diagnose``), e.g. ``diagnose=wan,modes=offload_attention+auto@103.8GiB,steps=2,warmup=2``
   (mode names with spaces cannot be given here)
 """
 
