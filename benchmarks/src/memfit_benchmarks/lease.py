@@ -22,8 +22,8 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
   the gap budgets (``no-gaps``: without them; ``n`` = 0: the gap budgets alone, so two lanes can share one
   target's budgets), ``k`` alternations of auto and the fixed mode per budget, ``s`` timed and ``w`` warm-up
   steps per row, ``no-adjacent``: compare with the fixed modes' first measurement (a 14B Wan step takes ~5 s:
-  ``auto=wan,3,no-gaps,steps=2,warmup=2`` fits one lane; with one warm-up step, auto's first timed step after
-  planning ran ~2% slow); a family target's fixed rows are also written as that family's results
+  ``auto=wan,3,no-gaps,steps=2,warmup=2`` fits one lane; with one warm-up step auto measured ~2% behind the
+  same plan's steady state); a family target's fixed rows are also written as that family's results
 - ``diagnose[=<family>][,modes=<m1>+<m2>][,steps=<s>][,warmup=<w>]``: host vs GPU time and a profile per mode
   (``memfit_benchmarks.diagnose``), e.g. ``diagnose=wan,modes=offload_attention+auto@103.8GiB,steps=2,warmup=2``
   (mode names with spaces cannot be given here)
