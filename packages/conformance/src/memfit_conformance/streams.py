@@ -48,6 +48,7 @@ class RecordingStream:
 
     def wait_event(self, event: RecordingEvent) -> None:
         self.streams.log.append(("wait", self.name, event.id))
+        self.streams.waited.setdefault(self.name, set()).add(event.id)
 
 
 class RecordingStreams(StreamApi):
@@ -57,6 +58,7 @@ class RecordingStreams(StreamApi):
         self.landed = landed
         self.log: list[tuple] = []  # ("record"|"wait", stream, event id), ("use"|"leave", stream)
         self.tied: list[tuple[int, str]] = []  # (storage address, stream) of each record_stream
+        self.waited: dict[str, set[int]] = {}  # stream -> ids of the events it was made to wait for
         self.compute = RecordingStream(self, "compute")
         self.current = self.compute
         self._names = iter(["d2h", "h2d"])
@@ -114,7 +116,7 @@ class OrderCheckingEngine(CopyEngine):
     def fetch(self, parked: Parked) -> torch.Tensor:
         out = super().fetch(parked)
         if parked.copied_back and not parked.h2d_done.query():
-            assert parked.h2d_done.id in self.streams.waits("compute"), (
+            assert parked.h2d_done.id in self.streams.waited.get("compute", ()), (
                 f"a reloaded {tuple(parked.shape)} was used before compute waited for its reload")
         return out
 
