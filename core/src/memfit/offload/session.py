@@ -382,6 +382,7 @@ class _ParkingRegion:
         self.number = session.region_started()
         self.timeline = session.snapshot_timeline()
         self.index = session.register(self)
+        self.started = False  # its backward has begun (see first_backward_use)
 
     def prefetch(self) -> None:
         self.session.copy.reload_many(self.parked)
@@ -390,6 +391,12 @@ class _ParkingRegion:
         """Its backward begins: bring back what it parked, and reload the regions backward visits next."""
         self.prefetch()
         self.session.needed(self.index, self.timeline)
+
+    def first_backward_use(self) -> None:
+        """One of its tensors (or its outputs' gradients) reached backward: the first starts its backward."""
+        if not self.started:
+            self.started = True
+            self.backward_starts()
 
 
 class OffloadStash(_ParkingRegion):
@@ -451,13 +458,10 @@ class _KeepingRegion(_ParkingRegion):
     def __init__(self, session: OffloadSession, kept_bytes: int) -> None:
         super().__init__(session)
         self.kept_bytes = kept_bytes
-        self.started = False
 
     def backward_reached(self, grad: torch.Tensor) -> None:
         """Hook on its outputs' gradients: the first one to arrive starts its backward."""
-        if not self.started:
-            self.started = True
-            self.backward_starts()
+        self.first_backward_use()
 
 
 class _SavedGroup(_ParkingRegion):
@@ -465,7 +469,6 @@ class _SavedGroup(_ParkingRegion):
 
     def __init__(self, session: OffloadSession) -> None:
         super().__init__(session)
-        self.started = False
         weakref.finalize(self, _release_group, session, self.parked)
 
     @staticmethod
@@ -566,9 +569,8 @@ class AttentionOffloader:
         group = handle.group
         # its backward starts (parked, or kept as one of the step's last two calls: that one too reloads the
         # calls before it ahead of need; not while still pending, when a backward runs inside the forward)
-        if group is not None and not group.started and (handle.parked is not None or group.kept_bytes):
-            group.started = True
-            group.backward_starts()
+        if group is not None and (handle.parked is not None or group.kept_bytes):
+            group.first_backward_use()
         if handle.parked is None:  # kept on the device (or backward ran inside the forward call)
             assert handle.device_tensor is not None
             return handle.device_tensor
