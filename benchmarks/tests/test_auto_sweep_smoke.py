@@ -162,6 +162,29 @@ def test_pairs_alternate_auto_and_the_fixed_mode_and_compare_medians(tmp_path, m
         auto_sweep.main([*ARGS, "--pairs", "2", "--no-adjacent", "--out", str(tmp_path)])
 
 
+def test_gap_indices_measure_one_share_of_the_gaps(tmp_path, monkeypatch):
+    import memfit
+    from memfit_benchmarks import auto_sweep
+
+    real_apply = memfit.apply
+
+    def apply(model, config, **kw):  # auto stands in as `torch`: this test is about which budgets run
+        if (config or {}).get("gradient_checkpointing_backend") != "auto":
+            return real_apply(model, config, **kw)
+        fixed = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch"}
+        return _StandInHandle(real_apply(model, fixed, **kw), config["gradient_checkpointing_memory_budget"])
+
+    monkeypatch.setattr(memfit, "apply", apply)
+    args = [*ARGS, "--budgets", "0", "--gap-indices", "0", "--no-render", "--out", str(tmp_path)]
+    data = json.loads(auto_sweep.main(args)[0].read_text())
+    every_gap = auto_sweep.gap_budgets(data["fixed_rows"], data["low_bytes"], data["high_bytes"])
+    assert every_gap and data["gap_budgets"] == data["budgets"] == every_gap[:1]
+    assert [r["budget_bytes"] for r in data["auto_rows"]] == every_gap[:1]
+    for bad in (["--gap-indices", "0", "--no-gaps"], ["--gap-indices", "a"], ["--gap-indices", "-1"]):
+        with pytest.raises(SystemExit):
+            auto_sweep.main([*ARGS, *bad, "--out", str(tmp_path)])
+
+
 def test_budgets_and_fastest_fitting_fixed_mode():
     from memfit_benchmarks.auto_sweep import best_fixed, frontier, gap_budgets, spread_budgets
 

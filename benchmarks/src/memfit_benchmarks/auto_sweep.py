@@ -283,6 +283,8 @@ def run_target(name: str, args: argparse.Namespace, device: torch.device, env: d
             budgets = spread_budgets(payload["low_bytes"], payload["high_bytes"], args.budgets)
             payload["gap_budgets"] = gap_budgets(payload["fixed_rows"], payload["low_bytes"],
                                                  payload["high_bytes"]) if args.gaps else []
+            if args.gap_indices is not None:  # one share of the gaps: another run measures the rest
+                payload["gap_budgets"] = [b for i, b in enumerate(payload["gap_budgets"]) if i in args.gap_indices]
             payload["budgets"] = sorted({*budgets, *payload["gap_budgets"]})
             save(payload)
             for budget in _progress(payload["budgets"], desc=f"{name} auto", unit="budget"):
@@ -315,6 +317,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budgets", type=int, default=6, help="evenly spaced budgets per target")
     parser.add_argument("--no-gaps", dest="gaps", action="store_false",
                         help="skip the budgets just below each step of the fixed modes' frontier")
+    parser.add_argument("--gap-indices", default=None,
+                        help="only these frontier-gap budgets, by index from the smallest (e.g. 0,1): a target whose "
+                             "gaps take longer than one run may have is split over several runs")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2,
                         help="warm-up steps per row (with auto, the first one includes the profiling forward)")
@@ -334,6 +339,15 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     unknown = [t for t in args.targets if t not in SYNTHETIC_TARGETS and t not in installed]
     if unknown:
         parser.error(f"unknown target(s) {unknown}: {sorted(SYNTHETIC_TARGETS)} or one of {sorted(installed)}")
+    if args.gap_indices is not None:
+        if not args.gaps:
+            parser.error("--gap-indices selects among the frontier-gap budgets: drop --no-gaps")
+        try:
+            args.gap_indices = {int(i) for i in args.gap_indices.split(",") if i.strip()}
+        except ValueError:
+            parser.error(f"--gap-indices takes comma-separated indices (e.g. 0,1), not {args.gap_indices!r}")
+        if not args.gap_indices or min(args.gap_indices) < 0:
+            parser.error("--gap-indices needs at least one index, each 0 or more")
     if args.budgets < 0 or (args.budgets == 0 and not args.gaps):
         parser.error("--budgets must be at least 1 (or 0 with the frontier-gap budgets)")
     if args.pairs < 1:

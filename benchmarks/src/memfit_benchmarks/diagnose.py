@@ -8,10 +8,11 @@ Per mode: median over timed steps of the GPU step time (CUDA events) and of the 
 ``forward`` and ``backward`` calls (``perf_counter``, no synchronisation inside the step): when the host time
 reaches the GPU time, the step is bound by Python/launch overhead, not by kernels or copies. Then one step
 under ``torch.profiler``: the ops with the most self CPU time go to ``diagnose-<family>.md`` with one more
-step's Python profile (cProfile), and a Chrome trace per offload mode to ``trace-<family>-<mode>.json.gz``. Variants (``unsloth[no-timing]`` …) rerun a
-mode with one engine knob changed, to test a hypothesis side by side; ``auto@<budget>`` (``auto@103.8GiB``)
-is the ``auto`` backend at that budget, traced too, its plan's counts in the report (a plan against the fixed
-mode it should beat, profiled side by side).
+step's Python profile (cProfile), and a Chrome trace (with Python frames) per checkpointing mode to
+``trace-<family>-<mode>.json.gz``. Variants (``unsloth[no-timing]`` …) rerun a mode with one engine knob
+changed, to test a hypothesis side by side; ``auto@<budget>`` (``auto@103.8GiB``) is the ``auto`` backend at
+that budget, traced too, its plan's counts in the report (a plan against the fixed mode it should beat,
+profiled side by side).
 """
 
 from __future__ import annotations
@@ -78,8 +79,10 @@ def measure(model, batch, loss_fn, config, apply_kwargs, *, adapter, cuda: bool,
             model.zero_grad(set_to_none=True)
             _sync(cuda)
             profiling = i == warmup + steps
+            # with_stack: the trace shows the Python frames (memfit's own among them) around every op
             prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                          + ([torch.profiler.ProfilerActivity.CUDA] if cuda else [])) \
+                                          + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []),
+                                          with_stack=trace is not None) \
                 if profiling else None
             if prof is not None:
                 prof.__enter__()
@@ -179,7 +182,7 @@ def main(argv: list[str] | None = None) -> None:
             continue
         kwargs = make_kwargs(MemfitConfig.from_dict(mode.config)) if mode.config else {}
         slug = name.replace(" ", "_").replace("[", "-").replace("]", "").replace("@", "-")
-        traced = name in {"unsloth", "offload_attention"} or base.startswith("auto@")
+        traced = base != "none"  # every mode that runs memfit's code, to compare side by side
         trace = args.out / f"trace-{args.family}-{slug}.json.gz" if traced else None
         r = measure(model, batch, adapter.loss, mode.config, kwargs, adapter=adapter, cuda=cuda, steps=args.steps,
                     warmup=args.warmup, trace=trace)
