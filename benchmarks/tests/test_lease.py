@@ -34,9 +34,9 @@ def test_job_commands(tmp_path):
     assert lease.job_command("auto=wan,3,no-gaps", tmp_path)[-5:-2] == ["--budgets", "3", "--no-gaps"]
     assert lease.job_command("bench-lora,shapes=0,steps=20", tmp_path)[-4:] == ["--shapes", "0", "--steps", "20"]
     assert lease.job_command("auto=wan,0", tmp_path)[-4:-2] == ["--budgets", "0"]
-    assert lease.job_command("auto=wan,0,gaps=2+3,warmup=2", tmp_path)[-8:-2] == [
-        "--budgets", "0", "--warmup", "2", "--gap-indices", "2,3"]
-    assert "--gap-indices" not in lease.job_command("auto=wan,0", tmp_path)
+    assert lease.job_command("auto=wan,0,gaps=40GiB:,warmup=2", tmp_path)[-8:-2] == [
+        "--budgets", "0", "--warmup", "2", "--gap-range", "40GiB:"]
+    assert "--gap-range" not in lease.job_command("auto=wan,0", tmp_path)
     assert lease.job_command("diagnose=wan,modes=offload_attention+auto@103.8GiB,steps=2", tmp_path)[3:] == [
         "--family", "wan", "--modes", "offload_attention,auto@103.8GiB", "--steps", "2", "--out",
         str(tmp_path / "diagnose" / "diagnose_wan_modes_offload_attention_auto@103.8GiB_steps_2")]

@@ -41,6 +41,7 @@ import torch
 
 import memfit
 from memfit.adapters.spec import FamilyAdapter
+from memfit.units import parse_bytes
 from memfit_benchmarks.families import (
     _environment,
     _progress,
@@ -283,8 +284,9 @@ def run_target(name: str, args: argparse.Namespace, device: torch.device, env: d
             budgets = spread_budgets(payload["low_bytes"], payload["high_bytes"], args.budgets)
             payload["gap_budgets"] = gap_budgets(payload["fixed_rows"], payload["low_bytes"],
                                                  payload["high_bytes"]) if args.gaps else []
-            if args.gap_indices is not None:  # one share of the gaps: another run measures the rest
-                payload["gap_budgets"] = [b for i, b in enumerate(payload["gap_budgets"]) if i in args.gap_indices]
+            if args.gap_range is not None:  # one share of the gaps: another run measures the rest
+                low, high = args.gap_range
+                payload["gap_budgets"] = [b for b in payload["gap_budgets"] if low <= b < high]
             payload["budgets"] = sorted({*budgets, *payload["gap_budgets"]})
             save(payload)
             for budget in _progress(payload["budgets"], desc=f"{name} auto", unit="budget"):
@@ -317,9 +319,10 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--budgets", type=int, default=6, help="evenly spaced budgets per target")
     parser.add_argument("--no-gaps", dest="gaps", action="store_false",
                         help="skip the budgets just below each step of the fixed modes' frontier")
-    parser.add_argument("--gap-indices", default=None,
-                        help="only these frontier-gap budgets, by index from the smallest (e.g. 0,1): a target whose "
-                             "gaps take longer than one run may have is split over several runs")
+    parser.add_argument("--gap-range", default=None, metavar="LOW:HIGH",
+                        help="only the frontier-gap budgets from LOW up to (not including) HIGH, either may be left "
+                             "out (40GiB: or :40GiB): a target whose gaps take longer than one run may have is split "
+                             "over runs by size (the gaps' order depends on measured times, their sizes do not)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2,
                         help="warm-up steps per row (with auto, the first one includes the profiling forward)")
@@ -339,15 +342,17 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     unknown = [t for t in args.targets if t not in SYNTHETIC_TARGETS and t not in installed]
     if unknown:
         parser.error(f"unknown target(s) {unknown}: {sorted(SYNTHETIC_TARGETS)} or one of {sorted(installed)}")
-    if args.gap_indices is not None:
+    if args.gap_range is not None:
         if not args.gaps:
-            parser.error("--gap-indices selects among the frontier-gap budgets: drop --no-gaps")
+            parser.error("--gap-range selects among the frontier-gap budgets: drop --no-gaps")
+        text = args.gap_range
+        low, sep, high = text.partition(":")
         try:
-            args.gap_indices = {int(i) for i in args.gap_indices.split(",") if i.strip()}
+            args.gap_range = (parse_bytes(low) if low else 0, parse_bytes(high) if high else float("inf"))
         except ValueError:
-            parser.error(f"--gap-indices takes comma-separated indices (e.g. 0,1), not {args.gap_indices!r}")
-        if not args.gap_indices or min(args.gap_indices) < 0:
-            parser.error("--gap-indices needs at least one index, each 0 or more")
+            sep = ""
+        if not sep or args.gap_range[0] >= args.gap_range[1]:
+            parser.error(f"--gap-range takes LOW:HIGH sizes, LOW below HIGH (e.g. 40GiB: or :40GiB), not {text!r}")
     if args.budgets < 0 or (args.budgets == 0 and not args.gaps):
         parser.error("--budgets must be at least 1 (or 0 with the frontier-gap budgets)")
     if args.pairs < 1:

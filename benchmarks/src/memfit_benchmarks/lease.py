@@ -17,11 +17,12 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
 - ``families[=<f1>,<f2>][,rounds=<n>]``: every family (or those named) at its published size (``n`` round-robin
   rounds per mode)
 - ``fsdp2``: ``memfit_benchmarks.fsdp2 --nproc 2 --preset full``
-- ``auto[=<t1>,<t2>,<n>][,pairs=<k>][,steps=<s>][,warmup=<w>][,gaps=<i>+<j>][,no-adjacent][,no-gaps]``: the
+- ``auto[=<t1>,<t2>,<n>][,pairs=<k>][,steps=<s>][,warmup=<w>][,gaps=<low>:<high>][,no-adjacent][,no-gaps]``: the
   ``auto``-planner sweep (``memfit_benchmarks.auto_sweep``), default or named targets, ``n`` spread budgets each
   (default 6) plus the gap budgets (``no-gaps``: without them; ``n`` = 0: the gap budgets alone, so two lanes can
-  share one target's budgets; ``gaps=0+1``: only those gap budgets, by index from the smallest: Wan's four gaps
-  with two warm-up steps take longer than one lease's call, ``auto=wan,0,gaps=0+1,steps=2,warmup=2``), ``k`` alternations of auto and the fixed mode per budget, ``s`` timed and ``w`` warm-up
+  share one target's budgets; ``gaps=40GiB:``: only the gap budgets from 40 GiB up, ``gaps=:40GiB`` those below:
+  Wan's gaps with two warm-up steps take longer than one lease's call, ``auto=wan,0,gaps=40GiB:,steps=2,warmup=2``),
+  ``k`` alternations of auto and the fixed mode per budget, ``s`` timed and ``w`` warm-up
   steps per row, ``no-adjacent``: compare with the fixed modes' first measurement (a 14B Wan step takes ~5 s:
   ``auto=wan,3,no-gaps,steps=2,warmup=2`` fits one lane; with one warm-up step auto measured ~2% behind the
   same plan's steady state); a family target's fixed rows are also written as that family's results
@@ -64,7 +65,7 @@ def _flag(flag: str, value: str | None) -> list[str]:
 
 def job_slug(job: str) -> str:
     """``"auto=wan,3,steps=2"`` → ``"auto_wan_3_steps_2"``: a job's name for files and folders."""
-    return job.replace("=", "_").replace(",", "_").replace("+", "_")
+    return job.replace("=", "_").replace(",", "_").replace("+", "_").replace(":", "_")
 
 
 def job_command(job: str, out: Path) -> list[str]:
@@ -93,7 +94,7 @@ def job_command(job: str, out: Path) -> list[str]:
                 *_flag("--warmup", opts["warmup"]), "--out", str(out / "diagnose" / job_slug(job))]
     if job == "auto" or job.startswith("auto="):
         items, opts = _split_options(job.partition("=")[2], "pairs", "steps", "warmup", "gaps")
-        opts["gap-indices"] = (opts.pop("gaps") or "").replace("+", ",") or None
+        opts["gap-range"] = opts.pop("gaps")
         flags = {"no-adjacent": "--no-adjacent", "no-gaps": "--no-gaps"}
         chosen = [flags[i] for i in items if i in flags]
         items = [i for i in items if i not in flags]
