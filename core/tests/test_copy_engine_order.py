@@ -26,7 +26,7 @@ def recorded_on(streams, name: str) -> list[int]:
 
 
 def test_a_device_to_host_copy_waits_for_its_producer_and_ties_the_source_to_its_stream():
-    eng = order_checking_copy_engine(landed=True)
+    eng = order_checking_copy_engine(landed=True, coalesce_max_bytes=0)  # tensor by tensor
     streams = eng.streams
     a, b = torch.randn(4, 8), torch.randn(8, 4).t()  # b: a dense transpose, parked with its strides
     c = torch.randn(4, 8)[:, ::2]  # not dense: copied through a contiguous temporary
@@ -45,7 +45,7 @@ def test_a_device_to_host_copy_waits_for_its_producer_and_ties_the_source_to_its
 
 
 def test_a_reload_waits_for_compute_and_for_each_host_copy_once():
-    eng = order_checking_copy_engine(landed=True)
+    eng = order_checking_copy_engine(landed=True, coalesce_max_bytes=0)
     streams = eng.streams
     first, second = eng.offload_many([torch.randn(4, 8), torch.randn(3, 5)]), eng.offload_many([torch.randn(6)])
     for p in (*first, *second):
@@ -59,6 +59,64 @@ def test_a_reload_waits_for_compute_and_for_each_host_copy_once():
     assert {p.h2d_done for p in (*first, *second)} == {first[0].h2d_done} and first[0].h2d_done.stream == "h2d"
     assert {t.untyped_storage().data_ptr() for t in outs} <= {ptr for ptr, s in streams.tied if s == "h2d"}
     assert eng.stats.bytes_reloaded == sum(p.nbytes for p in (*first, *second))
+
+
+def test_a_small_batch_is_packed_on_compute_and_copied_once_each_way():
+    eng = order_checking_copy_engine(landed=True)
+    streams = eng.streams
+    a = torch.randn(4, 8)
+    b = torch.randn(8, 3, dtype=torch.float64).t()  # a dense transpose: packed as it lies in memory
+    c = torch.randn(4, 8)[:, ::2]  # not dense: packed from a contiguous copy
+    d = torch.arange(7, dtype=torch.int16)  # 14 bytes: the next tensor starts aligned all the same
+    e = torch.randn(2, 3, dtype=torch.bfloat16)
+    parked = eng.offload_many([a, b, c, d, e])
+    (produced,) = recorded_on(streams, "compute")  # after the packing, which ran on compute
+    assert streams.waits("d2h") == [produced] and eng.stats.coalesced_batches == 1
+    assert len({id(p.buffer) for p in parked}) == 1 and len({p.d2h_done for p in parked}) == 1
+    assert [p.offset % 512 for p in parked] == [0] * 5 and parked[1].stride == b.stride()
+    (tied,) = streams.tied  # only the packed buffer: the sources were read on compute, in its order
+    assert tied[1] == "d2h" and tied[0] not in {t.untyped_storage().data_ptr() for t in (a, b, c, d, e)}
+    assert eng.stats.bytes_offloaded == sum(t.numel() * t.element_size() for t in (a, b, c, d, e))
+    for p in parked:
+        p.source = None
+    streams.log.clear()
+    streams.tied.clear()
+    eng.reload_many(parked)
+    (ready,) = recorded_on(streams, "compute")
+    assert streams.waits("h2d") == [ready, parked[0].d2h_done.id]
+    (packed,) = streams.tied  # one device buffer, one copy
+    for p, t in zip(parked, (a, b, c, d, e), strict=True):
+        got = eng.fetch(p)
+        assert torch.equal(got, t) and got.dtype == t.dtype and got.untyped_storage().data_ptr() == packed[0]
+        assert got.stride() == (t.contiguous().stride() if t is c else t.stride())
+
+
+def test_a_batch_above_the_coalescing_size_and_a_single_tensor_are_copied_one_by_one():
+    eng = order_checking_copy_engine(landed=True, coalesce_max_bytes=255)
+    parked = eng.offload_many([torch.randn(32), torch.randn(32)])  # 256 bytes: one more than the limit
+    parked += eng.offload_many([torch.randn(4)])
+    assert eng.stats.coalesced_batches == 0 and all(p.group is None for p in parked)
+    assert len({id(p.buffer) for p in parked}) == 3
+    with pytest.raises(ValueError, match="coalesce_max_bytes"):
+        order_checking_copy_engine(coalesce_max_bytes=-1)
+
+
+def test_a_coalesced_host_buffer_goes_back_with_its_last_member_after_the_last_reload():
+    eng = order_checking_copy_engine()
+    parked = eng.offload_many([torch.randn(8), torch.randn(8), torch.randn(8)])
+    for p in parked:
+        p.source = None
+    eng.reload_many(parked[:2])
+    first = parked[0].h2d_done
+    eng.reload_many(parked[2:])  # a later reload of the same buffer: the one a reuse must wait for
+    buf = parked[0].buffer
+    eng.release(parked[0])
+    eng.release(parked[1])
+    assert buf.in_use and parked[2].buffer is buf  # a member still holds it
+    eng.release(parked[2])
+    assert not buf.in_use and buf._ready is parked[2].h2d_done and buf._ready is not first
+    eng.release(parked[2])  # released once: a second release is a no-op
+    assert eng.pool.stats().buffers_in_use == 0
 
 
 def test_compute_waits_for_a_reload_only_while_it_is_in_flight():
@@ -132,16 +190,19 @@ def test_a_released_host_buffer_waits_for_the_last_copy_that_used_it():
     {"gradient_checkpointing_offload_attention": True},
 ], ids=["unsloth", "unsloth-ffn", "offload_attention"])
 @pytest.mark.parametrize("landed", [True, False], ids=["landed", "in-flight"])
-def test_backends_through_the_asynchronous_engine_keep_gradients_and_order(model, x, config, landed):
+@pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "one-by-one"])
+def test_backends_through_the_asynchronous_engine_keep_gradients_and_order(model, x, config, landed, coalesce):
     """The engine checks its own ordering as it runs; gradients as without memfit; every reload waited on
     while in flight, none once landed; every host buffer back in the pool."""
     ref = step(model, x)
-    eng = order_checking_copy_engine(landed=landed)
+    eng = order_checking_copy_engine(landed=landed, **({} if coalesce else {"coalesce_max_bytes": 0}))
     with memfit.apply(model, config, adapter=TOY, copy_engine=eng, min_offload_bytes=0) as handle:
         got = step(model, x)
         stats = handle.stats()
     assert_same(ref, got)
     assert stats["bytes_offloaded"] > 0 and stats["bytes_reloaded"] > 0
+    if not coalesce:  # (the toy's regions park one tensor each: the kit's families run packed batches)
+        assert stats["coalesced_batches"] == 0
     reloads, compute_waits = set(recorded_on(eng.streams, "h2d")), set(eng.streams.waits("compute"))
     assert (reloads <= compute_waits) if not landed else not (reloads & compute_waits)
     gc.collect()

@@ -23,6 +23,19 @@ Reload ahead.  :meth:`CopyEngine.reload` only *issues* a reload; :meth:`fetch` m
 compute stream wait for it. The session reloads the next regions in backward order while
 the current one recomputes (``OffloadSession.needed``).
 
+Coalescing.  A step of a small model is bound by host time: every tensor parked costs a pool lookup, a
+host view, a copy launch and stream bookkeeping (~0.1 ms of Python each on the H200's host), which a
+1024-token step cannot hide. So a batch of several tensors totalling at most ``coalesce_max_bytes``
+(a region's attention activations, 36 MiB at 1024 tokens) is packed on the compute stream into one
+device buffer (one ``torch.cat``, stream-ordered: its sources need no ``record_stream``), copied to one
+host buffer and back in one copy each way; the reloaded tensors are views of one device buffer, freed
+when the last of them is. The price: the packed buffer exists next to its sources until they are dropped
+(at most ``coalesce_max_bytes`` more for an instant), and a region's reloaded tensors are freed together.
+Larger batches copy tensor by tensor, so a big region never needs that extra memory.
+
+Stream switches.  ``torch.cuda.stream()`` looks up the device and the current stream again; the
+engine already holds the stream to go back to, so it sets streams directly (:meth:`StreamApi.use`).
+
 Telemetry.  Waits of the compute stream on copy events are bracketed by timing events;
 their durations (stall = copy time not hidden behind compute) are read lazily in
 :meth:`stats`, when the events have long completed.
@@ -52,10 +65,32 @@ def dense_layout(tensor: torch.Tensor) -> bool:
     (contiguous, or a permutation such as a transposed attention layout): then it is parked with its
     strides, and comes back with exactly the layout autograd saved (some attention backward kernels
     expect ``out`` and ``grad_out`` to share a layout)."""
+    return tensor.is_contiguous() or _in_memory_order(tensor).is_contiguous()
+
+
+def _in_memory_order(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` with its dimensions permuted from the largest stride to the smallest (a view)."""
+    return tensor.permute(sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), -tensor.shape[d])))
+
+
+def _flat_in_memory_order(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int, ...]]:
+    """``tensor``'s elements as a 1-D contiguous tensor in memory order, and the strides to view them as
+    ``tensor`` again: a view of a dense tensor (any dimension order), a contiguous copy of any other."""
     if tensor.is_contiguous():
-        return True
-    order = sorted(range(tensor.dim()), key=lambda d: (-tensor.stride(d), -tensor.shape[d]))
-    return tensor.permute(order).is_contiguous()
+        return tensor.reshape(-1), tensor.stride()
+    permuted = _in_memory_order(tensor)
+    if permuted.is_contiguous():
+        return permuted.reshape(-1), tensor.stride()
+    dense = tensor.contiguous()
+    return dense.view(-1), dense.stride()
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, step = [], 1
+    for d in reversed(shape):
+        stride.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(stride))
 
 
 @dataclass
@@ -77,12 +112,27 @@ class Parked:
     fetches_left: int = 0  # fetches this reload still serves (a shared tensor is reloaded once per backward)
     copied_back: bool = False  # ``reloaded`` came through a host→device copy (else: the source, held)
     storage: weakref.ref | None = None  # the device storage copied from, while any tensor uses it
+    group: _Coalesced | None = None  # parked with others in one host buffer (see "Coalescing")
+    offset: int = 0  # bytes into the group's buffer
 
     def alive_source(self) -> torch.Tensor | None:
         t = self.source() if self.source is not None else None
         if t is not None and t._version == self.version:
             return t
         return None
+
+
+@dataclass(eq=False)
+class _Coalesced:
+    """Tensors parked together in one host buffer: copied there in one copy, reloaded in one."""
+
+    buffer: HostBuffer
+    nbytes: int
+    members: int  # not released yet; the last release returns the buffer
+    last_read: Any  # the latest copy that reads or writes the host buffer (a reload, else the parking copy)
+
+
+_ALIGN = 512  # bytes: where each coalesced tensor starts (the caching allocator's own alignment)
 
 
 @dataclass
@@ -92,6 +142,7 @@ class CopyStats:
     reloads_skipped: int = 0  # source still alive on the device: no copy back needed
     bytes_kept_on_device: int = 0  # worth parking, but in the step's last two regions: never copied
     dedup_hits: int = 0
+    coalesced_batches: int = 0  # batches parked through one packed buffer
     copies_inflight_waits: int = 0
     stall_events: list[tuple[Any, Any]] = field(default_factory=list)
     stall_ms_resolved: float = 0.0
@@ -109,13 +160,32 @@ class StreamApi:
     def new_event(self, *, timing: bool = False) -> Any:
         return torch.cuda.Event(enable_timing=timing)
 
-    def use(self, stream: Any) -> Any:
-        """Context manager: work issued inside runs on ``stream``."""
-        return torch.cuda.stream(stream)
+    def use(self, stream: Any, *, restore: Any) -> Any:
+        """Context manager: work issued inside runs on ``stream``; ``restore`` (the current stream, which the
+        caller holds) is current again after it."""
+        return _StreamSwitch(stream, restore)
 
     def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
         """``tensor``'s memory is not handed out again before ``stream``'s work issued so far has finished."""
         tensor.record_stream(stream)
+
+
+class _StreamSwitch:
+    """``with``: ``stream`` is current inside, ``restore`` after (``torch.cuda.set_stream`` both ways)."""
+
+    __slots__ = ("stream", "restore")
+
+    def __init__(self, stream: Any, restore: Any) -> None:
+        self.stream, self.restore = stream, restore
+
+    def __enter__(self) -> None:
+        torch.cuda.set_stream(self.stream)
+
+    def __exit__(self, *exc: object) -> None:
+        torch.cuda.set_stream(self.restore)
+
+
+COALESCE_MAX_BYTES = 64 << 20
 
 
 class CopyEngine:
@@ -126,14 +196,20 @@ class CopyEngine:
         max_inflight_bytes: bound on device→host bytes issued and not yet finished.
         timing: record stall-timing events (cheap; a few events per fetch).
         streams: the stream and event calls (default: ``torch.cuda``'s).
+        coalesce_max_bytes: a batch of several tensors up to this many bytes in all is copied through one
+            packed buffer each way (see "Coalescing"); 0 copies every tensor on its own.
     """
 
     parks_cpu_tensors = False  # CPU tensors stay where they are: there is no device memory to free
 
     def __init__(self, pool: PinnedBucketPool, *, max_inflight_bytes: int = 2 << 30, timing: bool = True,
-                 streams: StreamApi | None = None) -> None:
+                 streams: StreamApi | None = None, coalesce_max_bytes: int = COALESCE_MAX_BYTES) -> None:
+        if coalesce_max_bytes < 0:
+            raise ValueError(f"coalesce_max_bytes must be 0 (never coalesce) or more, not {coalesce_max_bytes}")
         self.pool = pool
         self.max_inflight_bytes = max_inflight_bytes
+        self.coalesce_max_bytes = coalesce_max_bytes
+        self._pads: dict[torch.device, torch.Tensor] = {}
         self.timing = timing
         self.stats = CopyStats()
         self.streams = StreamApi() if streams is None else streams
@@ -154,11 +230,15 @@ class CopyEngine:
             return []
         api = self.streams
         compute = api.current_stream(tensors[0].device)
+        if len(tensors) > 1:
+            total = sum(t.numel() * t.element_size() for t in tensors)
+            if total <= self.coalesce_max_bytes:
+                return self._offload_coalesced(tensors, compute)
         produced = api.new_event()
         produced.record(compute)
         self._d2h.wait_event(produced)
         staged = []
-        with api.use(self._d2h):
+        with api.use(self._d2h, restore=compute):
             for tensor in tensors:
                 src = tensor if dense_layout(tensor) else tensor.contiguous()
                 nbytes = src.numel() * src.element_size()
@@ -180,6 +260,49 @@ class CopyEngine:
         self.stats.bytes_offloaded += total
         self._track_inflight(done, total, compute)
         return out
+
+    def _offload_coalesced(self, tensors: list[torch.Tensor], compute: Any) -> list[Parked]:
+        """Pack ``tensors`` into one device buffer on ``compute``, then one copy to one host buffer."""
+        api = self.streams
+        pieces: list[torch.Tensor] = []
+        layout: list[tuple[torch.Tensor, tuple[int, ...], int, int]] = []  # (tensor, stride, offset, nbytes)
+        offset = 0
+        for tensor in tensors:
+            flat, stride = _flat_in_memory_order(tensor)
+            nbytes = flat.numel() * flat.element_size()
+            pad = -offset % _ALIGN
+            if pad:
+                pieces.append(self._padding(tensor.device)[:pad])
+                offset += pad
+            pieces.append(flat.view(torch.uint8))
+            layout.append((tensor, stride, offset, nbytes))
+            offset += nbytes
+        packed = torch.cat(pieces)  # on compute, after the producers: the sources may die at once
+        produced = api.new_event()
+        produced.record(compute)
+        self._d2h.wait_event(produced)
+        buf = self.pool.acquire(offset)
+        with api.use(self._d2h, restore=compute):
+            buf.tensor[:offset].copy_(packed, non_blocking=buf.pinned)
+            done = api.new_event()
+            done.record(self._d2h)
+        api.record_stream(packed, self._d2h)
+        group = _Coalesced(buf, offset, len(tensors), done)
+        out = [Parked(buf, tensor.shape, tensor.dtype, tensor.device, nbytes, weakref.ref(tensor), tensor._version,
+                      d2h_done=done, stride=stride, storage=weakref.ref(tensor.untyped_storage()), group=group,
+                      offset=at)
+               for tensor, stride, at, nbytes in layout]
+        self.stats.bytes_offloaded += sum(p.nbytes for p in out)
+        self.stats.coalesced_batches += 1
+        self._track_inflight(done, offset, compute)
+        return out
+
+    def _padding(self, device: torch.device) -> torch.Tensor:
+        """``_ALIGN`` bytes on ``device`` to put between packed tensors (their content is never read)."""
+        pad = self._pads.get(device)
+        if pad is None:
+            pad = self._pads[device] = torch.zeros(_ALIGN, dtype=torch.uint8, device=device)
+        return pad
 
     def _track_inflight(self, done: Any, nbytes: int, compute: Any) -> None:
         self._inflight.append((done, nbytes))
@@ -209,23 +332,34 @@ class CopyEngine:
             return
         api = self.streams
         compute = api.current_stream(todo[0].device)
-        outs = []
-        for p in todo:  # allocated on compute: the memory is free for us only after compute's earlier work
-            stride = p.stride or torch.empty(p.shape, device="meta").stride()
-            outs.append(torch.empty_strided(p.shape, stride, dtype=p.dtype, device=p.device))
+        singles = [p for p in todo if p.group is None]
+        groups = {id(p.group): p.group for p in todo if p.group is not None}
+        # allocated on compute: the memory is free for us only after compute's earlier work
+        outs = [torch.empty_strided(p.shape, p.stride or _contiguous_stride(p.shape), dtype=p.dtype,
+                                    device=p.device) for p in singles]
+        packed = {key: torch.empty(g.nbytes, dtype=torch.uint8, device=todo[0].device) for key, g in groups.items()}
         ready = api.new_event()
         ready.record(compute)
         self._h2d.wait_event(ready)
         for d2h_done in {id(p.d2h_done): p.d2h_done for p in todo}.values():
             self._h2d.wait_event(d2h_done)
-        with api.use(self._h2d):
-            for p, out in zip(todo, outs, strict=True):
+        with api.use(self._h2d, restore=compute):
+            for p, out in zip(singles, outs, strict=True):
                 assert p.buffer is not None
                 out.copy_(p.buffer.strided_view(p.dtype, p.shape, out.stride()), non_blocking=p.buffer.pinned)
+            for key, group in groups.items():
+                packed[key].copy_(group.buffer.tensor[:group.nbytes], non_blocking=group.buffer.pinned)
             done = api.new_event()
             done.record(self._h2d)
-        for p, out in zip(todo, outs, strict=True):
+        for out in (*outs, *packed.values()):
             api.record_stream(out, self._h2d)
+        for group in groups.values():
+            group.last_read = done
+        reloaded = dict(zip(map(id, singles), outs, strict=True))
+        for p in todo:
+            out = reloaded.get(id(p))
+            if out is None:  # a view of its group's buffer, with the strides it was parked with
+                out = packed[id(p.group)][p.offset:p.offset + p.nbytes].view(p.dtype).as_strided(p.shape, p.stride)
             p.fetches_left = p.users
             p.reloaded, p.h2d_done, p.copied_back = out, done, True
             self.stats.bytes_reloaded += p.nbytes
@@ -279,10 +413,17 @@ class CopyEngine:
             stream.wait_event(event)
 
     def release(self, parked: Parked) -> None:
-        """Return the host buffer once nothing reads it any more."""
+        """Return the host buffer once nothing reads it any more (a coalesced one with its last member)."""
         buf, parked.buffer = parked.buffer, None
-        if buf is not None:
+        if buf is None:
+            return
+        group = parked.group
+        if group is None:
             buf.release(ready=parked.h2d_done or parked.d2h_done)
+            return
+        group.members -= 1
+        if group.members == 0:
+            buf.release(ready=group.last_read)
 
     def reset_stats(self) -> None:
         """Start counting afresh (timing events still in flight are dropped with the old counters)."""
@@ -353,3 +494,4 @@ def _consume(parked: Parked) -> None:
     parked.fetches_left -= 1
     if parked.fetches_left <= 0:
         parked.reloaded = None
+

@@ -73,13 +73,14 @@ class RecordingStreams(StreamApi):
         return RecordingEvent(self)
 
     @contextlib.contextmanager
-    def use(self, stream: RecordingStream) -> Iterator[None]:
-        before, self.current = self.current, stream
+    def use(self, stream: RecordingStream, *, restore: RecordingStream) -> Iterator[None]:
+        assert restore is self.current, f"a switch to {stream.name} would restore {restore.name}, not the current"
+        self.current = stream
         self.log.append(("use", stream.name))
         try:
             yield
         finally:
-            self.current = before
+            self.current = restore
             self.log.append(("leave", stream.name))
 
     def record_stream(self, tensor: torch.Tensor, stream: RecordingStream) -> None:
@@ -123,7 +124,7 @@ class OrderCheckingEngine(CopyEngine):
 
 def order_checking_copy_engine(*, landed: bool = False, **kwargs) -> OrderCheckingEngine:
     """An :class:`OrderCheckingEngine` parking into pageable CPU buffers (no CUDA needed); ``kwargs`` go to
-    :class:`CopyEngine` (``max_inflight_bytes``, ``timing``)."""
+    :class:`CopyEngine` (``max_inflight_bytes``, ``timing``, ``coalesce_max_bytes``)."""
     pool = PinnedBucketPool(allocate=lambda n, pinned: torch.empty(n, dtype=torch.uint8),
                             available_host_bytes=lambda: 1 << 40, host_reserve_bytes=0)
     return OrderCheckingEngine(pool, landed=landed, **kwargs)
