@@ -45,6 +45,9 @@ VARIANTS = {
     "unsloth[no-timing]": ("unsloth", lambda cfg: {"copy_engine": CopyEngine(PinnedBucketPool.from_config(cfg),
                                                                              timing=False)}),
     "unsloth[min 16MiB]": ("unsloth", lambda cfg: {"min_offload_bytes": 16 << 20}),
+    # every tensor copied on its own, as before batches were packed (copy.py, "Coalescing")
+    "offload_attention[one-by-one]": ("offload_attention", lambda cfg: {"copy_engine": CopyEngine(
+        PinnedBucketPool.from_config(cfg), coalesce_max_bytes=0)}),
 }
 
 
