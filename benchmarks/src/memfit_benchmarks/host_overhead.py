@@ -1,0 +1,202 @@
+"""memfit's own host time per step, without a GPU: the cost a launch-bound step (1024 tokens on an H200) feels.
+
+    python -m memfit_benchmarks.host_overhead --out DIR [--rounds 5] [--steps 30]
+
+A small synthetic stack (width 64, 15 blocks, 64 tokens, LoRA r16 on CPU, one thread) makes every kernel nearly
+free, so a step's time is host time: Python, dispatch, autograd and memfit's hooks. The offload modes run the
+CUDA copy engine over streams and events that do nothing (:class:`NullStreams`) and park every saved tensor
+(``min_offload_bytes=0``, as at 1024 tokens on the GPU, where each is ≥ 1 MiB): what is measured is memfit's
+Python, not CUDA's calls, which a GPU adds on top. ``none + no-op hooks`` runs saved-tensor hooks that return
+what they get: the floor any per-tensor Python hook costs.
+
+Every mode is measured ``--rounds`` times round-robin; each row reports its median round and the extra time
+over its baseline (``unsloth`` over ``torch``, ``offload_attention`` over ``none``…) as the median of the
+per-round differences, per step and per saved tensor parked. Writes ``host-overhead-<date>.json`` and ``.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import memfit
+from memfit.offload.copy import CopyEngine, StreamApi
+from memfit.offload.pool import PinnedBucketPool
+from memfit_benchmarks.runner import MODES, Mode
+from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
+
+NOOP_HOOKS = "none + no-op hooks"
+BASELINES = {"unsloth": "torch", "unsloth-ffn": "torch-ffn", "offload_attention": "none",
+             "torch-ffn + offload_attention": "torch-ffn", "torch": "none", "torch-ffn": "none", NOOP_HOOKS: "none"}
+NAMES = ["none", NOOP_HOOKS, "torch", "unsloth", "torch-ffn", "unsloth-ffn", "offload_attention",
+         "torch-ffn + offload_attention"]
+
+
+class _NullEvent:
+    def record(self, stream: Any = None) -> None:
+        return None
+
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
+
+    def elapsed_time(self, other: Any) -> float:
+        return 0.0
+
+
+class _NullStream:
+    def wait_event(self, event: Any) -> None:
+        return None
+
+
+class NullStreams(StreamApi):
+    """Streams and events that do nothing and are always complete: the copy engine's Python, on CPU tensors."""
+
+    def __init__(self) -> None:
+        self._stream = _NullStream()
+
+    def new_stream(self) -> _NullStream:
+        return self._stream
+
+    def current_stream(self, device: torch.device) -> _NullStream:
+        return self._stream
+
+    def new_event(self, *, timing: bool = False) -> _NullEvent:
+        return _NullEvent()
+
+    def use(self, stream: Any, *, restore: Any) -> contextlib.nullcontext:
+        return contextlib.nullcontext()
+
+    def record_stream(self, tensor: torch.Tensor, stream: Any) -> None:
+        return None
+
+
+class _CpuCopyEngine(CopyEngine):
+    parks_cpu_tensors = True  # CPU tensors stand for device tensors here
+
+
+def null_copy_engine() -> CopyEngine:
+    """The CUDA copy engine over :class:`NullStreams`, parking into pageable CPU buffers."""
+    pool = PinnedBucketPool(allocate=lambda n, pinned: torch.empty(n, dtype=torch.uint8),
+                            available_host_bytes=lambda: 1 << 40, host_reserve_bytes=0)
+    return _CpuCopyEngine(pool, streams=NullStreams())
+
+
+def _measure(model, batch, name: str, steps: int) -> dict[str, Any]:
+    config = {m.name: m.config for m in MODES}.get(name)
+    parked = [0]
+
+    def pack(tensor: torch.Tensor) -> torch.Tensor:
+        parked[0] += 1
+        return tensor
+
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if name == NOOP_HOOKS else None
+    kwargs = {"copy_engine": null_copy_engine(), "min_offload_bytes": 0} if config and _offloads(config) else {}
+    handle = memfit.apply(model, config, adapter=SYNTHETIC, **kwargs) if config else None
+    try:
+        def step() -> None:
+            model.zero_grad(set_to_none=True)
+            with hooks if hooks is not None else contextlib.nullcontext():
+                loss = SYNTHETIC.loss(model(**batch))
+            loss.backward()
+
+        for _ in range(3):
+            step()
+        parked[0] = 0
+        if handle is not None:
+            handle.reset_stats()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            step()
+            times.append(time.perf_counter() - t0)
+        stats = handle.stats() if handle is not None else {}
+    finally:
+        if handle is not None:
+            handle.remove()
+    tensors = stats.get("attention_tensors_parked", 0) + stats.get("saved_tensors_replaced", 0) + parked[0]
+    return {"mode": name, "step_ms": statistics.median(times) * 1e3, "hooked_tensors_per_step": tensors / steps}
+
+
+def _offloads(config: dict[str, Any]) -> bool:
+    return config.get("gradient_checkpointing_backend", "").startswith("unsloth") or bool(
+        config.get("gradient_checkpointing_offload_attention"))
+
+
+def run(*, rounds: int, steps: int, depth: int = 15, width: int = 64, tokens: int = 64) -> dict[str, Any]:
+    torch.set_num_threads(1)
+    model = build(dim=width, depth=depth, dtype=torch.float32, device="cpu")
+    from memfit_benchmarks.__main__ import add_lora
+
+    add_lora(model)
+    batch = inputs(model, tokens=tokens)
+    per_round: dict[str, list[dict[str, Any]]] = {n: [] for n in NAMES}
+    for _ in range(rounds):
+        for name in NAMES:
+            per_round[name].append(_measure(model, batch, name, steps))
+    rows = []
+    for name in NAMES:
+        ms = [r["step_ms"] for r in per_round[name]]
+        row = {"mode": name, "step_ms": statistics.median(ms), "step_ms_rounds": ms,
+               "hooked_tensors_per_step": per_round[name][-1]["hooked_tensors_per_step"]}
+        base = BASELINES.get(name)
+        if base is not None:
+            extra = statistics.median(a - b for a, b in zip(ms, (r["step_ms"] for r in per_round[base]), strict=True))
+            row["baseline"], row["extra_ms"] = base, extra
+        rows.append(row)
+    return {"shape": {"width": width, "depth": depth, "tokens": tokens}, "rounds": rounds, "steps": steps,
+            "rows": rows}
+
+
+def render(payload: dict[str, Any]) -> str:
+    shape = payload["shape"]
+    lines = [f"# memfit host time per step — {payload['device']}, torch {payload['torch']}, {payload['date']}", "",
+             f"Synthetic stack {shape['width']}w x{shape['depth']}, {shape['tokens']} tokens, fp32 + LoRA r16, one "
+             f"CPU thread: kernels nearly free, a step is host time. Offload modes: the CUDA copy engine over "
+             f"streams and events that do nothing, every saved tensor parked. Median of {payload['steps']} steps, "
+             f"{payload['rounds']} round-robin rounds; extra = median of per-round differences to the baseline. "
+             f"Commit: {payload.get('git_commit') or 'n/a'}.", "",
+             "| mode | step ms | baseline | extra ms | hooked tensors / step |", "|---|---|---|---|---|"]
+    for r in payload["rows"]:
+        extra = f"{r['extra_ms']:+.2f}" if "extra_ms" in r else ""
+        lines.append(f"| {r['mode']} | {r['step_ms']:.2f} | {r.get('baseline', '')} | {extra} | "
+                     f"{r['hooked_tensors_per_step']:.0f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--depth", type=int, default=15)
+    args = parser.parse_args(argv)
+    if args.rounds < 1 or args.steps < 1 or args.depth < 1:
+        parser.error("--rounds, --steps and --depth must be at least 1")
+    payload = {"suite": "host-overhead", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+               "device": f"cpu ({platform.machine()}, {platform.processor() or 'unknown'})",
+               "torch": torch.__version__, "python": platform.python_version(),
+               "git_commit": os.environ.get("MEMFIT_GIT_COMMIT"),
+               **run(rounds=args.rounds, steps=args.steps, depth=args.depth)}
+    args.out.mkdir(parents=True, exist_ok=True)
+    stem = args.out / f"host-overhead-{payload['date'][:10]}"
+    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1))
+    stem.with_suffix(".md").write_text(render(payload))
+    print(render(payload), flush=True)
+    return stem.with_suffix(".json")
+
+
+if __name__ == "__main__":
+    main()
