@@ -32,7 +32,7 @@ import torch
 import memfit
 from memfit.offload.copy import CopyEngine, StreamApi
 from memfit.offload.pool import PinnedBucketPool
-from memfit_benchmarks.runner import MODES, Mode
+from memfit_benchmarks.runner import MODES
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
 
 NOOP_HOOKS = "none + no-op hooks"
@@ -185,7 +185,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1 or args.depth < 1:
         parser.error("--rounds, --steps and --depth must be at least 1")
-    payload = {"suite": "host-overhead", "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+    payload = {"suite": "host-overhead", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
                "device": f"cpu ({platform.machine()}, {platform.processor() or 'unknown'})",
                "torch": torch.__version__, "python": platform.python_version(),
                "git_commit": os.environ.get("MEMFIT_GIT_COMMIT"),
