@@ -1,0 +1,39 @@
+"""Interleaved step-time ratios: each A step against its neighbouring B steps, and a CPU smoke run."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+pytest.importorskip("peft")
+
+
+def test_each_step_is_compared_with_its_neighbours_so_a_drift_cancels():
+    from memfit_benchmarks.interleaved import per_step_ratios
+
+    # the machine slows down by 10% a step; A costs 2% more than B at every instant
+    a = [1.02 * 1.1 ** (2 * i) for i in range(5)]
+    b = [1.1 ** (2 * i + 1) for i in range(5)]
+    ratios = per_step_ratios(a, b)
+    assert ratios[0] == pytest.approx(1.02 / 1.1)  # only the later neighbour
+    for r in ratios[1:]:  # between its neighbours: the drift cancels to within its curvature
+        assert r == pytest.approx(1.02 / ((1.1 ** -1 + 1.1) / 2), rel=1e-9)
+        assert abs(r - 1.02) < 0.01
+    # a ratio of the two modes' means over the run would be off by the drift of one step (10%)
+
+
+def test_interleaved_smoke_cpu(tmp_path):
+    from memfit_benchmarks import interleaved
+
+    path = interleaved.main(["--out", str(tmp_path), "--shape", "tiny", "--steps", "4", "--warmup", "1",
+                             "--device", "cpu"])
+    payload = json.loads(path.read_text())
+    assert [(p["a"], p["b"]) for p in payload["pairs"]] == [(a, b) for a, b, _ in interleaved.PAIRS]
+    for p in payload["pairs"]:
+        assert len(p["a_step_times_s"]) == len(p["b_step_times_s"]) == 4
+        assert p["ratio_q1"] <= p["ratio_median"] <= p["ratio_q3"]
+    md = path.with_suffix(".md").read_text()
+    assert "| unsloth / torch |" in md and "≤ 1.02×" in md
+    with pytest.raises(SystemExit):
+        interleaved.main(["--out", str(tmp_path), "--steps", "1"])
