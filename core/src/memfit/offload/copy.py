@@ -494,4 +494,3 @@ def _consume(parked: Parked) -> None:
     parked.fetches_left -= 1
     if parked.fetches_left <= 0:
         parked.reloaded = None
-
