@@ -91,6 +91,20 @@ def test_a_small_batch_is_packed_on_compute_and_copied_once_each_way():
         assert got.stride() == (t.contiguous().stride() if t is c else t.stride())
 
 
+def test_packed_batches_keep_empty_scalar_bool_complex_and_strided_tensors_exact():
+    eng = order_checking_copy_engine()  # events in flight: every wait must be there
+    tensors = [torch.randn(0, 4), torch.tensor(3.5), torch.tensor([True, False, True]),
+               torch.randn(3, dtype=torch.complex64), torch.randn(2, 3, 4).permute(2, 0, 1), torch.randn(5, 6)[::2, 1:]]
+    parked = eng.offload_many(tensors)
+    assert eng.stats.coalesced_batches == 1
+    for p in parked:
+        p.source = None
+    eng.reload_many(parked)
+    for p, t in zip(parked, tensors, strict=True):
+        got = eng.fetch(p)
+        assert got.shape == t.shape and got.dtype == t.dtype and torch.equal(got, t)
+
+
 def test_a_batch_above_the_coalescing_size_and_a_single_tensor_are_copied_one_by_one():
     eng = order_checking_copy_engine(landed=True, coalesce_max_bytes=255)
     parked = eng.offload_many([torch.randn(32), torch.randn(32)])  # 256 bytes: one more than the limit
