@@ -32,7 +32,7 @@ import torch
 import memfit
 from memfit.offload.copy import CopyEngine, StreamApi
 from memfit.offload.pool import PinnedBucketPool
-from memfit_benchmarks.runner import MODES
+from memfit_benchmarks.runner import MODES, Mode, is_offload
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
 
 NOOP_HOOKS = "none + no-op hooks"
@@ -94,6 +94,12 @@ def null_copy_engine() -> CopyEngine:
     return _CpuCopyEngine(pool, streams=NullStreams())
 
 
+def offload_on_cpu(mode: Mode) -> dict[str, Any]:
+    """``memfit.apply`` keywords that run an offload mode on CPU tensors: the copy engine over streams that do
+    nothing, every saved tensor parked (nothing for the other modes)."""
+    return {"copy_engine": null_copy_engine(), "min_offload_bytes": 0} if is_offload(mode) else {}
+
+
 def _measure(model, batch, name: str, steps: int) -> dict[str, Any]:
     config = {m.name: m.config for m in MODES}.get(name)
     parked = [0]
@@ -103,7 +109,7 @@ def _measure(model, batch, name: str, steps: int) -> dict[str, Any]:
         return tensor
 
     hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if name == NOOP_HOOKS else None
-    kwargs = {"copy_engine": null_copy_engine(), "min_offload_bytes": 0} if config and _offloads(config) else {}
+    kwargs = offload_on_cpu(Mode(name, config))
     handle = memfit.apply(model, config, adapter=SYNTHETIC, **kwargs) if config else None
     try:
         def step() -> None:
@@ -128,11 +134,6 @@ def _measure(model, batch, name: str, steps: int) -> dict[str, Any]:
             handle.remove()
     tensors = stats.get("attention_tensors_parked", 0) + stats.get("saved_tensors_replaced", 0) + parked[0]
     return {"mode": name, "step_ms": statistics.median(times) * 1e3, "hooked_tensors_per_step": tensors / steps}
-
-
-def _offloads(config: dict[str, Any]) -> bool:
-    return config.get("gradient_checkpointing_backend", "").startswith("unsloth") or bool(
-        config.get("gradient_checkpointing_offload_attention"))
 
 
 def run(*, rounds: int, steps: int, depth: int = 15, width: int = 64, tokens: int = 64) -> dict[str, Any]:

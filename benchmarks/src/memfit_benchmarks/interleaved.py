@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 import memfit
-from memfit_benchmarks.runner import MODES, Mode, is_offload
+from memfit_benchmarks.runner import MODES, Mode
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
 
 PAIRS = [("unsloth", "torch", 1.02), ("unsloth-ffn", "torch-ffn", 1.03), ("offload_attention", "none", None)]
@@ -67,11 +67,9 @@ def per_step_ratios(a: list[float], b: list[float]) -> list[float]:
 def _cpu_offload(mode: Mode, cuda: bool) -> dict[str, Any]:
     """Off CUDA an offload mode parks through the copy engine over streams that do nothing (as
     ``host_overhead`` does): its host time, not its copies."""
-    if cuda or not is_offload(mode):
-        return {}
-    from memfit_benchmarks.host_overhead import null_copy_engine
+    from memfit_benchmarks.host_overhead import offload_on_cpu
 
-    return {"copy_engine": null_copy_engine(), "min_offload_bytes": 0}
+    return {} if cuda else offload_on_cpu(mode)
 
 
 def measure_pair(models: tuple[Any, Any], batch: dict, a: Mode, b: Mode, *, steps: int, warmup: int,

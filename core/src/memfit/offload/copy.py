@@ -57,7 +57,7 @@ from typing import Any
 
 import torch
 
-from memfit.offload.pool import HostBuffer, PinnedBucketPool
+from memfit.offload.pool import HostBuffer, PinnedBucketPool, contiguous_stride
 
 
 def dense_layout(tensor: torch.Tensor) -> bool:
@@ -83,14 +83,6 @@ def _flat_in_memory_order(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int
         return permuted.reshape(-1), tensor.stride()
     dense = tensor.contiguous()
     return dense.view(-1), dense.stride()
-
-
-def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
-    stride, step = [], 1
-    for d in reversed(shape):
-        stride.append(step)
-        step *= max(d, 1)
-    return tuple(reversed(stride))
 
 
 @dataclass
@@ -335,7 +327,7 @@ class CopyEngine:
         singles = [p for p in todo if p.group is None]
         groups = {id(p.group): p.group for p in todo if p.group is not None}
         # allocated on compute: the memory is free for us only after compute's earlier work
-        outs = [torch.empty_strided(p.shape, p.stride or _contiguous_stride(p.shape), dtype=p.dtype,
+        outs = [torch.empty_strided(p.shape, p.stride or contiguous_stride(p.shape), dtype=p.dtype,
                                     device=p.device) for p in singles]
         packed = {key: torch.empty(g.nbytes, dtype=torch.uint8, device=todo[0].device) for key, g in groups.items()}
         ready = api.new_event()

@@ -95,6 +95,15 @@ def size_class(nbytes: int, classes_per_doubling: int = CLASSES_PER_DOUBLING) ->
     return -(-nbytes // step) * step
 
 
+def contiguous_stride(shape: Sequence[int]) -> tuple[int, ...]:
+    """The strides of a contiguous tensor of ``shape`` (in elements)."""
+    stride, step = [], 1
+    for d in reversed(shape):
+        stride.append(step)
+        step *= max(d, 1)
+    return tuple(reversed(stride))
+
+
 def _fmt(n: int | float) -> str:
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB"):
@@ -168,11 +177,7 @@ class HostBuffer:
     def view(self, dtype: torch.dtype, shape: int | Sequence[int] | torch.Size) -> torch.Tensor:
         """A contiguous ``dtype`` tensor of ``shape`` over the first bytes of the buffer (no copy)."""
         shape = (shape,) if isinstance(shape, int) else tuple(int(d) for d in shape)
-        stride, step = [], 1
-        for d in reversed(shape):
-            stride.append(step)
-            step *= max(d, 1)
-        return self.strided_view(dtype, shape, stride[::-1])
+        return self.strided_view(dtype, shape, contiguous_stride(shape))
 
     def strided_view(self, dtype: torch.dtype, shape: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
         """A ``dtype`` tensor of ``shape`` and ``stride`` from the buffer's first byte (no copy).
