@@ -28,6 +28,8 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
   same plan's steady state); a family target's fixed rows are also written as that family's results
 - ``interleaved[=<shape>][,steps=<n>]``: issue 3's step-time ratios with the two modes' steps alternating on two
   copies of the synthetic stack (``memfit_benchmarks.interleaved``; shape 0 = 1024 tokens, the default)
+- ``memtimeline[=<mode1>+<mode2>][,shape=<i>]``: one step per mode under the allocator's history, what is alive at
+  its peak (``memfit_benchmarks.memtimeline``; default ``torch`` and ``unsloth`` at 1024 tokens)
 - ``diagnose[=<family>][,modes=<m1>+<m2>][,steps=<s>][,warmup=<w>]``: host vs GPU time and a profile per mode
   (``memfit_benchmarks.diagnose``), e.g. ``diagnose=wan,modes=offload_attention+auto@103.8GiB,steps=2,warmup=2``
   (mode names with spaces cannot be given here)
@@ -98,6 +100,10 @@ def job_command(job: str, out: Path) -> list[str]:
         items, opts = _split_options(job.partition("=")[2], "steps")
         return [py, "-m", "memfit_benchmarks.interleaved", "--shape", items[0] if items else "0",
                 *_flag("--steps", opts["steps"]), "--out", str(out / "interleaved")]
+    if job == "memtimeline" or job.startswith("memtimeline="):
+        items, opts = _split_options(job.partition("=")[2], "shape")
+        return [py, "-m", "memfit_benchmarks.memtimeline", *_flag("--modes", "+".join(items).replace("+", ",")),
+                *_flag("--shape", opts["shape"]), "--out", str(out / "memtimeline")]
     if job == "auto" or job.startswith("auto="):
         items, opts = _split_options(job.partition("=")[2], "pairs", "steps", "warmup", "gaps")
         opts["gap-range"] = opts.pop("gaps")
