@@ -33,7 +33,13 @@ def test_the_peak_its_phase_and_the_blocks_alive_there():
     assert {(g["size"], g["count"], g["when"]) for g in r["alive_at_peak"]} == {(100, 2, "forward"),
                                                                               (300, 1, "backward")}
     assert next(g for g in r["alive_at_peak"] if g["size"] == 100)["where"] == "memfit_benchmarks/synthetic.py:26 forward"
-    assert r["end"] == 1000
+    assert r["end"] == 1000 and r["held_by_memfit_at_peak"] == 0
+
+
+def test_what_memfit_itself_allocated_is_counted_apart():
+    ours = [{"filename": "/x/memfit/offload/copy.py", "line": 330, "name": "reload_many"}]
+    r = replay([_alloc(1, 64, ours), _alloc(2, 32)], baseline=0)
+    assert r["peak"] == 96 and r["held_by_memfit_at_peak"] == 64
 
 
 def test_a_block_freed_on_request_but_completed_later_counts_until_completed_in_that_replay():

@@ -78,11 +78,14 @@ def replay(trace: list[dict[str, Any]], *, baseline: int, free_action: str = "fr
     for size, index in peak_alive.values():
         when = "backward" if marker_index is not None and index > marker_index else "forward"
         groups[(size, when, _frame_label(trace[index].get("frames", [])))] += 1
+    held_by_memfit = sum(size for size, index in peak_alive.values()
+                         if any("/memfit/" in f.get("filename", "") for f in trace[index].get("frames", [])))
     phase = "n/a" if marker_index is None else ("forward" if peak_index < marker_index else "backward")
     return {
         "peak": peak, "baseline": baseline, "events": len(trace), "peak_event": peak_index, "phase": phase,
         "forward_end_event": marker_index,
         "peak_allocation": _frame_label(trace[peak_index].get("frames", [])) if peak_index >= 0 else None,
+        "held_by_memfit_at_peak": held_by_memfit,  # allocated from memfit's own code (reloads, packed buffers)
         "alive_at_peak": [{"size": size, "count": n, "bytes": size * n, "when": when, "where": where}
                           for (size, when, where), n in sorted(groups.items(), key=lambda kv: -kv[0][0] * kv[1])],
         "end": current,
@@ -122,7 +125,9 @@ def render(payload: dict[str, Any], *, rows: int = 14) -> str:
                   f"{r['peak_event']} of {r['events']}, forward ends at {r['forward_end_event']}); before the step "
                   f"{r['baseline'] / MiB:.1f} MiB",
                   f"- the allocation that made the peak: `{r['peak_allocation']}`",
-                  f"- allocated by the step and alive at the peak: {sum(g['bytes'] for g in r['alive_at_peak']) / MiB:.1f} MiB",
+                  f"- allocated by the step and alive at the peak: {sum(g['bytes'] for g in r['alive_at_peak']) / MiB:.1f} "
+                  f"MiB, of which memfit's own allocations (reloads, packed buffers) "
+                  f"{r.get('held_by_memfit_at_peak', 0) / MiB:.1f} MiB",
                   "", "| size MiB | count | MiB | allocated in | at |", "|---|---|---|---|---|"]
         lines += [f"| {g['size'] / MiB:.2f} | {g['count']} | {g['bytes'] / MiB:.1f} | {g['when']} | `{g['where']}` |"
                   for g in r["alive_at_peak"][:rows]]
