@@ -30,6 +30,7 @@ immediately when a forward raises: :meth:`OffloadSession.abort_step`).
 
 from __future__ import annotations
 
+import functools
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -297,7 +298,8 @@ def _remove_hooks(handles: list[Any]) -> None:
 
 def _view_key(tensor: torch.Tensor) -> tuple:
     """What makes two tensors the same data: storage address, offset, shape, strides, dtype."""
-    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tuple(tensor.shape),
+    # (``tensor.shape`` is a tuple subclass that hashes and compares as the tuple: no copy needed)
+    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape,
             tensor.stride(), tensor.dtype)
 
 
@@ -543,7 +545,8 @@ class AttentionOffloader:
             return
         self.session.note_parameters(module)
         group = _SavedGroup(self.session)
-        hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: self._pack(group, t), self._unpack)
+        # a partial, not a lambda: one Python frame less per saved tensor
+        hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, group), self._unpack)
         hooks.__enter__()
         state.enter_region_call()
         self._active.append((module, hooks, group))
