@@ -105,6 +105,62 @@ def test_packed_batches_keep_empty_scalar_bool_complex_and_strided_tensors_exact
         assert got.shape == t.shape and got.dtype == t.dtype and torch.equal(got, t)
 
 
+def test_views_that_cover_their_storage_are_packed_as_its_bytes_once():
+    """Attention's saved tensors: q, k, v strided views of one fused projection, the output and the output
+    reshaped for the next projection. Packed as two storages (no copy of a strided view, no byte twice)."""
+    eng = order_checking_copy_engine(landed=True)
+    b, n, h, d = 1, 6, 2, 4
+    qkv = torch.randn(b, n, 3 * h * d)
+    q, k, v = qkv.view(b, n, 3, h, d).permute(2, 0, 3, 1, 4)  # none is dense on its own
+    out = torch.randn(b, n, h, d).transpose(1, 2)  # (b, h, n, d), dense in memory order
+    flat_out = out.transpose(1, 2).reshape(b, n, h * d)  # the same bytes, another view
+    lone = torch.randn(4, 8, dtype=torch.float64)[:, ::2]  # half its storage: copied on its own
+    tensors = [q, out, k, v, flat_out, lone]
+    parked = eng.offload_many(tensors)
+    storage_bytes = qkv.numel() * 4 + out.numel() * 4
+    assert eng.stats.bytes_offloaded == storage_bytes + lone.numel() * 8
+    assert parked[2].offset - parked[0].offset == h * d * 4 and parked[1].offset == parked[4].offset
+    for p in parked:
+        p.source = None
+    eng.reload_many(parked)
+    for p, t in zip(parked, tensors, strict=True):
+        got = eng.fetch(p)
+        assert torch.equal(got, t) and got.dtype == t.dtype
+        assert got.stride() == (t.contiguous().stride() if t is lone else t.stride())
+
+
+def test_above_the_coalescing_size_views_of_one_storage_still_share_one_copy_straight_from_it():
+    eng = order_checking_copy_engine(landed=True, coalesce_max_bytes=64)
+    qkv = torch.randn(2, 3, 12)
+    q, k, v = qkv.view(2, 3, 3, 4).permute(2, 0, 1, 3)
+    lone = torch.randn(16)
+    tensors = [q, lone, k, v]
+    parked = eng.offload_many(tensors)
+    assert eng.stats.coalesced_batches == 1 and eng.stats.bytes_offloaded == qkv.numel() * 4 + lone.numel() * 4
+    assert parked[1].group is None and len({id(parked[i].group) for i in (0, 2, 3)}) == 1
+    # the storage was copied from where it lies (no packed copy of it): its memory is tied to the copy stream
+    assert qkv.untyped_storage().data_ptr() in {ptr for ptr, stream in eng.streams.tied if stream == "d2h"}
+    for p in parked:
+        p.source = None
+    eng.reload_many(parked)
+    for p, t in zip(parked, tensors, strict=True):
+        got = eng.fetch(p)
+        assert torch.equal(got, t) and got.stride() == t.stride()
+
+
+def test_views_of_different_dtypes_over_one_storage_come_back_exact():
+    base = torch.randn(16)
+    as_ints = base.view(torch.int32)  # all of it, read as integers
+    first_half = base[:8]  # half of it again, as floats
+    engine = order_checking_copy_engine(landed=True)
+    parked = engine.offload_many([first_half, as_ints])
+    assert engine.stats.bytes_offloaded == 64  # the storage once, not 64 + 32
+    for p in parked:
+        p.source = None
+    engine.reload_many(parked)
+    assert torch.equal(engine.fetch(parked[0]), first_half) and torch.equal(engine.fetch(parked[1]), as_ints)
+
+
 def test_a_batch_above_the_coalescing_size_and_a_single_tensor_are_copied_one_by_one():
     eng = order_checking_copy_engine(landed=True, coalesce_max_bytes=255)
     parked = eng.offload_many([torch.randn(32), torch.randn(32)])  # 256 bytes: one more than the limit

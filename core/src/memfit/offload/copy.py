@@ -33,6 +33,12 @@ when the last of them is. The price: the packed buffer exists next to its source
 (at most ``coalesce_max_bytes`` more for an instant), and a region's reloaded tensors are freed together.
 Larger batches copy tensor by tensor, so a big region never needs that extra memory.
 
+Shared storages.  Attention saves views of one storage: q, k and v of a fused projection (each strided,
+none dense on its own), the output and the output reshaped for the projection after it. Copied one by one,
+each non-dense view first needs a ``.contiguous()`` copy and every view of the same bytes is copied again. In a
+packed batch, views that together cover their storage (their distinct extents add up to it) go in as the
+storage's bytes, once; each comes back as a view of those bytes with its own offset and strides.
+
 Stream switches.  ``torch.cuda.stream()`` looks up the device and the current stream again; the
 engine already holds the stream to go back to, so it sets streams directly (:meth:`StreamApi.use`).
 
@@ -227,6 +233,25 @@ class CopyEngine:
             total = sum(t.numel() * t.element_size() for t in tensors)
             if total <= self.coalesce_max_bytes:
                 return self._offload_coalesced(tensors, compute)
+            shared = [m for m in _by_storage(tensors)
+                      if len(m) > 1 and _whole_storage_bytes([tensors[i] for i in m]) is not None]
+            if shared:  # each such storage once, straight from the source (a lone piece is not packed)
+                out: list[Parked | None] = [None] * len(tensors)
+                for members in shared:
+                    for i, p in zip(members, self._offload_coalesced([tensors[i] for i in members], compute),
+                                    strict=True):
+                        out[i] = p
+                rest = [i for i, p in enumerate(out) if p is None]
+                for i, p in zip(rest, self._offload_separately([tensors[i] for i in rest], compute), strict=True):
+                    out[i] = p
+                return out  # type: ignore[return-value]
+        return self._offload_separately(tensors, compute)
+
+    def _offload_separately(self, tensors: list[torch.Tensor], compute: Any) -> list[Parked]:
+        """Each tensor to a host buffer of its own (one ordering event, one completion event for all)."""
+        if not tensors:
+            return []
+        api = self.streams
         produced = api.new_event()
         produced.record(compute)
         self._d2h.wait_event(produced)
@@ -255,22 +280,35 @@ class CopyEngine:
         return out
 
     def _offload_coalesced(self, tensors: list[torch.Tensor], compute: Any) -> list[Parked]:
-        """Pack ``tensors`` into one device buffer on ``compute``, then one copy to one host buffer."""
+        """Pack ``tensors`` into one device buffer on ``compute``, then one copy to one host buffer.
+
+        Views that together cover their storage go in as that storage's bytes, once (see "Shared storages")."""
         api = self.streams
         pieces: list[torch.Tensor] = []
-        layout: list[tuple[torch.Tensor, tuple[int, ...], int, int]] = []  # (tensor, stride, offset, nbytes)
-        offset = 0
-        for tensor in tensors:
-            flat, stride = _flat_in_memory_order(tensor)
-            nbytes = flat.nbytes
-            pad = -offset % _ALIGN
-            if pad:
-                pieces.append(self._padding(tensor.device, pad))
-                offset += pad
-            pieces.append(flat.view(torch.uint8))
-            layout.append((tensor, stride, offset, nbytes))
-            offset += nbytes
-        packed = torch.cat(pieces)  # on compute, after the producers: the sources may die at once
+        placed: dict[int, tuple[tuple[int, ...], int, int]] = {}  # index in tensors -> (stride, offset, nbytes)
+        offset = copied = 0
+        for members in _by_storage(tensors):
+            whole = _whole_storage_bytes([tensors[i] for i in members])
+            if whole is not None:
+                offset += self._pad_to_align(pieces, offset, tensors[members[0]].device)
+                pieces.append(whole)
+                for i in members:
+                    t = tensors[i]
+                    placed[i] = (t.stride(), offset + t.storage_offset() * t.element_size(), t.numel() * t.element_size())
+                offset += whole.numel()
+                copied += whole.numel()
+                continue
+            for i in members:
+                flat, stride = _flat_in_memory_order(tensors[i])
+                nbytes = flat.nbytes
+                offset += self._pad_to_align(pieces, offset, flat.device)
+                pieces.append(flat.view(torch.uint8))
+                placed[i] = (stride, offset, nbytes)
+                offset += nbytes
+                copied += nbytes
+        # on compute, after the producers: the sources may die at once. A lone piece (one storage's bytes) is
+        # copied from where it lies, tied to the copy's stream below like any source copied one by one.
+        packed = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
         produced = api.new_event()
         produced.record(compute)
         self._d2h.wait_event(produced)
@@ -282,13 +320,23 @@ class CopyEngine:
         api.record_stream(packed, self._d2h)
         group = _Coalesced(buf, offset, len(tensors), done)
         ref = weakref.ref
-        out = [Parked(buf, tensor.shape, tensor.dtype, tensor.device, nbytes, ref(tensor), tensor._version,
-                      d2h_done=done, stride=stride, storage=ref(tensor.untyped_storage()), group=group, offset=at)
-               for tensor, stride, at, nbytes in layout]
-        self.stats.bytes_offloaded += sum(nbytes for _, _, _, nbytes in layout)
+        out = []
+        for i, tensor in enumerate(tensors):
+            stride, at, nbytes = placed[i]
+            out.append(Parked(buf, tensor.shape, tensor.dtype, tensor.device, nbytes, ref(tensor), tensor._version,
+                              d2h_done=done, stride=stride, storage=ref(tensor.untyped_storage()), group=group,
+                              offset=at))
+        self.stats.bytes_offloaded += copied
         self.stats.coalesced_batches += 1
         self._track_inflight(done, offset, compute)
         return out
+
+    def _pad_to_align(self, pieces: list[torch.Tensor], offset: int, device: torch.device) -> int:
+        """Append the padding that puts the next piece at an ``_ALIGN`` boundary; returns its bytes."""
+        pad = -offset % _ALIGN
+        if pad:
+            pieces.append(self._padding(device, pad))
+        return pad
 
     def _padding(self, device: torch.device, nbytes: int) -> torch.Tensor:
         """``nbytes`` (< ``_ALIGN``) bytes on ``device`` to put between packed tensors (their content is never
@@ -499,6 +547,27 @@ class SyncCopyEngine(CopyEngine):
 
     def stall_ms(self) -> float:
         return 0.0
+
+
+def _by_storage(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by the storage they view, groups in order of first appearance."""
+    groups: dict[int, list[int]] = {}
+    for i, t in enumerate(tensors):
+        ptr = t.untyped_storage().data_ptr()
+        groups.setdefault(ptr if ptr else -1 - i, []).append(i)  # no memory (empty): each on its own
+    return list(groups.values())
+
+
+def _whole_storage_bytes(views: list[torch.Tensor]) -> torch.Tensor | None:
+    """The bytes of the storage ``views`` share, as a flat ``uint8`` view, when copying them once copies no
+    byte that none of them needs: their distinct extents (first element, element count) add up to the storage.
+    Else None (each is copied on its own)."""
+    first = views[0]
+    storage_bytes = first.untyped_storage().nbytes()
+    extents = {(v.storage_offset() * v.element_size(), v.numel() * v.element_size()) for v in views}
+    if not storage_bytes or sum(n for _, n in extents) < storage_bytes or storage_bytes % first.element_size():
+        return None
+    return first.as_strided((storage_bytes // first.element_size(),), (1,), 0).view(torch.uint8)
 
 
 def _member_view(buffer: torch.Tensor, parked: Parked, typed: dict[tuple[int, torch.dtype], Any]) -> torch.Tensor:
