@@ -123,6 +123,7 @@ def test_views_that_cover_their_storage_are_packed_as_its_bytes_once():
     for p in parked:
         p.source = None
     eng.reload_many(parked)
+    assert eng.stats.bytes_reloaded == eng.stats.bytes_offloaded  # each storage's bytes once, both ways
     for p, t in zip(parked, tensors, strict=True):
         got = eng.fetch(p)
         assert torch.equal(got, t) and got.dtype == t.dtype

@@ -127,6 +127,7 @@ class _Coalesced:
 
     buffer: HostBuffer
     nbytes: int
+    payload: int  # the bytes of its tensors' data (padding aside; a storage shared by several views once)
     members: int  # not released yet; the last release returns the buffer
     last_read: Any  # the latest copy that reads or writes the host buffer (a reload, else the parking copy)
 
@@ -318,7 +319,7 @@ class CopyEngine:
             done = api.new_event()
             done.record(self._d2h)
         api.record_stream(packed, self._d2h)
-        group = _Coalesced(buf, offset, len(tensors), done)
+        group = _Coalesced(buf, offset, copied, len(tensors), done)
         ref = weakref.ref
         out = []
         for i, tensor in enumerate(tensors):
@@ -410,18 +411,20 @@ class CopyEngine:
             api.record_stream(out, h2d)
         for out in packed.values():
             api.record_stream(out, h2d)
+        reloaded_bytes = 0  # copied, as bytes_offloaded counts them
         for group in groups.values():
             group.last_read = done
+            reloaded_bytes += group.payload
         reloaded = dict(zip(map(id, singles), outs, strict=True))
         typed: dict[tuple[int, torch.dtype], torch.Tensor | None] = {}  # a group's buffer viewed as a dtype
-        reloaded_bytes = 0
         for p in todo:
             out = reloaded.get(id(p))
             if out is None:  # a view of its group's buffer, with the strides it was parked with
                 out = _member_view(packed[id(p.group)], p, typed)
+            else:
+                reloaded_bytes += p.nbytes
             p.fetches_left = p.users
             p.reloaded, p.h2d_done, p.copied_back = out, done, True
-            reloaded_bytes += p.nbytes
         self.stats.bytes_reloaded += reloaded_bytes
 
     def _hold_source(self, parked: Parked) -> bool:
