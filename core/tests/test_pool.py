@@ -423,6 +423,25 @@ def test_strided_view_keeps_the_layout_it_is_given():
         assert odd.strided_view(torch.float64, (odd.capacity // 8,), (1,)).numel() == odd.capacity // 8
 
 
+
+def test_a_pooled_buffer_gives_the_same_view_again_and_a_freed_one_lets_its_views_go():
+    """Steady state: the same buffer parks the same shapes step after step, so its views are made once."""
+    pool, _ = make_pool()
+    buf = pool.acquire(1024)
+    v = buf.strided_view(torch.float32, torch.Size([4, 8]), (1, 4))
+    buf.release()
+    again = pool.acquire(1024)
+    assert again is buf and again.strided_view(torch.float32, (4, 8), (1, 4)) is v
+    assert again.strided_view(torch.float16, (4, 8), (1, 4)) is not v  # another dtype: another view
+    for n in range(20):  # shapes that keep changing: a few views are kept, not one per shape ever seen
+        again.strided_view(torch.uint8, (n,), (1,))
+    assert len(again._views) <= 8
+    with pytest.raises(MemfitError, match="released"):
+        again.release()
+        again.strided_view(torch.float32, (4, 8), (1, 4))  # a released buffer's views are not handed out
+    pool.clear()
+    assert buf._views == {} and buf._tensor is None
+
 def test_ready_event_delays_reuse():
     class Event:
         def __init__(self, done: bool) -> None:

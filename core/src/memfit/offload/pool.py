@@ -128,6 +128,9 @@ _PIN_FIXES = (
 )
 
 
+_VIEWS_KEPT = 8  # views a host buffer keeps for reuse
+
+
 class HostBuffer:
     """One host staging buffer handed out by :meth:`PinnedBucketPool.acquire`.
 
@@ -139,7 +142,7 @@ class HostBuffer:
     """
 
     __slots__ = ("_pool", "_tensor", "_serial", "_state", "_ready", "nbytes", "size_class", "pinned",
-                 "pooled", "footprint")
+                 "pooled", "footprint", "_views")
 
     def __init__(self, pool: PinnedBucketPool, tensor: torch.Tensor, nbytes: int, size_class: int,
                  pinned: bool, pooled: bool, footprint: int) -> None:
@@ -148,6 +151,8 @@ class HostBuffer:
         self._serial = -1
         self._state = _IN_USE
         self._ready: ReadyEvent | None = None
+        # (dtype, shape, stride) -> a view made earlier: a pooled buffer parks the same shapes step after step
+        self._views: dict[tuple, torch.Tensor] = {}
         self.nbytes = nbytes
         self.size_class = size_class
         self.pinned = pinned
@@ -182,10 +187,16 @@ class HostBuffer:
     def strided_view(self, dtype: torch.dtype, shape: Sequence[int], stride: Sequence[int]) -> torch.Tensor:
         """A ``dtype`` tensor of ``shape`` and ``stride`` from the buffer's first byte (no copy).
 
-        The hot path of parking (one per parked tensor): two tensor ops, however the tensor is laid out."""
+        The hot path of parking (one per parked tensor): two tensor ops, however the tensor is laid out, and
+        none when this buffer gave out the same view before (a few views are kept; the views of a released
+        buffer are only used by its next holder's copies, never handed to anyone else)."""
+        storage = self.tensor  # raises once released
+        key = (dtype, tuple(shape), tuple(stride))
+        view = self._views.get(key)
+        if view is not None:
+            return view
         extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride, strict=True)) if all(shape) else 0
         needed = extent * dtype.itemsize
-        storage = self.tensor
         capacity = storage.numel()
         if needed > capacity:
             raise MemfitError(
@@ -194,7 +205,11 @@ class HostBuffer:
             )
         if capacity % dtype.itemsize:
             storage = storage[: capacity - capacity % dtype.itemsize]
-        return storage.view(dtype).as_strided(shape, stride)
+        view = storage.view(dtype).as_strided(shape, stride)
+        if len(self._views) >= _VIEWS_KEPT:  # shapes that change every step (aspect-ratio buckets): start afresh
+            self._views.clear()
+        self._views[key] = view
+        return view
 
     def release(self, *, ready: ReadyEvent | None = None) -> None:
         """Same as ``pool.release(self, ready=ready)``."""
@@ -450,6 +465,7 @@ class PinnedBucketPool:
                 self._wait_for(ready)
             buf._state = _FREED
             buf._tensor = None
+            buf._views.clear()
 
     def _take_idle(self, bucket: _Bucket) -> HostBuffer:
         """The most recently released idle buffer whose copy has finished; else wait for the oldest."""
@@ -477,6 +493,7 @@ class PinnedBucketPool:
             buf._ready = None
         buf._state = _FREED
         buf._tensor = None
+        buf._views.clear()  # they hold the memory too
         self._pinned_held -= buf.footprint
         if evicted:
             self.evictions += 1
