@@ -94,7 +94,8 @@ def test_a_small_batch_is_packed_on_compute_and_copied_once_each_way():
 def test_packed_batches_keep_empty_scalar_bool_complex_and_strided_tensors_exact():
     eng = order_checking_copy_engine()  # events in flight: every wait must be there
     tensors = [torch.randn(0, 4), torch.tensor(3.5), torch.tensor([True, False, True]),
-               torch.randn(3, dtype=torch.complex64), torch.randn(2, 3, 4).permute(2, 0, 1), torch.randn(5, 6)[::2, 1:]]
+               torch.randn(3, dtype=torch.complex64), torch.randn(2, 3, 4).permute(2, 0, 1), torch.randn(5, 6)[::2, 1:],
+               torch.randn(3, 1).expand(3, 4)]  # a broadcast view: its storage is copied, it comes back broadcast
     parked = eng.offload_many(tensors)
     assert eng.stats.coalesced_batches == 1
     for p in parked:
@@ -103,6 +104,7 @@ def test_packed_batches_keep_empty_scalar_bool_complex_and_strided_tensors_exact
     for p, t in zip(parked, tensors, strict=True):
         got = eng.fetch(p)
         assert got.shape == t.shape and got.dtype == t.dtype and torch.equal(got, t)
+    assert got.stride() == (1, 0)
 
 
 def test_views_that_cover_their_storage_are_packed_as_its_bytes_once():
