@@ -18,9 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import datetime as dt
-import json
-import os
 import platform
 import statistics
 import time
@@ -32,6 +29,7 @@ import torch
 import memfit
 from memfit.offload.copy import CopyEngine, StreamApi
 from memfit.offload.pool import PinnedBucketPool
+from memfit_benchmarks.report import run_stamp, write_results
 from memfit_benchmarks.runner import MODES, Mode, is_offload
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
 
@@ -186,17 +184,9 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1 or args.depth < 1:
         parser.error("--rounds, --steps and --depth must be at least 1")
-    payload = {"suite": "host-overhead", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-               "device": f"cpu ({platform.machine()}, {platform.processor() or 'unknown'})",
-               "torch": torch.__version__, "python": platform.python_version(),
-               "git_commit": os.environ.get("MEMFIT_GIT_COMMIT"),
-               **run(rounds=args.rounds, steps=args.steps, depth=args.depth)}
-    args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.out / f"host-overhead-{payload['date'][:10]}"
-    stem.with_suffix(".json").write_text(json.dumps(payload, indent=1))
-    stem.with_suffix(".md").write_text(render(payload))
-    print(render(payload), flush=True)
-    return stem.with_suffix(".json")
+    payload = {**run_stamp("host-overhead", f"cpu ({platform.machine()}, {platform.processor() or 'unknown'})"),
+               "python": platform.python_version(), **run(rounds=args.rounds, steps=args.steps, depth=args.depth)}
+    return write_results(args.out, payload, render)
 
 
 if __name__ == "__main__":

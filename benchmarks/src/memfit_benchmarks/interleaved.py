@@ -21,10 +21,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import datetime as dt
 import gc
-import json
-import os
 import statistics
 import time
 from pathlib import Path
@@ -33,6 +30,7 @@ from typing import Any
 import torch
 
 import memfit
+from memfit_benchmarks.report import run_stamp, write_results
 from memfit_benchmarks.runner import MODES, Mode
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
 
@@ -151,17 +149,10 @@ def main(argv: list[str] | None = None) -> Path:
             pairs.append(row)
             print(f"{a} / {b}: {row['ratio_median']:.3f} ({row['ratio_q1']:.3f}-{row['ratio_q3']:.3f})", flush=True)
             gc.collect()
-    payload = {"suite": "interleaved", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-               "device": torch.cuda.get_device_name() if cuda else "cpu", "torch": torch.__version__,
-               "git_commit": os.environ.get("MEMFIT_GIT_COMMIT"), "shape": label, "regime": "lora",
-               "sdpa_backend": "flash (cuDNN SDPA disabled)" if cuda else "default (CPU)",
+    payload = {**run_stamp("interleaved", torch.cuda.get_device_name() if cuda else "cpu"), "shape": label,
+               "regime": "lora", "sdpa_backend": "flash (cuDNN SDPA disabled)" if cuda else "default (CPU)",
                "steps": args.steps, "warmup": args.warmup, "pairs": pairs}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"interleaved-{payload['date'][:10]}.json"
-    path.write_text(json.dumps(payload, indent=1))
-    path.with_suffix(".md").write_text(render(payload))
-    print(render(payload), flush=True)
-    return path
+    return write_results(args.out, payload, render)
 
 
 if __name__ == "__main__":

@@ -15,10 +15,7 @@ Off CUDA there is no allocator history: :func:`replay` (the analysis) is tested 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
-import json
-import os
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -26,6 +23,7 @@ from typing import Any
 import torch
 
 import memfit
+from memfit_benchmarks.report import run_stamp, write_results
 from memfit_benchmarks.runner import MODES
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
 
@@ -178,16 +176,9 @@ def main(argv: list[str] | None = None) -> Path:
             results.append(row)
             print(f"{name}: peak {row['peak'] / MiB:.1f} MiB ({row['phase']}), max_allocated "
                   f"{max_allocated / MiB:.1f} MiB", flush=True)
-    payload = {"suite": "memtimeline", "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-               "device": torch.cuda.get_device_name(), "torch": torch.__version__,
-               "git_commit": os.environ.get("MEMFIT_GIT_COMMIT"), "shape": label, "warmup": args.warmup,
+    payload = {**run_stamp("memtimeline", torch.cuda.get_device_name()), "shape": label, "warmup": args.warmup,
                "sdpa_backend": "flash (cuDNN SDPA disabled)", "modes": results}
-    args.out.mkdir(parents=True, exist_ok=True)
-    path = args.out / f"memtimeline-{payload['date'][:10]}.json"
-    path.write_text(json.dumps(payload, indent=1))
-    path.with_suffix(".md").write_text(render(payload))
-    print(render(payload), flush=True)
-    return path
+    return write_results(args.out, payload, render)
 
 
 if __name__ == "__main__":

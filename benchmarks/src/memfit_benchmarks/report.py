@@ -2,13 +2,37 @@
 
 from __future__ import annotations
 
+import datetime as dt
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
+
+import torch
 
 from memfit_benchmarks.rounds import step_ratio
 
 GIB = 2**30
 # Issues 3 and 5: (mode, reference, limit): mode's step ≤ limit × the reference's
 STEP_TARGETS = (("unsloth", "torch", 1.02), ("unsloth-ffn", "torch-ffn", 1.03))
+
+
+def run_stamp(suite: str, device: str) -> dict[str, Any]:
+    """The fields a results file of the smaller scripts starts with: suite, UTC date, device, torch, commit."""
+    return {"suite": suite, "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"), "device": device,
+            "torch": torch.__version__, "git_commit": os.environ.get("MEMFIT_GIT_COMMIT")}
+
+
+def write_results(out: Path, payload: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> Path:
+    """``<suite>-<date>.json`` and its ``.md`` under ``out`` (the markdown printed too); returns the JSON's path."""
+    out.mkdir(parents=True, exist_ok=True)
+    path = out / f"{payload['suite']}-{payload['date'][:10]}.json"
+    path.write_text(json.dumps(payload, indent=1))
+    markdown = render(payload)
+    path.with_suffix(".md").write_text(markdown)
+    print(markdown, flush=True)
+    return path
 
 
 def _fmt(row: dict[str, Any], key: str, scale: float = 1.0, digits: int = 3) -> str:
