@@ -188,8 +188,8 @@ class HostBuffer:
         """A ``dtype`` tensor of ``shape`` and ``stride`` from the buffer's first byte (no copy).
 
         The hot path of parking (one per parked tensor): two tensor ops, however the tensor is laid out, and
-        none when this buffer gave out the same view before (a few views are kept; the views of a released
-        buffer are only used by its next holder's copies, never handed to anyone else)."""
+        none when this buffer gave out the same view before (a few views are kept, and a later holder of the
+        buffer asking for the same view gets the same tensor: use it for copies, do not resize or restride it)."""
         storage = self.tensor  # raises once released
         key = (dtype, tuple(shape), tuple(stride))
         view = self._views.get(key)
