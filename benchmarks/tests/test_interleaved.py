@@ -37,3 +37,20 @@ def test_interleaved_smoke_cpu(tmp_path):
     assert "| unsloth / torch |" in md and "≤ 1.02×" in md
     with pytest.raises(SystemExit):
         interleaved.main(["--out", str(tmp_path), "--steps", "1"])
+
+
+def test_compiled_blocks_smoke_cpu(tmp_path):
+    """``--compile`` compiles every block (``aot_eager`` here: Dynamo and AOTAutograd without Inductor's code
+    generation) and writes a file of its own, so an eager run the same day is kept."""
+    from torch._dynamo.utils import counters
+
+    from memfit_benchmarks import interleaved
+
+    counters.clear()
+    path = interleaved.main(["--out", str(tmp_path), "--shape", "tiny", "--steps", "2", "--warmup", "1",
+                             "--device", "cpu", "--compile", "aot_eager"])
+    assert counters["stats"]["unique_graphs"] >= 1  # the blocks did run compiled
+    assert path.name.startswith("interleaved-compiled-")
+    payload = json.loads(path.read_text())
+    assert payload["compile"] == "aot_eager" and "compiled (aot_eager)" in payload["regime"]
+    assert all(p["ratio_median"] > 0 for p in payload["pairs"])

@@ -44,6 +44,8 @@ def test_job_commands(tmp_path):
     assert lease.job_command("interleaved=steps=300", tmp_path)[3:] == [
         "--shape", "0", "--steps", "300", "--out", str(tmp_path / "interleaved")]
     assert lease.job_command("interleaved=1", tmp_path)[3:5] == ["--shape", "1"]
+    assert lease.job_command("interleaved=compile=inductor", tmp_path)[3:] == [
+        "--shape", "0", "--compile", "inductor", "--out", str(tmp_path / "interleaved")]
     # two lanes on one target write to folders of their own
     assert lease.job_command("auto=wan,0", tmp_path)[-1] == str(tmp_path / "auto" / "auto_wan_0")
     assert lease.job_command("auto=wan,3,no-gaps", tmp_path)[-1] == str(tmp_path / "auto" / "auto_wan_3_no-gaps")

@@ -175,6 +175,10 @@ def _worker(rank: int, world: int, port: int, args) -> None:
             if rank == 0:
                 _write(args, world, "nccl" if cuda else "gloo", device, results,
                        skipped=[m for m in args.modes if m not in modes])
+        # Every rank leaves together: a rank that tore its process group down while rank 0 was still writing
+        # the results once died in gloo's teardown (SIGABRT, "terminate called without an active exception").
+        # Not in ``finally``: after a rank's error the others would wait here forever.
+        dist.barrier()
     finally:
         dist.destroy_process_group()
 

@@ -1,6 +1,7 @@
 """Issue 3's step-time ratios measured step by step: two copies of the model, one per mode, stepped in turn.
 
-    python -m memfit_benchmarks.interleaved --out DIR [--shape 0] [--steps 200]   # lease job: interleaved
+    python -m memfit_benchmarks.interleaved --out DIR [--shape 0] [--steps 200] [--compile inductor]
+    # lease job: interleaved[=SHAPE][,steps=N][,compile=BACKEND]
 
 At 1024 tokens the step is bound by host time, and the host's speed wanders: at 17a3ff3 the `none` step's
 median over a 20-step round went from 31.7 to 54.3 ms between rounds, so ratios of rounds measured seconds
@@ -50,6 +51,13 @@ def _timed_step(model, batch, cuda: bool) -> float:
     t0 = time.perf_counter()
     SYNTHETIC.loss(model(**batch)).backward()
     return time.perf_counter() - t0
+
+
+def compile_blocks(model, backend: str) -> None:
+    """Compile each block on its own (regional compilation): the blocks share one graph, and memfit's region
+    hooks stay outside it."""
+    for block in model.blocks:
+        block.compile(backend=backend)
 
 
 def per_step_ratios(a: list[float], b: list[float]) -> list[float]:
@@ -124,6 +132,9 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--steps", type=int, default=200, help="timed steps per mode and pair")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda")
+    parser.add_argument("--compile", default=None, metavar="BACKEND",
+                        help="compile every block with torch.compile (regional, as diffusers' compile_repeated_blocks "
+                             "does), e.g. 'inductor'; memfit is applied around the compiled blocks")
     args = parser.parse_args(argv)
     if args.steps < 2 or args.warmup < 1:
         parser.error("--steps must be at least 2 and --warmup at least 1")
@@ -138,6 +149,9 @@ def main(argv: list[str] | None = None) -> Path:
     batch = inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
     add_lora(model)
     models = (model, copy.deepcopy(model))
+    if args.compile:
+        for m in models:
+            compile_blocks(m, args.compile)
     modes = {m.name: m for m in MODES}
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
@@ -149,8 +163,10 @@ def main(argv: list[str] | None = None) -> Path:
             pairs.append(row)
             print(f"{a} / {b}: {row['ratio_median']:.3f} ({row['ratio_q1']:.3f}-{row['ratio_q3']:.3f})", flush=True)
             gc.collect()
-    payload = {**run_stamp("interleaved", torch.cuda.get_device_name() if cuda else "cpu"), "shape": label,
-               "regime": "lora", "sdpa_backend": "flash (cuDNN SDPA disabled)" if cuda else "default (CPU)",
+    suite = "interleaved-compiled" if args.compile else "interleaved"  # a file of its own next to the eager run
+    payload = {**run_stamp(suite, torch.cuda.get_device_name() if cuda else "cpu"), "shape": label,
+               "regime": "lora" + (f", blocks compiled ({args.compile})" if args.compile else ", eager"),
+               "compile": args.compile, "sdpa_backend": "flash (cuDNN SDPA disabled)" if cuda else "default (CPU)",
                "steps": args.steps, "warmup": args.warmup, "pairs": pairs}
     return write_results(args.out, payload, render)
 

@@ -26,8 +26,9 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
   steps per row, ``no-adjacent``: compare with the fixed modes' first measurement (a 14B Wan step takes ~5 s:
   ``auto=wan,3,no-gaps,steps=2,warmup=2`` fits one lane; with one warm-up step auto measured ~2% behind the
   same plan's steady state); a family target's fixed rows are also written as that family's results
-- ``interleaved[=<shape>][,steps=<n>]``: issue 3's step-time ratios with the two modes' steps alternating on two
-  copies of the synthetic stack (``memfit_benchmarks.interleaved``; shape 0 = 1024 tokens, the default)
+- ``interleaved[=<shape>][,steps=<n>][,compile=<backend>]``: issue 3's step-time ratios with the two modes' steps
+  alternating on two copies of the synthetic stack (``memfit_benchmarks.interleaved``; shape 0 = 1024 tokens, the
+  default); ``compile=inductor`` compiles every block first
 - ``memtimeline[=<mode1>+<mode2>][,shape=<i>]``: one step per mode under the allocator's history, what is alive at
   its peak (``memfit_benchmarks.memtimeline``; default ``torch`` and ``unsloth`` at 1024 tokens)
 - ``diagnose[=<family>][,modes=<m1>+<m2>][,steps=<s>][,warmup=<w>]``: host vs GPU time and a profile per mode
@@ -97,9 +98,10 @@ def job_command(job: str, out: Path) -> list[str]:
                 *_flag("--modes", (opts["modes"] or "").replace("+", ",")), *_flag("--steps", opts["steps"]),
                 *_flag("--warmup", opts["warmup"]), "--out", str(out / "diagnose" / job_slug(job))]
     if job == "interleaved" or job.startswith("interleaved="):
-        items, opts = _split_options(job.partition("=")[2], "steps")
+        items, opts = _split_options(job.partition("=")[2], "steps", "compile")
         return [py, "-m", "memfit_benchmarks.interleaved", "--shape", items[0] if items else "0",
-                *_flag("--steps", opts["steps"]), "--out", str(out / "interleaved")]
+                *_flag("--steps", opts["steps"]), *_flag("--compile", opts["compile"]), "--out",
+                str(out / "interleaved")]
     if job == "memtimeline" or job.startswith("memtimeline="):
         items, opts = _split_options(job.partition("=")[2], "shape")
         return [py, "-m", "memfit_benchmarks.memtimeline", *_flag("--modes", "+".join(items).replace("+", ",")),
