@@ -33,8 +33,13 @@ def test_interleaved_smoke_cpu(tmp_path):
     for p in payload["pairs"]:
         assert len(p["a_step_times_s"]) == len(p["b_step_times_s"]) == 4
         assert p["ratio_q1"] <= p["ratio_median"] <= p["ratio_q3"]
+    stats = {p["a"]: p["stats_per_step"][p["a"]] for p in payload["pairs"]}
+    # the tiny shape has 2 blocks: both recomputed, neither parked (the step's last two regions never are)
+    assert stats["unsloth"]["recomputes"] == 2 and stats["unsloth"]["bytes_offloaded"] == 0
+    assert stats["offload_attention"]["attention_tensors_parked"] > 0
+    assert stats["offload_attention"].get("recomputes", 0) == 0
     md = path.with_suffix(".md").read_text()
-    assert "| unsloth / torch |" in md and "≤ 1.02×" in md
+    assert "| unsloth / torch |" in md and "≤ 1.02×" in md and "2 recomputes" in md and "attention tensors" in md
     with pytest.raises(SystemExit):
         interleaved.main(["--out", str(tmp_path), "--steps", "1"])
 

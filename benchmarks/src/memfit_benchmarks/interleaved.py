@@ -82,6 +82,7 @@ def measure_pair(models: tuple[Any, Any], batch: dict, a: Mode, b: Mode, *, step
                  cuda: bool) -> dict[str, Any]:
     """``a`` and ``b`` stepped in turn on the two copies (``steps`` each), swapping copies halfway."""
     times: dict[str, list[float]] = {a.name: [], b.name: []}
+    per_step: dict[str, dict[str, float]] = {}  # mode -> its handle's counters per timed step
     ratios: list[float] = []
     for half, (model_a, model_b) in enumerate((models, models[::-1])):
         n = steps // 2 if half == 0 else steps - steps // 2
@@ -91,10 +92,16 @@ def measure_pair(models: tuple[Any, Any], batch: dict, a: Mode, b: Mode, *, step
             for _ in range(warmup):
                 _timed_step(model_a, batch, cuda)
                 _timed_step(model_b, batch, cuda)
+            for h in handles:
+                if h is not None:
+                    h.reset_stats()
             ta, tb = [], []
             for _ in range(n):
                 ta.append(_timed_step(model_a, batch, cuda))
                 tb.append(_timed_step(model_b, batch, cuda))
+            for mode, h in zip((a, b), handles, strict=True):
+                if h is not None:
+                    _add_per_step(per_step.setdefault(mode.name, {}), h.stats(), steps)
         finally:
             for h in handles:
                 if h is not None:
@@ -105,7 +112,32 @@ def measure_pair(models: tuple[Any, Any], batch: dict, a: Mode, b: Mode, *, step
     q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
     return {"a": a.name, "b": b.name, "steps": steps, "ratio_median": median, "ratio_q1": q1, "ratio_q3": q3,
             "a_step_s": statistics.median(times[a.name]), "b_step_s": statistics.median(times[b.name]),
-            "a_step_times_s": times[a.name], "b_step_times_s": times[b.name]}
+            "a_step_times_s": times[a.name], "b_step_times_s": times[b.name], "stats_per_step": per_step}
+
+
+# what each mode did per timed step (so a ratio near 1 can be told from a mode that did nothing)
+PER_STEP_STATS = ("recomputes", "bytes_offloaded", "bytes_reloaded", "attention_tensors_parked", "stall_ms",
+                  "pinned_allocations")
+
+
+def _add_per_step(into: dict[str, float], stats: dict[str, Any], steps: int) -> None:
+    """Add one half's counters to ``into``, divided by the pair's ``steps`` per mode (both halves: per step)."""
+    for key in PER_STEP_STATS:
+        if key in stats:
+            into[key] = into.get(key, 0.0) + stats[key] / steps
+
+
+def _describe_per_step(stats: dict[str, float]) -> str:
+    parts = []
+    if stats.get("recomputes"):
+        parts.append(f"{stats['recomputes']:.0f} recomputes")
+    if stats.get("bytes_offloaded"):
+        parts.append(f"{stats['bytes_offloaded'] / 2**20:.0f} MiB parked")
+    if stats.get("attention_tensors_parked"):
+        parts.append(f"{stats['attention_tensors_parked']:.0f} attention tensors")
+    if "stall_ms" in stats:
+        parts.append(f"{stats['stall_ms']:.2f} ms stall")
+    return ", ".join(parts) or "-"
 
 
 def render(payload: dict[str, Any]) -> str:
@@ -114,12 +146,14 @@ def render(payload: dict[str, Any]) -> str:
              f"the model, one per mode, stepped in turn ({payload['steps']} steps each after {payload['warmup']} "
              f"warm-up steps, the copies swapping modes halfway); each A step over the mean of its neighbouring B "
              f"steps. Commit: {payload.get('git_commit') or 'n/a'}.", "",
-             "| A / B | median ratio | interquartile | A step ms | B step ms | target |", "|---|---|---|---|---|---|"]
+             "| A / B | median ratio | interquartile | A step ms | B step ms | A per step | target |",
+             "|---|---|---|---|---|---|---|"]
     for r in payload["pairs"]:
         target = f"≤ {r['target']:.2f}× ({'PASS' if r['ratio_median'] <= r['target'] else 'FAIL'})" \
             if r.get("target") else "see the sweep (needs D/B)"
         lines.append(f"| {r['a']} / {r['b']} | {r['ratio_median']:.3f} | {r['ratio_q1']:.3f}–{r['ratio_q3']:.3f} | "
-                     f"{r['a_step_s'] * 1e3:.1f} | {r['b_step_s'] * 1e3:.1f} | {target} |")
+                     f"{r['a_step_s'] * 1e3:.1f} | {r['b_step_s'] * 1e3:.1f} | "
+                     f"{_describe_per_step(r.get('stats_per_step', {}).get(r['a'], {}))} | {target} |")
     return "\n".join(lines) + "\n"
 
 

@@ -42,6 +42,11 @@ storage's bytes, once; each comes back as a view of those bytes with its own off
 Stream switches.  ``torch.cuda.stream()`` looks up the device and the current stream again; the
 engine already holds the stream to go back to, so it sets streams directly (:meth:`StreamApi.use`).
 
+Generic streams and events.  The engine's streams and events are ``torch.Stream`` and ``torch.Event``,
+whose ``record``, ``wait_event`` and ``query`` are C calls; ``torch.cuda.Stream``/``Event`` put two or three
+Python frames in front of each (``torch.cuda.current_stream`` five, with a lazy-init check), and a step bound
+by host time pays every frame: a region parks and reloads with about twenty such calls.
+
 Telemetry.  Waits of the compute stream on copy events are bracketed by timing events;
 their durations (stall = copy time not hidden behind compute) are read lazily in
 :meth:`stats`, when the events have long completed.
@@ -149,16 +154,20 @@ class CopyStats:
 
 
 class StreamApi:
-    """The stream and event calls of :class:`CopyEngine`, on CUDA (a test passes a recording fake)."""
+    """The stream and event calls of :class:`CopyEngine`, on CUDA (a test passes a recording fake).
+
+    Streams and events are the generic ``torch.Stream`` and ``torch.Event`` (see "Generic streams and events").
+    """
 
     def new_stream(self) -> Any:
-        return torch.cuda.Stream()
+        return torch.Stream(torch.device("cuda", torch.cuda.current_device()))
 
     def current_stream(self, device: torch.device) -> Any:
-        return torch.cuda.current_stream(device)
+        index = device.index
+        return torch.accelerator.current_stream(torch.cuda.current_device() if index is None else index)
 
     def new_event(self, *, timing: bool = False) -> Any:
-        return torch.cuda.Event(enable_timing=timing)
+        return torch.Event(enable_timing=timing)
 
     def use(self, stream: Any, *, restore: Any) -> Any:
         """Context manager: work issued inside runs on ``stream``; ``restore`` (the current stream, which the
@@ -171,7 +180,7 @@ class StreamApi:
 
 
 class _StreamSwitch:
-    """``with``: ``stream`` is current inside, ``restore`` after (``torch.cuda.set_stream`` both ways)."""
+    """``with``: ``stream`` is current inside, ``restore`` after (``torch.accelerator.set_stream`` both ways)."""
 
     __slots__ = ("stream", "restore")
 
@@ -179,10 +188,10 @@ class _StreamSwitch:
         self.stream, self.restore = stream, restore
 
     def __enter__(self) -> None:
-        torch.cuda.set_stream(self.stream)
+        torch.accelerator.set_stream(self.stream)
 
     def __exit__(self, *exc: object) -> None:
-        torch.cuda.set_stream(self.restore)
+        torch.accelerator.set_stream(self.restore)
 
 
 COALESCE_MAX_BYTES = 64 << 20
