@@ -59,3 +59,5 @@ def test_compiled_blocks_smoke_cpu(tmp_path):
     payload = json.loads(path.read_text())
     assert payload["compile"] == "aot_eager" and "compiled (aot_eager)" in payload["regime"]
     assert all(p["ratio_median"] > 0 for p in payload["pairs"])
+    # memfit went on after the blocks were compiled: its attention hooks ran all the same (Dynamo was reset)
+    assert payload["pairs"][2]["stats_per_step"]["offload_attention"]["attention_tensors_parked"] > 0

@@ -80,3 +80,84 @@ def test_compiled_blocks_same_gradients_no_recompiles(name, eager_reference):
     assert stats["recomputes"] == stats["frames"] - stats["unused"] > 0
     if offload:
         assert stats["bytes_offloaded"] > 0
+
+
+class _Block(torch.nn.Module):
+    def __init__(self, *, call_forward: bool = False) -> None:
+        super().__init__()
+        self.ff = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+        self.call_forward = call_forward
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + (self.ff.forward(x) if self.call_forward else self.ff(x))
+
+
+class _Stack(torch.nn.Module):
+    def __init__(self, *, call_forward: bool = False) -> None:
+        super().__init__()
+        self.blocks = torch.nn.ModuleList(_Block(call_forward=call_forward) for _ in range(3))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+STACK = memfit.FamilyAdapter(name="hooked-stack", model_classes=("_Stack",), block_lists=("blocks",),
+                             blocks={"_Block": memfit.BlockSpec(ffn=(("ff",),))})
+TORCH_FFN = {**ON, "gradient_checkpointing_backend": "torch-ffn"}
+
+
+def test_ffn_regions_whose_hooks_never_run_are_an_error():
+    """A block that calls its FFN as ``self.ff.forward(x)`` skips the FFN's hooks: without the check, torch-ffn
+    would checkpoint nothing and say nothing."""
+    model, x = _Stack(call_forward=True), torch.randn(2, 8, 16)
+    with memfit.apply(model, TORCH_FFN, adapter=STACK) as handle:
+        with pytest.raises(memfit.MemfitError, match=r"hooks on 3 sub-block region modules did not run"):
+            model(x).sum().backward()
+        assert handle.stats()["recomputes"] == 0
+    model = _Stack()
+    with memfit.apply(model, TORCH_FFN, adapter=STACK) as handle:
+        model(x).sum().backward()
+        assert handle.stats()["recomputes"] == 3
+
+
+def test_ffn_hooks_added_after_a_compiled_forward_run():
+    """Each block compiled and run before memfit: the FFN regions do run (unlike attention hooks, below; memfit
+    also swaps the FFN's ``forward`` for an eager one, and the blocks are traced again)."""
+    from torch._dynamo.utils import counters
+
+    model, x = _Stack(), torch.randn(2, 8, 16)
+    torch._dynamo.reset()
+    counters.clear()
+    for block in model.blocks:
+        block.compile(backend="aot_eager")
+    model(x).sum().backward()
+    assert counters["stats"]["unique_graphs"] > 0
+    with memfit.apply(model, TORCH_FFN, adapter=STACK) as handle:
+        model(x).sum().backward()
+        assert handle.stats()["recomputes"] == 3
+
+
+def test_attention_hooks_added_after_a_compiled_forward_are_an_error_until_dynamo_is_reset():
+    """The same for attention offload on Flux's repeated blocks (``compile_repeated_blocks``)."""
+    model = TINY.build()
+    torch._dynamo.reset()
+    model.compile_repeated_blocks(backend="aot_eager")
+    grads(model)  # compiled and run without memfit
+    config = {"gradient_checkpointing_offload_attention": True}
+    with memfit.apply(model, config, copy_engine=cpu_copy_engine(), min_offload_bytes=0) as handle:
+        with pytest.raises(memfit.MemfitError, match=r"hooks on \d+ attention modules did not run.*reset"):
+            grads(model)
+        torch._dynamo.reset()
+        grads(model)
+        assert handle.stats()["attention_tensors_parked"] > 0
+
+
+def test_a_forward_without_grad_is_not_checked():
+    """Under ``no_grad`` no region opens, so hooks that do not run there are no sign of a stale compiled block."""
+    model, x = _Stack(call_forward=True), torch.randn(2, 8, 16)
+    with memfit.apply(model, TORCH_FFN, adapter=STACK) as handle:
+        with torch.no_grad():
+            model(x)
+        assert handle.stats()["recomputes"] == 0

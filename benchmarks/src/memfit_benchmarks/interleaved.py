@@ -79,8 +79,11 @@ def _cpu_offload(mode: Mode, cuda: bool) -> dict[str, Any]:
 
 
 def measure_pair(models: tuple[Any, Any], batch: dict, a: Mode, b: Mode, *, steps: int, warmup: int,
-                 cuda: bool) -> dict[str, Any]:
-    """``a`` and ``b`` stepped in turn on the two copies (``steps`` each), swapping copies halfway."""
+                 cuda: bool, compiled: bool = False) -> dict[str, Any]:
+    """``a`` and ``b`` stepped in turn on the two copies (``steps`` each), swapping copies halfway.
+
+    ``compiled``: the blocks are compiled; after memfit goes on, Dynamo's caches are reset so that the blocks are
+    traced again with memfit's hooks (code traced before does not see the hooks on their submodules)."""
     times: dict[str, list[float]] = {a.name: [], b.name: []}
     per_step: dict[str, dict[str, float]] = {}  # mode -> its handle's counters per timed step
     ratios: list[float] = []
@@ -88,6 +91,8 @@ def measure_pair(models: tuple[Any, Any], batch: dict, a: Mode, b: Mode, *, step
         n = steps // 2 if half == 0 else steps - steps // 2
         handles = [memfit.apply(m, mode.config, adapter=SYNTHETIC, **_cpu_offload(mode, cuda)) if mode.config else None
                    for m, mode in ((model_a, a), (model_b, b))]
+        if compiled:
+            torch._dynamo.reset()  # the warm-up steps compile again
         try:
             for _ in range(warmup):
                 _timed_step(model_a, batch, cuda)
@@ -192,7 +197,8 @@ def main(argv: list[str] | None = None) -> Path:
     pairs = []
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if cuda else contextlib.nullcontext():
         for a, b, target in PAIRS:
-            row = measure_pair(models, batch, modes[a], modes[b], steps=args.steps, warmup=args.warmup, cuda=cuda)
+            row = measure_pair(models, batch, modes[a], modes[b], steps=args.steps, warmup=args.warmup, cuda=cuda,
+                               compiled=bool(args.compile))
             row["target"] = target
             pairs.append(row)
             print(f"{a} / {b}: {row['ratio_median']:.3f} ({row['ratio_q1']:.3f}-{row['ratio_q3']:.3f})", flush=True)

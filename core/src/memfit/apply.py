@@ -85,6 +85,8 @@ def apply(model: nn.Module, config: MemfitConfig | Mapping[str, Any] | str | Non
         offloader = AttentionOffloader(session, _attention_modules(model, adapter))
     if session is not None:
         engine.step_listeners.append(session)
+    if offloader is not None:
+        engine.step_listeners.append(offloader)
     engine.install()
     # FSDP2: memfit goes on after fully_shard; sharding afterwards is refused at the next forward.
     if cfg.enabled or cfg.offload_attention:

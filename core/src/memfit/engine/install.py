@@ -28,7 +28,7 @@ from torch import nn
 from memfit.engine import state
 from memfit.engine.frame import Frame, FrameStats
 from memfit.engine.stash import DeviceStash, Stash
-from memfit.errors import MemfitWarning
+from memfit.errors import MemfitError, MemfitWarning
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,8 @@ class RegionEngine:
         self.undeclared_block_calls = 0
         # told when a forward starts / ends / raises (the offload session: dedup and timeline per step)
         self.step_listeners: list[Any] = []
+        self.sub_block_hook_calls = 0  # runs of the sub-block region hooks (see require_hooks_ran)
+        self._sub_block_calls_at_start: int | None = None  # at the start of a forward with grad, else None
 
     # -- installation -------------------------------------------------------------------------------------------
 
@@ -233,10 +235,14 @@ class RegionEngine:
         return stack
 
     def _region_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        site = self.hook_sites.get(module)
+        if site is not None:
+            self.sub_block_hook_calls += 1
+        else:
+            site = self.block_sites.get(module)
+            if site is None:
+                return
         if not state.regions_may_open():
-            return
-        site = self.hook_sites.get(module) or self.block_sites.get(module)
-        if site is None:
             return
         frame = self._frame_for(site, module)
         if frame is None:
@@ -290,16 +296,50 @@ class RegionEngine:
     def begin_forward(self) -> None:
         """The model's forward starts."""
         self._close_open()
+        self._sub_block_calls_at_start = None
         if torch.is_grad_enabled():
             self._sync_sites()
+            self._sub_block_calls_at_start = self.sub_block_hook_calls
             for listener in self.step_listeners:
                 listener.new_step()
 
     def end_forward(self, *, failed: bool) -> None:
-        """The model's forward returned (or raised: ``failed``)."""
+        """The model's forward returned (or raised: ``failed``).
+
+        Raises:
+            MemfitError: a forward with grad ran none of the sub-block region hooks (see :func:`require_hooks_ran`).
+        """
         self._close_open()
         for listener in self.step_listeners:
             listener.abort_step() if failed else listener.end_step()
+        start, self._sub_block_calls_at_start = self._sub_block_calls_at_start, None
+        if not failed and start is not None and self.hook_sites:
+            require_hooks_ran(self.sub_block_hook_calls > start, len(self.hook_sites), "sub-block region")
+
+
+# -- Hooks that never run ---------------------------------------------------------------------------------------
+# Sub-block regions (FFN chains) and attention offload work through hooks on modules inside the blocks. Two
+# things skip them silently, and then nothing is checkpointed or parked there: a block that already ran
+# compiled before memfit was applied (Dynamo does not guard on the hooks of the submodules it inlines,
+# ``torch._dynamo.config.skip_nnmodule_hook_guards``, so it keeps running the code traced without them; seen
+# with attention modules), and model code that calls ``module.forward(...)`` instead of ``module(...)``. A
+# forward with grad in which none of them ran is therefore an error.
+
+def require_hooks_ran(ran: bool, modules: int, what: str) -> None:
+    """Raise unless the hooks memfit put on ``modules`` modules (``what``) ran in the forward that just ended.
+
+    Raises:
+        MemfitError: none ran (see "Hooks that never run").
+    """
+    if ran:
+        return
+    raise MemfitError(
+        f"memfit's hooks on {modules} {what} modules did not run in this forward, so nothing was checkpointed "
+        f"or offloaded there. Either the blocks ran compiled (torch.compile, compile_repeated_blocks) before "
+        f"memfit was applied, and the compiled code does not see hooks added later: apply memfit before the "
+        f"first compiled forward, or call torch._dynamo.reset() after memfit.apply(). Or the model calls these "
+        f"modules as module.forward(...), which skips hooks: declare boundaries it calls as module(...)."
+    )
 
 
 def eager_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
