@@ -217,6 +217,21 @@ def test_parameters_are_listed_once_and_relisted_when_one_is_registered(model, x
     assert len(module_mod._global_parameter_registration_hooks) == hooks_before
 
 
+def test_only_parameters_big_enough_to_matter_are_reread_every_step():
+    """A tensor below ``min_offload_bytes`` is never parked, so a parameter whose storage is smaller (a LoRA
+    weight, a bias) cannot share a storage with one that is: only the big ones are re-read each step. A view of a
+    big parameter saved for backward is still refused."""
+    from memfit.offload.session import OffloadSession
+
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 512, bias=False), torch.nn.Linear(4, 4))  # 2 MiB, 80 B
+    model.register_buffer("table", torch.zeros(64, 1024))  # 256 KiB: within the 8x margin below 1 MiB
+    session = OffloadSession(make_engine(), model, min_offload_bytes=1 << 20)
+    session.new_step()
+    assert {id(t) for t in session._static_tensors} == {id(model[0].weight), id(model.table)}
+    assert not session.worth_parking(model[0].weight.t())
+    assert session.worth_parking(torch.randn(512, 1024))
+
+
 def test_a_model_dropped_without_remove_is_not_kept_alive_by_the_registration_hooks(x):
     import weakref
 

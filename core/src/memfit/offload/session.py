@@ -102,7 +102,13 @@ class OffloadSession:
                                          torch.nn.modules.module.register_module_buffer_registration_hook(hook)]
             weakref.finalize(self, _remove_hooks, self._registration_hooks)
         if self._static_tensors is None:
-            self._static_tensors = [*self.model.parameters(), *self.model.buffers()]
+            # Only a storage of at least ``min_offload_bytes`` can hold a tensor worth parking (smaller tensors and
+            # broadcast views are refused first in ``worth_parking``), so smaller ones are not re-read every step:
+            # a LoRA model's many adapter weights are. The 8x margin covers a later dtype change of the weights
+            # (fp8 to fp64) that the cached list would not notice.
+            floor = self.min_offload_bytes // 8
+            self._static_tensors = [t for t in (*self.model.parameters(), *self.model.buffers())
+                                    if _storage_nbytes(t) >= floor]
         self._param_storages = _storage_ptrs(self._static_tensors)
 
     def _tensors_registered(self, module: nn.Module, name: str, tensor: Any) -> None:
@@ -355,6 +361,14 @@ def mark_keeping_blocks(session: OffloadSession, blocks: list[tuple[nn.Module, i
         handles.append(block.register_forward_pre_hook(eager_hook(started)))
         handles.append(block.register_forward_hook(eager_hook(returned), with_kwargs=True, always_call=True))
     return handles
+
+
+def _storage_nbytes(tensor: torch.Tensor) -> int:
+    """Bytes of ``tensor``'s storage (a DTensor's local shard's); a freed storage counts as large (kept listed)."""
+    try:
+        return getattr(tensor, "_local_tensor", tensor).untyped_storage().nbytes()
+    except RuntimeError:
+        return 1 << 62
 
 
 def _storage_ptrs(tensors: Any) -> set[int]:
