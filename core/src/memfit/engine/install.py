@@ -93,8 +93,7 @@ class RegionEngine:
         self.undeclared_block_calls = 0
         # told when a forward starts / ends / raises (the offload session: dedup and timeline per step)
         self.step_listeners: list[Any] = []
-        self.sub_block_hook_calls = 0  # runs of the sub-block region hooks (see require_hooks_ran)
-        self._sub_block_calls_at_start: int | None = None  # at the start of a forward with grad, else None
+        self.sub_block_hooks = HookRuns("sub-block region")  # runs of the FFN-chain region hooks
 
     # -- installation -------------------------------------------------------------------------------------------
 
@@ -237,7 +236,7 @@ class RegionEngine:
     def _region_pre_hook(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         site = self.hook_sites.get(module)
         if site is not None:
-            self.sub_block_hook_calls += 1
+            self.sub_block_hooks.count += 1
         else:
             site = self.block_sites.get(module)
             if site is None:
@@ -296,10 +295,10 @@ class RegionEngine:
     def begin_forward(self) -> None:
         """The model's forward starts."""
         self._close_open()
-        self._sub_block_calls_at_start = None
+        self.sub_block_hooks.cancel()
         if torch.is_grad_enabled():
             self._sync_sites()
-            self._sub_block_calls_at_start = self.sub_block_hook_calls
+            self.sub_block_hooks.begin()
             for listener in self.step_listeners:
                 listener.new_step()
 
@@ -307,14 +306,15 @@ class RegionEngine:
         """The model's forward returned (or raised: ``failed``).
 
         Raises:
-            MemfitError: a forward with grad ran none of the sub-block region hooks (see :func:`require_hooks_ran`).
+            MemfitError: a forward with grad ran none of the sub-block region hooks (see :class:`HookRuns`).
         """
         self._close_open()
         for listener in self.step_listeners:
             listener.abort_step() if failed else listener.end_step()
-        start, self._sub_block_calls_at_start = self._sub_block_calls_at_start, None
-        if not failed and start is not None and self.hook_sites:
-            require_hooks_ran(self.sub_block_hook_calls > start, len(self.hook_sites), "sub-block region")
+        if failed:
+            self.sub_block_hooks.cancel()
+        else:
+            self.sub_block_hooks.end(len(self.hook_sites))
 
 
 # -- Hooks that never run ---------------------------------------------------------------------------------------
@@ -325,21 +325,42 @@ class RegionEngine:
 # with attention modules), and model code that calls ``module.forward(...)`` instead of ``module(...)``. A
 # forward with grad in which none of them ran is therefore an error.
 
-def require_hooks_ran(ran: bool, modules: int, what: str) -> None:
-    """Raise unless the hooks memfit put on ``modules`` modules (``what``) ran in the forward that just ended.
+class HookRuns:
+    """Counts the runs of memfit's hooks on some modules (``what``: their kind, for the message) and, at the end
+    of a forward with grad, requires that at least one ran."""
 
-    Raises:
-        MemfitError: none ran (see "Hooks that never run").
-    """
-    if ran:
-        return
-    raise MemfitError(
-        f"memfit's hooks on {modules} {what} modules did not run in this forward, so nothing was checkpointed "
-        f"or offloaded there. Either the blocks ran compiled (torch.compile, compile_repeated_blocks) before "
-        f"memfit was applied, and the compiled code does not see hooks added later: apply memfit before the "
-        f"first compiled forward, or call torch._dynamo.reset() after memfit.apply(). Or the model calls these "
-        f"modules as module.forward(...), which skips hooks: declare boundaries it calls as module(...)."
-    )
+    __slots__ = ("what", "count", "_at_start")
+
+    def __init__(self, what: str) -> None:
+        self.what = what
+        self.count = 0  # the hooks add 1 per run
+        self._at_start: int | None = None  # ``count`` when a forward with grad began, else None
+
+    def begin(self) -> None:
+        """A forward with grad begins."""
+        self._at_start = self.count
+
+    def cancel(self) -> None:
+        """Nothing to check (no forward with grad running, or it raised)."""
+        self._at_start = None
+
+    def end(self, modules: int) -> None:
+        """The forward returned; ``modules``: how many modules carry the hooks now.
+
+        Raises:
+            MemfitError: a forward with grad ran none of them (see "Hooks that never run").
+        """
+        start, self._at_start = self._at_start, None
+        if start is None or not modules or self.count > start:
+            return
+        raise MemfitError(
+            f"memfit's hooks on {modules} {self.what} modules did not run in this forward, so nothing was "
+            f"checkpointed or offloaded there. Either the blocks ran compiled (torch.compile, "
+            f"compile_repeated_blocks) before memfit was applied, and the compiled code does not see hooks added "
+            f"later: apply memfit before the first compiled forward, or call torch._dynamo.reset() after "
+            f"memfit.apply(). Or the model calls these modules as module.forward(...), which skips hooks: declare "
+            f"boundaries it calls as module(...)."
+        )
 
 
 def eager_hook(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -41,7 +41,7 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.distributed import is_fsdp_module
 from memfit.engine import state
-from memfit.engine.install import eager_hook, require_hooks_ran
+from memfit.engine.install import HookRuns, eager_hook
 from memfit.engine.stash import DeviceStash
 from memfit.errors import MemfitError
 from memfit.offload.copy import CopyEngine, Parked
@@ -540,8 +540,7 @@ class AttentionOffloader:
         self.modules = modules
         self.calls = 0
         self.tensors_parked = 0
-        self.hook_calls = 0  # runs of the pre-hook, offloading or not (see require_hooks_ran)
-        self._hook_calls_at_start: int | None = None  # at the start of a forward with grad, else None
+        self.hooks = HookRuns("attention")  # runs of the pre-hook, offloading or not
         self._handles: list[Any] = []
         self._active: list[tuple[nn.Module, Any, _SavedGroup]] = []
 
@@ -559,18 +558,16 @@ class AttentionOffloader:
     # -- step boundaries (a step listener of the region engine) ---------------------------------------------------
 
     def new_step(self) -> None:
-        self._hook_calls_at_start = self.hook_calls
+        self.hooks.begin()
 
     def end_step(self) -> None:
-        start, self._hook_calls_at_start = self._hook_calls_at_start, None
-        if start is not None and self.modules:
-            require_hooks_ran(self.hook_calls > start, len(self.modules), "attention")
+        self.hooks.end(len(self.modules))
 
     def abort_step(self) -> None:
-        self._hook_calls_at_start = None
+        self.hooks.cancel()
 
     def _pre(self, module: nn.Module, args: tuple) -> None:
-        self.hook_calls += 1
+        self.hooks.count += 1
         if not state.regions_may_open():  # inside a checkpointed region or a recompute: nothing to do
             return
         self.session.note_parameters(module)
