@@ -21,7 +21,9 @@ nox.options.sessions = ["lint", "tests", "conformance"]
 nox.options.default_venv_backend = "none"
 
 ADAPTERS = sorted(
-    p.name for p in (ROOT / "adapters").iterdir() if (p / "pyproject.toml").exists() and not p.name.startswith("_")
+    p.name
+    for p in (ROOT / "adapters").iterdir()
+    if (p / "pyproject.toml").exists() and not p.name.startswith("_")
 )
 
 
@@ -48,8 +50,15 @@ def tests(session: nox.Session) -> None:
 @nox.parametrize("adapter", ADAPTERS)
 def conformance(session: nox.Session, adapter: str) -> None:
     """The conformance kit against one adapter at a time."""
-    session.run(*_workspace_python(session), "-m", "pytest", f"adapters/{adapter}", "-q", *session.posargs,
-                external=True)
+    session.run(
+        *_workspace_python(session),
+        "-m",
+        "pytest",
+        f"adapters/{adapter}",
+        "-q",
+        *session.posargs,
+        external=True,
+    )
 
 
 @nox.session
@@ -58,8 +67,20 @@ def gpu(session: nox.Session, adapter: str) -> None:
     """GPU half of the kit (peak memory, bf16, offload) per adapter; a missing GPU is a failure here."""
     target = "core/tests" if adapter == "core" else f"adapters/{adapter}"
     env = {"MEMFIT_REQUIRE_CUDA": "1", "PYTHONUNBUFFERED": "1"}
-    session.run(sys.executable, "-m", "pytest", target, "-m", "gpu", "-q", "-p", "no:cacheprovider",
-                *session.posargs, env=env, external=True)
+    session.run(
+        sys.executable,
+        "-m",
+        "pytest",
+        target,
+        "-m",
+        "gpu",
+        "-q",
+        "-p",
+        "no:cacheprovider",
+        *session.posargs,
+        env=env,
+        external=True,
+    )
 
 
 @nox.session
@@ -69,5 +90,11 @@ def bench(session: nox.Session) -> None:
     ``nox -s bench -- --regime all`` runs the synthetic sweep in the three regimes; ``nox -s bench --
     --suite families --family all`` runs every family at its published size (memfit_benchmarks.families).
     """
-    session.run(sys.executable, "-m", "memfit_benchmarks", *session.posargs, env={"PYTHONUNBUFFERED": "1"},
-                external=True)
+    session.run(
+        sys.executable,
+        "-m",
+        "memfit_benchmarks",
+        *session.posargs,
+        env={"PYTHONUNBUFFERED": "1"},
+        external=True,
+    )

@@ -40,11 +40,14 @@ def main(argv: list[str] | None = None) -> list[float]:
 
     preset = memfit_flux.ADAPTER.presets["tiny"]
     model = preset.build(seed=0)
-    handle = memfit.apply(model, {
-        "gradient_checkpointing": True,
-        "gradient_checkpointing_backend": args.backend,
-        "gradient_checkpointing_interval": 2,
-    })
+    handle = memfit.apply(
+        model,
+        {
+            "gradient_checkpointing": True,
+            "gradient_checkpointing_backend": args.backend,
+            "gradient_checkpointing_interval": 2,
+        },
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
     model, optimizer = accelerator.prepare(model, optimizer)
 

@@ -15,8 +15,20 @@ import pytest
 pytest.importorskip("peft")
 pytest.importorskip("memfit_flux")
 
-ARGS = ["--device", "cpu", "--preset", "tiny", "--targets", "flux", "--budgets", "2", "--steps", "1",
-        "--warmup", "1"]
+ARGS = [
+    "--device",
+    "cpu",
+    "--preset",
+    "tiny",
+    "--targets",
+    "flux",
+    "--budgets",
+    "2",
+    "--steps",
+    "1",
+    "--warmup",
+    "1",
+]
 
 
 def _check_output(path, tmp_path, budgets=2):
@@ -37,12 +49,15 @@ def _check_output(path, tmp_path, budgets=2):
     # the gaps follow the frontier of the measured rows (on a loaded CPU the fastest mode can also be the
     # leanest, and then there is no step to fall back over: the count depends on timing, the rule does not)
     from memfit_benchmarks.auto_sweep import gap_budgets
+
     assert data["gap_budgets"] == gap_budgets(data["fixed_rows"], data["low_bytes"], data["high_bytes"])
     assert set(data["gap_budgets"]) <= set(data["budgets"])
     for gap in data["gap_budgets"]:  # each 1% below a fixed mode's memory: that mode does not fit it
         assert any(gap == int(r["held_bytes"] * 0.99) for r in data["fixed_rows"])
     assert [r["budget_bytes"] for r in data["auto_rows"] if not r.get("planner_floor")] == data["budgets"]
-    assert [r["budget_bytes"] for r in data["auto_rows"]] == sorted(r["budget_bytes"] for r in data["auto_rows"])
+    assert [r["budget_bytes"] for r in data["auto_rows"]] == sorted(
+        r["budget_bytes"] for r in data["auto_rows"]
+    )
     for r in data["auto_rows"]:
         assert r["best_fixed"] is not None and r["best_fixed"]["memory_bytes"] <= r["budget_bytes"]
         if not r.get("unreachable"):
@@ -72,7 +87,9 @@ def test_auto_sweep_tiny_flux_cpu(tmp_path):
             assert {"policies", "predicted_peak_bytes", "budget_bytes"} <= set(r["plan"])
     # the fixed rows are also the family sweep's results for flux (same builder, inputs and modes)
     family = json.loads(next((tmp_path / "families").glob("family-flux-tiny-*.json")).read_text())
-    assert family["suite"] == "families" and family["family"] == "flux" and family["rows"] == data["fixed_rows"]
+    assert (
+        family["suite"] == "families" and family["family"] == "flux" and family["rows"] == data["fixed_rows"]
+    )
     assert family["skipped"] == data["skipped"] and family["tokens"] == data["tokens"]
     assert next((tmp_path / "families").glob("family-flux-tiny-*.md")).read_text().count("| none |") == 1
 
@@ -88,8 +105,12 @@ class _StandInPlan:
         self.budget = budget
 
     def to_json(self):
-        return {"policies": {"transformer_blocks.0": "block"}, "predicted_peak_bytes": self.budget,
-                "budget_bytes": self.budget, "predicted_extra_seconds": 0.0}
+        return {
+            "policies": {"transformer_blocks.0": "block"},
+            "predicted_peak_bytes": self.budget,
+            "budget_bytes": self.budget,
+            "predicted_extra_seconds": 0.0,
+        }
 
     def counts(self):
         return {"block": 1}
@@ -127,7 +148,9 @@ def test_auto_sweep_with_a_stand_in_planner(tmp_path, monkeypatch):
     data = _check_output(written[0], tmp_path, budgets=3)
     low, floor, *rest = data["auto_rows"]
     assert low["unreachable"] and low["smallest_peak_bytes"] == refused[0] + 1
-    assert floor["planner_floor"] and floor["budget_bytes"] == refused[0] + 1  # one more row at the planner's floor
+    assert (
+        floor["planner_floor"] and floor["budget_bytes"] == refused[0] + 1
+    )  # one more row at the planner's floor
     assert all("speedup" in r and r["plan_counts"] == {"block": 1} for r in [floor, *rest])
     for r in [floor, *rest]:  # compared with the fixed mode measured again right after the auto row
         assert r["speedup"] == pytest.approx(r["best_fixed"]["step_s_adjacent"] / r["step_s"])
@@ -181,8 +204,12 @@ def test_gap_range_measures_one_share_of_the_gaps(tmp_path, monkeypatch):
     data = json.loads(auto_sweep.main(args)[0].read_text())
     assert data["gap_budgets"] == data["budgets"] == [2000]
     assert [r["budget_bytes"] for r in data["auto_rows"]] == [2000]
-    for bad in (["--gap-range", "1GiB:", "--no-gaps"], ["--gap-range", "a:"], ["--gap-range", "2GiB:1GiB"],
-                ["--gap-range", "1GiB"]):
+    for bad in (
+        ["--gap-range", "1GiB:", "--no-gaps"],
+        ["--gap-range", "a:"],
+        ["--gap-range", "2GiB:1GiB"],
+        ["--gap-range", "1GiB"],
+    ):
         with pytest.raises(SystemExit):
             auto_sweep.main([*ARGS, *bad, "--out", str(tmp_path)])
 
@@ -191,11 +218,13 @@ def test_budgets_and_fastest_fitting_fixed_mode():
     from memfit_benchmarks.auto_sweep import best_fixed, frontier, gap_budgets, spread_budgets
 
     assert spread_budgets(100, 200, 4) == [100, 125, 150, 175]
-    rows = [{"mode": "none", "step_s": 1.0, "peak_allocated": 200, "oom": False},
-            {"mode": "torch-ffn", "step_s": 1.1, "peak_allocated": 150, "oom": False},
-            {"mode": "torch interval 2", "step_s": 1.5, "peak_allocated": 160, "oom": False},  # beaten twice
-            {"mode": "torch", "step_s": 1.4, "peak_allocated": 100, "oom": False},
-            {"mode": "unsloth", "oom": True}]
+    rows = [
+        {"mode": "none", "step_s": 1.0, "peak_allocated": 200, "oom": False},
+        {"mode": "torch-ffn", "step_s": 1.1, "peak_allocated": 150, "oom": False},
+        {"mode": "torch interval 2", "step_s": 1.5, "peak_allocated": 160, "oom": False},  # beaten twice
+        {"mode": "torch", "step_s": 1.4, "peak_allocated": 100, "oom": False},
+        {"mode": "unsloth", "oom": True},
+    ]
     assert best_fixed(rows, 120)["mode"] == "torch" and best_fixed(rows, 150)["mode"] == "torch-ffn"
     assert best_fixed(rows, 99) is None
     assert [r["mode"] for r in frontier(rows)] == ["torch", "torch-ffn", "none"]
@@ -209,8 +238,14 @@ def test_checks_tolerance_and_peaks():
     from memfit_benchmarks.report import auto_checks
 
     def row(budget, auto_s, fixed_s, peak):
-        return {"budget_bytes": budget, "step_s": auto_s, "speedup": fixed_s / auto_s, "memory_bytes": peak,
-                "within_budget": peak <= budget, "best_fixed": {"mode": "torch", "step_s": fixed_s}}
+        return {
+            "budget_bytes": budget,
+            "step_s": auto_s,
+            "speedup": fixed_s / auto_s,
+            "memory_bytes": peak,
+            "within_budget": peak <= budget,
+            "best_fixed": {"mode": "torch", "step_s": fixed_s},
+        }
 
     ok = auto_checks([row(100, 1.015, 1.0, 90), row(150, 1.0, 1.2, 140)])
     assert [c[1] for c in ok] == [True, True, True, True]

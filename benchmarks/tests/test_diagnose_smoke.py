@@ -14,15 +14,33 @@ pytest.importorskip("memfit_flux")
 def test_diagnose_tiny_cpu(tmp_path, target):
     from memfit_benchmarks import diagnose
 
-    diagnose.main(["--family", target, "--preset", "tiny", "--device", "cpu", "--modes", "none,torch,unsloth",
-                   "--steps", "1", "--warmup", "1", "--out", str(tmp_path)])
+    diagnose.main(
+        [
+            "--family",
+            target,
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--modes",
+            "none,torch,unsloth",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     md = (tmp_path / f"diagnose-{target}.md").read_text()
     rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| mode")]
     assert [r.split("|")[1].strip() for r in rows] == ["none", "torch"]  # offload modes need CUDA: skipped
     for r in rows:
         step, host_fwd, host_bwd = (float(c) for c in r.split("|")[2:5])
         assert step > 0 and host_fwd > 0 and host_bwd > 0
-    assert "## torch" in md and '"recomputes":' in md and "Host (cProfile, one step)" in md  # the handle's stats and the profiler's table per mode
+    assert (
+        "## torch" in md and '"recomputes":' in md and "Host (cProfile, one step)" in md
+    )  # the handle's stats and the profiler's table per mode
 
 
 def test_diagnose_refuses_tokens_for_a_synthetic_target(tmp_path):
@@ -37,8 +55,24 @@ def test_diagnose_runs_auto_at_a_budget(tmp_path):
     counts held activation bytes: 96 KiB is well below the tiny model's, so blocks are recomputed)."""
     from memfit_benchmarks import diagnose
 
-    diagnose.main(["--family", "flux", "--preset", "tiny", "--device", "cpu", "--modes", "torch,auto@96KiB",
-                   "--steps", "1", "--warmup", "1", "--out", str(tmp_path)])
+    diagnose.main(
+        [
+            "--family",
+            "flux",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--modes",
+            "torch,auto@96KiB",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     md = (tmp_path / "diagnose-flux.md").read_text()
     assert "| auto@96KiB |" in md and "## auto@96KiB" in md
     counts = json.loads(md.split("## auto@96KiB")[1].split("plan: `")[1].split("`")[0])
@@ -50,7 +84,19 @@ def test_diagnose_refuses_a_bad_mode_before_building_anything(tmp_path, capsys, 
     from memfit_benchmarks import diagnose
 
     with pytest.raises(SystemExit):
-        diagnose.main(["--family", "flux", "--preset", "tiny", "--device", "cpu", "--modes", f"torch,{mode}",
-                       "--out", str(tmp_path)])
+        diagnose.main(
+            [
+                "--family",
+                "flux",
+                "--preset",
+                "tiny",
+                "--device",
+                "cpu",
+                "--modes",
+                f"torch,{mode}",
+                "--out",
+                str(tmp_path),
+            ]
+        )
     assert says in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # stopped before any output

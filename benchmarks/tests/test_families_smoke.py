@@ -13,8 +13,23 @@ pytest.importorskip("memfit_flux")
 def test_families_tiny_flux_cpu_and_render(tmp_path):
     from memfit_benchmarks import families, render
 
-    written = families.main(["--family", "flux", "--preset", "tiny", "--device", "cpu", "--steps", "1",
-                             "--warmup", "1", "--out", str(tmp_path), "--no-render"])
+    written = families.main(
+        [
+            "--family",
+            "flux",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--steps",
+            "1",
+            "--warmup",
+            "1",
+            "--out",
+            str(tmp_path),
+            "--no-render",
+        ]
+    )
     assert len(written) == 1
     data = json.loads(written[0].read_text())
     assert data["family"] == "flux" and data["preset"] == "tiny" and data["tokens"] == 64
@@ -22,9 +37,16 @@ def test_families_tiny_flux_cpu_and_render(tmp_path):
     assert data["lora_targets_count"] > 0 and data["trainable_params"] > 0
     modes = [r["mode"] for r in data["rows"]]
     assert modes == ["none", "torch-ffn", "torch", "torch interval 2", "torch interval 2 stride 4"]
-    assert set(data["skipped"]) == {"unsloth-ffn", "unsloth", "offload_attention", "torch-ffn + offload_attention"}
+    assert set(data["skipped"]) == {
+        "unsloth-ffn",
+        "unsloth",
+        "offload_attention",
+        "torch-ffn + offload_attention",
+    }
     for r in data["rows"]:
-        assert not r["oom"] and r["step_s"] > 0 and r["peak_allocated"] is None and r["timing"] == "perf_counter"
+        assert (
+            not r["oom"] and r["step_s"] > 0 and r["peak_allocated"] is None and r["timing"] == "perf_counter"
+        )
         assert "x_none" in r and "x_torch" in r
 
     files = render.main([str(written[0])])
@@ -43,12 +65,33 @@ def test_rounds_measure_every_mode_round_robin_and_report_the_median(tmp_path, m
 
     def fake_measure(model, batch, loss, mode, **kw):
         order.append(mode.name)
-        return {"mode": mode.name, "config": mode.config, "step_s": next(times), "oom": False,
-                "peak_allocated": 100 + len(order), "peak_reserved": None}
+        return {
+            "mode": mode.name,
+            "config": mode.config,
+            "step_s": next(times),
+            "oom": False,
+            "peak_allocated": 100 + len(order),
+            "peak_reserved": None,
+        }
 
     monkeypatch.setattr(runner, "measure_mode", fake_measure)
-    written = families.main(["--family", "flux", "--preset", "tiny", "--device", "cpu", "--modes", "none,torch",
-                             "--rounds", "3", "--out", str(tmp_path), "--no-render"])
+    written = families.main(
+        [
+            "--family",
+            "flux",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--modes",
+            "none,torch",
+            "--rounds",
+            "3",
+            "--out",
+            str(tmp_path),
+            "--no-render",
+        ]
+    )
     data = json.loads(written[0].read_text())
     assert order == ["none", "torch"] * 3 and data["rounds"] == 3
     none, torch_row = data["rows"]
@@ -62,10 +105,12 @@ def test_rounds_measure_every_mode_round_robin_and_report_the_median(tmp_path, m
 def test_bug_lines_flag_peaks_at_or_above_none():
     from memfit_benchmarks.report import bug_lines
 
-    rows = [{"mode": "none", "peak_allocated": 100, "step_s": 1.0, "oom": False},
-            {"mode": "torch", "peak_allocated": 50, "step_s": 1.3, "oom": False},
-            {"mode": "unsloth", "peak_allocated": 100, "step_s": 1.3, "oom": False},
-            {"mode": "torch-ffn", "oom": True}]
+    rows = [
+        {"mode": "none", "peak_allocated": 100, "step_s": 1.0, "oom": False},
+        {"mode": "torch", "peak_allocated": 50, "step_s": 1.3, "oom": False},
+        {"mode": "unsloth", "peak_allocated": 100, "step_s": 1.3, "oom": False},
+        {"mode": "torch-ffn", "oom": True},
+    ]
     lines = bug_lines(rows)
     assert len(lines) == 1 and lines[0].startswith("- BUG unsloth")
 
@@ -73,12 +118,39 @@ def test_bug_lines_flag_peaks_at_or_above_none():
 def test_render_synthetic_with_oom_row(tmp_path):
     from memfit_benchmarks import render
 
-    payload = {"suite": "synthetic", "date": "2026-01-01T00:00:00+00:00", "device": "test", "torch": "x",
-               "cuda": None, "regime": "full", "regime_description": "full", "steps": 1, "warmup": 0,
-               "results": [{"shape": "s 1", "rows": [
-                   {"mode": "none", "step_s": 0.1, "peak_allocated": 2**31, "peak_reserved": 2**31, "oom": False},
-                   {"mode": "torch", "step_s": 0.2, "peak_allocated": 2**32, "peak_reserved": 2**32, "oom": False},
-                   {"mode": "unsloth", "oom": True}]}]}
+    payload = {
+        "suite": "synthetic",
+        "date": "2026-01-01T00:00:00+00:00",
+        "device": "test",
+        "torch": "x",
+        "cuda": None,
+        "regime": "full",
+        "regime_description": "full",
+        "steps": 1,
+        "warmup": 0,
+        "results": [
+            {
+                "shape": "s 1",
+                "rows": [
+                    {
+                        "mode": "none",
+                        "step_s": 0.1,
+                        "peak_allocated": 2**31,
+                        "peak_reserved": 2**31,
+                        "oom": False,
+                    },
+                    {
+                        "mode": "torch",
+                        "step_s": 0.2,
+                        "peak_allocated": 2**32,
+                        "peak_reserved": 2**32,
+                        "oom": False,
+                    },
+                    {"mode": "unsloth", "oom": True},
+                ],
+            }
+        ],
+    }
     path = tmp_path / "synthetic-full-x.json"
     path.write_text(json.dumps(payload))
     render.main([str(path)])
@@ -97,12 +169,28 @@ def test_render_synthetic_with_oom_row(tmp_path):
 def test_synthetic_all_regimes_cpu(tmp_path):
     from memfit_benchmarks.__main__ import main
 
-    written = main(["--regime", "all", "--device", "cpu", "--shapes", "tiny", "--steps", "1", "--warmup", "0",
-                    "--out", str(tmp_path)])
+    written = main(
+        [
+            "--regime",
+            "all",
+            "--device",
+            "cpu",
+            "--shapes",
+            "tiny",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert [json.loads(p.read_text())["regime"] for p in written] == ["lora", "frozen", "full"]
     for p in written:
         rows = json.loads(p.read_text())["results"][0]["rows"]
-        assert [r["mode"] for r in rows][:3] == ["none", "torch-ffn", "torch"] and not any(r["oom"] for r in rows)
+        assert [r["mode"] for r in rows][:3] == ["none", "torch-ffn", "torch"] and not any(
+            r["oom"] for r in rows
+        )
         assert (tmp_path / f"{p.stem}.md").exists()
 
 
@@ -121,7 +209,8 @@ def test_host_ram_exhaustion_is_an_oom_row_not_a_crash(monkeypatch):
     monkeypatch.setattr(runner.memfit, "apply", apply)
     model = torch.nn.Linear(4, 4)
     mode = runner.Mode("offload_attention", {"gradient_checkpointing_offload_attention": True})
-    row = runner.measure_mode(model, {"input": torch.randn(2, 4)}, lambda out: out.sum(), mode, adapter=None,
-                              warmup=1, steps=1)
+    row = runner.measure_mode(
+        model, {"input": torch.randn(2, 4)}, lambda out: out.sum(), mode, adapter=None, warmup=1, steps=1
+    )
     assert row["oom"] and row["oom_where"] == "host" and "host RAM" in row["error"]
     assert "| offload_attention | OOM (host RAM) |" in "\n".join(row_table([row]))

@@ -13,8 +13,22 @@ pytest.importorskip("memfit_flux")
 def test_fsdp2_script_tiny_gloo(tmp_path):
     from memfit_benchmarks import fsdp2
 
-    fsdp2.main(["--nproc", "2", "--preset", "tiny", "--tokens", "16", "--steps", "1", "--warmup", "0",
-                "--out", str(tmp_path)])
+    fsdp2.main(
+        [
+            "--nproc",
+            "2",
+            "--preset",
+            "tiny",
+            "--tokens",
+            "16",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     data = json.loads((tmp_path / "fsdp2.json").read_text())
     assert data["meta"]["backend"] == "gloo" and data["meta"]["skipped_modes"] == ["unsloth-ffn", "unsloth"]
     assert list(data["modes"]) == ["none", "none (repeat)", "torch-ffn", "torch"]

@@ -23,7 +23,11 @@ def test_host_overhead_measures_every_mode_against_its_baseline(tmp_path):
         assert ("extra_ms" in row) == (name != "none")
     assert rows["none"]["hooked_tensors_per_step"] == 0
     # every saved tensor of the stack goes through the no-op hooks; the attention offload parks a share of them
-    assert rows["none + no-op hooks"]["hooked_tensors_per_step"] > rows["offload_attention"]["hooked_tensors_per_step"] > 0
+    assert (
+        rows["none + no-op hooks"]["hooked_tensors_per_step"]
+        > rows["offload_attention"]["hooked_tensors_per_step"]
+        > 0
+    )
     assert "| unsloth | " in path.with_suffix(".md").read_text()
 
 

@@ -18,7 +18,7 @@ def test_each_step_is_compared_with_its_neighbours_so_a_drift_cancels():
     ratios = per_step_ratios(a, b)
     assert ratios[0] == pytest.approx(1.02 / 1.1)  # only the later neighbour
     for r in ratios[1:]:  # between its neighbours: the drift cancels to within its curvature
-        assert r == pytest.approx(1.02 / ((1.1 ** -1 + 1.1) / 2), rel=1e-9)
+        assert r == pytest.approx(1.02 / ((1.1**-1 + 1.1) / 2), rel=1e-9)
         assert abs(r - 1.02) < 0.01
     # a ratio of the two modes' means over the run would be off by the drift of one step (10%)
 
@@ -26,8 +26,9 @@ def test_each_step_is_compared_with_its_neighbours_so_a_drift_cancels():
 def test_interleaved_smoke_cpu(tmp_path):
     from memfit_benchmarks import interleaved
 
-    path = interleaved.main(["--out", str(tmp_path), "--shape", "tiny", "--steps", "4", "--warmup", "1",
-                             "--device", "cpu"])
+    path = interleaved.main(
+        ["--out", str(tmp_path), "--shape", "tiny", "--steps", "4", "--warmup", "1", "--device", "cpu"]
+    )
     payload = json.loads(path.read_text())
     assert [(p["a"], p["b"]) for p in payload["pairs"]] == [(a, b) for a, b, _ in interleaved.PAIRS]
     for p in payload["pairs"]:
@@ -39,7 +40,9 @@ def test_interleaved_smoke_cpu(tmp_path):
     assert stats["offload_attention"]["attention_tensors_parked"] > 0
     assert stats["offload_attention"].get("recomputes", 0) == 0
     md = path.with_suffix(".md").read_text()
-    assert "| unsloth / torch |" in md and "≤ 1.02×" in md and "2 recomputes" in md and "attention tensors" in md
+    assert (
+        "| unsloth / torch |" in md and "≤ 1.02×" in md and "2 recomputes" in md and "attention tensors" in md
+    )
     with pytest.raises(SystemExit):
         interleaved.main(["--out", str(tmp_path), "--steps", "1"])
 
@@ -52,8 +55,22 @@ def test_compiled_blocks_smoke_cpu(tmp_path):
     from memfit_benchmarks import interleaved
 
     counters.clear()
-    path = interleaved.main(["--out", str(tmp_path), "--shape", "tiny", "--steps", "2", "--warmup", "1",
-                             "--device", "cpu", "--compile", "aot_eager"])
+    path = interleaved.main(
+        [
+            "--out",
+            str(tmp_path),
+            "--shape",
+            "tiny",
+            "--steps",
+            "2",
+            "--warmup",
+            "1",
+            "--device",
+            "cpu",
+            "--compile",
+            "aot_eager",
+        ]
+    )
     assert counters["stats"]["unique_graphs"] >= 1  # the blocks did run compiled
     assert path.name.startswith("interleaved-compiled-")
     payload = json.loads(path.read_text())

@@ -24,8 +24,10 @@ ROUNDS = {
 
 
 def _rows(rounds: dict[str, list[float]]) -> list[dict]:
-    rows = [merge_rounds([{"mode": mode, "step_s": s, "oom": False} for s in steps])
-            for mode, steps in rounds.items()]
+    rows = [
+        merge_rounds([{"mode": mode, "step_s": s, "oom": False} for s in steps])
+        for mode, steps in rounds.items()
+    ]
     add_ratios(rows)
     return rows
 
@@ -38,13 +40,18 @@ def test_per_round_ratios_need_the_same_rounds_on_both_rows():
     a, b = {"step_s_rounds": [2.0, 3.0, 4.0]}, {"step_s_rounds": [1.0, 2.0, 2.0]}
     assert per_round_ratios(a, b) == [2.0, 1.5, 2.0] and paired_ratio(a, b) == 2.0
     assert per_round_ratios(a, {"step_s_rounds": [1.0, 2.0]}) is None
-    assert per_round_ratios({"step_s_rounds": [2.0]}, {"step_s_rounds": [1.0]}) is None  # one round: nothing to pair
+    assert (
+        per_round_ratios({"step_s_rounds": [2.0]}, {"step_s_rounds": [1.0]}) is None
+    )  # one round: nothing to pair
     assert per_round_ratios({"step_s": 2.0}, {"step_s": 1.0}) is None
     assert step_ratio({"step_s": 2.0}, {"step_s": 1.6}) == (1.25, "1.250×")
 
 
 def test_merge_rounds_median_step_largest_peak_and_oom_in_any_round():
-    rows = [{"mode": "torch", "step_s": s, "peak_allocated": p, "oom": False} for s, p in ((3, 10), (1, 30), (2, 20))]
+    rows = [
+        {"mode": "torch", "step_s": s, "peak_allocated": p, "oom": False}
+        for s, p in ((3, 10), (1, 30), (2, 20))
+    ]
     merged = merge_rounds(rows)
     assert merged["step_s"] == 2 and merged["step_s_rounds"] == [3, 1, 2] and merged["peak_allocated"] == 30
     oom = {"mode": "torch", "oom": True}
@@ -62,24 +69,49 @@ def test_add_ratios_stores_the_paired_ratio_next_to_the_median_ratio():
 
 
 def test_synthetic_targets_check_the_paired_ratio():
-    payload = {"suite": "synthetic", "date": "2026-01-01", "device": "test", "torch": "x", "cuda": None,
-               "regime": "lora", "steps": 5, "warmup": 2, "rounds": 3,
-               "results": [{"shape": "s", "rows": _rows(ROUNDS)}]}
+    payload = {
+        "suite": "synthetic",
+        "date": "2026-01-01",
+        "device": "test",
+        "torch": "x",
+        "cuda": None,
+        "regime": "lora",
+        "steps": 5,
+        "warmup": 2,
+        "rounds": 3,
+        "results": [{"shape": "s", "rows": _rows(ROUNDS)}],
+    }
     md = render_markdown(payload)
     assert _target(md, "unsloth ≤ 1.02× torch step time") == (
         "- FAIL unsloth ≤ 1.02× torch step time: 1.036× (median of per-round ratios 1.040, 1.036, 0.925; "
-        "ratio of median rounds 1.009)")
+        "ratio of median rounds 1.009)"
+    )
     assert _target(md, "unsloth-ffn ≤ 1.03× torch-ffn").startswith(
-        "- PASS unsloth-ffn ≤ 1.03× torch-ffn step time: 1.000× (median of per-round ratios 1.000, 1.000, 1.136;")
+        "- PASS unsloth-ffn ≤ 1.03× torch-ffn step time: 1.000× (median of per-round ratios 1.000, 1.000, 1.136;"
+    )
     assert "3 round-robin rounds" in md and "median over rounds of the per-round ratio" in md
 
 
 def test_family_targets_check_the_paired_ratio_and_one_round_is_unchanged():
-    payload = {"suite": "families", "family": "flux", "preset": "full", "date": "2026-01-01", "device": "test",
-               "torch": "x", "cuda": None, "steps": 5, "warmup": 2, "tokens": 64, "rounds": 3, "rows": _rows(ROUNDS)}
+    payload = {
+        "suite": "families",
+        "family": "flux",
+        "preset": "full",
+        "date": "2026-01-01",
+        "device": "test",
+        "torch": "x",
+        "cuda": None,
+        "steps": 5,
+        "warmup": 2,
+        "tokens": 64,
+        "rounds": 3,
+        "rows": _rows(ROUNDS),
+    }
     md = render_family_markdown(payload)
     assert _target(md, "unsloth ≤ 1.02× torch").startswith("- FAIL unsloth ≤ 1.02× torch step time: 1.036× (")
-    assert _target(md, "unsloth-ffn ≤ 1.03×").startswith("- PASS unsloth-ffn ≤ 1.03× torch-ffn step time: 1.000× (")
+    assert _target(md, "unsloth-ffn ≤ 1.03×").startswith(
+        "- PASS unsloth-ffn ≤ 1.03× torch-ffn step time: 1.000× ("
+    )
     payload.update(rounds=1, rows=_rows({mode: steps[2:] for mode, steps in ROUNDS.items()}))
     md = render_family_markdown(payload)
     assert _target(md, "unsloth ≤ 1.02× torch") == "- PASS unsloth ≤ 1.02× torch step time: 0.925×"
@@ -96,12 +128,19 @@ def test_synthetic_rounds_measure_every_mode_round_robin(tmp_path, monkeypatch):
 
     def fake_measure(model, batch, loss, mode, **kw):
         order.append(mode.name)
-        return {"mode": mode.name, "config": mode.config, "step_s": next(steps.get(mode.name, iter([2.0]))),
-                "oom": False, "peak_allocated": None, "peak_reserved": None}
+        return {
+            "mode": mode.name,
+            "config": mode.config,
+            "step_s": next(steps.get(mode.name, iter([2.0]))),
+            "oom": False,
+            "peak_allocated": None,
+            "peak_reserved": None,
+        }
 
     monkeypatch.setattr(runner, "measure_mode", fake_measure)
-    written = bench.main(["--regime", "frozen", "--device", "cpu", "--shapes", "tiny", "--rounds", "3",
-                          "--out", str(tmp_path)])
+    written = bench.main(
+        ["--regime", "frozen", "--device", "cpu", "--shapes", "tiny", "--rounds", "3", "--out", str(tmp_path)]
+    )
     data = json.loads(written[0].read_text())
     modes = [r["mode"] for r in data["results"][0]["rows"]]
     assert order == modes * 3 and data["rounds"] == 3

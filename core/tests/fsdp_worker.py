@@ -52,21 +52,32 @@ def _compare(ref, got) -> dict:
         "loss_equal": bool(torch.equal(loss, loss_ref)),
         "same_grad_names": sorted(full) == sorted(full_ref),
         "full_grads_equal": all(torch.equal(full[n], full_ref[n]) for n in full_ref if n in full),
-        "local_shards_equal": all(torch.equal(local[n].to_local(), local_ref[n].to_local())
-                                  for n in local_ref if n in local),
-        "max_abs_diff": max(((full[n] - full_ref[n]).abs().max().item() for n in full_ref if n in full),
-                            default=float("nan")),
+        "local_shards_equal": all(
+            torch.equal(local[n].to_local(), local_ref[n].to_local()) for n in local_ref if n in local
+        ),
+        "max_abs_diff": max(
+            ((full[n] - full_ref[n]).abs().max().item() for n in full_ref if n in full), default=float("nan")
+        ),
     }
 
 
 def _cfg(backend: str, interval: int = 1, **extra) -> dict:
-    return {"gradient_checkpointing": True, "gradient_checkpointing_backend": backend,
-            "gradient_checkpointing_interval": interval, **extra}
+    return {
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_backend": backend,
+        "gradient_checkpointing_interval": interval,
+        **extra,
+    }
 
 
 def _sync_engine() -> SyncCopyEngine:
-    return SyncCopyEngine(PinnedBucketPool(allocate=lambda n, pinned: torch.empty(n, dtype=torch.uint8),
-                                           available_host_bytes=lambda: 1 << 40, host_reserve_bytes=0))
+    return SyncCopyEngine(
+        PinnedBucketPool(
+            allocate=lambda n, pinned: torch.empty(n, dtype=torch.uint8),
+            available_host_bytes=lambda: 1 << 40,
+            host_reserve_bytes=0,
+        )
+    )
 
 
 def run(rank: int, world: int, port: int, out_path: str) -> None:
@@ -88,16 +99,19 @@ def run(rank: int, world: int, port: int, out_path: str) -> None:
             results[f"{backend}/{interval}"] = cmp
 
         # offload logic under FSDP on CPU tensors (the CUDA copy engine's bookkeeping, synchronous)
-        for name, cfg in (("unsloth/2", _cfg("unsloth", 2)),
-                          ("attention-offload", {"gradient_checkpointing_offload_attention": True})):
+        for name, cfg in (
+            ("unsloth/2", _cfg("unsloth", 2)),
+            ("attention-offload", {"gradient_checkpointing_offload_attention": True}),
+        ):
             model, inputs = _build()
             _shard(model)
             params = {p.to_local().untyped_storage().data_ptr() for p in model.parameters()}
             handle = memfit.apply(model, cfg, copy_engine=_sync_engine(), min_offload_bytes=0)
             cmp = _compare(ref, _step(model, inputs))
             cmp["bytes_offloaded"] = handle.stats()["bytes_offloaded"]
-            cmp["sharded_params_untouched"] = params == {p.to_local().untyped_storage().data_ptr()
-                                                         for p in model.parameters()}
+            cmp["sharded_params_untouched"] = params == {
+                p.to_local().untyped_storage().data_ptr() for p in model.parameters()
+            }
             results[name] = cmp
 
         # the default offload engine needs CUDA: documented error, also when sharded
@@ -135,8 +149,11 @@ def run(rank: int, world: int, port: int, out_path: str) -> None:
             handle = memfit.apply(model, _cfg("torch-ffn", 2))
         ours = [w for w in caught if issubclass(w.category, memfit.MemfitWarning)]
         cmp = _compare(ref, _step(model, inputs))
-        cmp.update(warnings=[str(w.message) for w in ours], enabled=handle.config.enabled,
-                   recomputes=handle.stats()["recomputes"])
+        cmp.update(
+            warnings=[str(w.message) for w in ours],
+            enabled=handle.config.enabled,
+            recomputes=handle.stats()["recomputes"],
+        )
         results["fsdp-ac"] = cmp
     finally:
         dist.destroy_process_group()

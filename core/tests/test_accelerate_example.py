@@ -26,4 +26,3 @@ def test_accelerate_example_trains(backend):
     example = load_example()
     losses = example.main(["--steps", "2", "--backend", backend])
     assert len(losses) == 4 and all(math.isfinite(x) for x in losses)
-

@@ -25,8 +25,12 @@ TINY = ADAPTER.presets["tiny"]
 
 
 def auto(budget, **extra):
-    return {"gradient_checkpointing": True, "gradient_checkpointing_backend": "auto",
-            "gradient_checkpointing_memory_budget": budget, **extra}
+    return {
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_backend": "auto",
+        "gradient_checkpointing_memory_budget": budget,
+        **extra,
+    }
 
 
 @pytest.fixture(scope="module")
@@ -82,9 +86,19 @@ def test_plans_fit_the_budget_and_keep_gradients_exact(model, reference, fractio
 
 
 def test_a_larger_budget_never_costs_more_and_mixes_policies(model, reference):
-    profile = profile_model(model, ADAPTER, (), inputs(model), min_offload_bytes=1 << 20, copy_bytes_per_second=None)
-    plans = [plan_policies(profile, int(reference[2] * f), allowed=lambda b: allowed_policies(
-        has_ffn=b.has_ffn, has_attention=b.has_attention, can_offload=False)) for f in (0.2, 0.4, 0.6, 0.8)]
+    profile = profile_model(
+        model, ADAPTER, (), inputs(model), min_offload_bytes=1 << 20, copy_bytes_per_second=None
+    )
+    plans = [
+        plan_policies(
+            profile,
+            int(reference[2] * f),
+            allowed=lambda b: allowed_policies(
+                has_ffn=b.has_ffn, has_attention=b.has_attention, can_offload=False
+            ),
+        )
+        for f in (0.2, 0.4, 0.6, 0.8)
+    ]
     extra = [p.predicted_extra_seconds for p in plans]
     assert extra == sorted(extra, reverse=True)
     assert any(len(p.counts()) > 1 for p in plans), [p.counts() for p in plans]  # per-block, not one mode
@@ -110,7 +124,9 @@ def test_offload_policies_exact_through_a_copy_engine(model, reference):
     recompute_only = run_auto(model, int(reference[2] * 0.15))[3]
     # below every recompute-only plan: only parking block inputs in host memory gets there
     budget = recompute_only.predicted_peak_bytes - 8 * 1024
-    loss, grads, held, plan, stats = run_auto(model, budget, copy_engine=cpu_copy_engine(), min_offload_bytes=0)
+    loss, grads, held, plan, stats = run_auto(
+        model, budget, copy_engine=cpu_copy_engine(), min_offload_bytes=0
+    )
     assert held <= budget
     assert any(BlockPolicy(p).copies for p in plan.counts()), plan.counts()
     assert stats["bytes_offloaded"] > 0 and stats["host_buffers_in_use"] == 0
@@ -126,12 +142,18 @@ def test_profiled_attention_copy_bytes_equal_what_offload_attention_copies():
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     lora_model = TINY.build(dtype=torch.float32, device="cpu").requires_grad_(False)
-    lora_model.add_adapter(peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v", "add_q_proj", "to_out.0"]))
+    lora_model.add_adapter(
+        peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v", "add_q_proj", "to_out.0"])
+    )
     batch = inputs(lora_model)
     profile = profile_model(lora_model, ADAPTER, (), batch, min_offload_bytes=0, copy_bytes_per_second=1e9)
     predicted = sum(b.attention_copy_bytes for b in profile.blocks) + profile.attention_shared_copy_bytes
-    with memfit.apply(lora_model, {"gradient_checkpointing_offload_attention": True},
-                      copy_engine=cpu_copy_engine(), min_offload_bytes=0) as handle:
+    with memfit.apply(
+        lora_model,
+        {"gradient_checkpointing_offload_attention": True},
+        copy_engine=cpu_copy_engine(),
+        min_offload_bytes=0,
+    ) as handle:
         ADAPTER.loss(lora_model(**batch)).backward()
         stats = handle.stats()
     assert stats["dedup_hits"] > 0  # the shared views were seen, and copied once
@@ -143,7 +165,9 @@ def test_profiled_attention_copy_bytes_equal_what_offload_attention_copies():
     assert saves == stats["attention_tensors_parked"] > len(profile.blocks)
     # the host cost counts every tensor the attention calls save, parked or not (LoRA's small ones too)
     assert sum(b.attention_hook_calls for b in profile.blocks) > saves
-    assert sum(b.attention_copy_bytes for b in profile.blocks) >= sum(b.attention_bytes for b in profile.blocks)
+    assert sum(b.attention_copy_bytes for b in profile.blocks) >= sum(
+        b.attention_bytes for b in profile.blocks
+    )
 
 
 def test_the_first_block_keeps_no_more_than_the_others():
@@ -156,13 +180,19 @@ def test_the_first_block_keeps_no_more_than_the_others():
     wan_tiny = memfit_wan.ADAPTER.presets["tiny"]
     torch.manual_seed(0)
     wan = wan_tiny.build(dtype=torch.float32, device="cpu").requires_grad_(False)
-    wan.add_adapter(peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v", "to_out.0", "net.0.proj", "net.2"]))
+    wan.add_adapter(
+        peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v", "to_out.0", "net.0.proj", "net.2"])
+    )
     batch = wan_tiny.inputs(wan, tokens=720, generator=torch.Generator().manual_seed(1))
-    profile = profile_model(wan, memfit_wan.ADAPTER, (), batch, min_offload_bytes=0, copy_bytes_per_second=1e9)
+    profile = profile_model(
+        wan, memfit_wan.ADAPTER, (), batch, min_offload_bytes=0, copy_bytes_per_second=1e9
+    )
     from memfit_wan.presets import latent_grid
 
     cfg = wan.config
-    hidden = math.prod(latent_grid(720)) * cfg.num_attention_heads * cfg.attention_head_dim * 4  # one block's output
+    hidden = (
+        math.prod(latent_grid(720)) * cfg.num_attention_heads * cfg.attention_head_dim * 4
+    )  # one block's output
     assert [b.input_bytes for b in profile.blocks] == [hidden] * len(profile.blocks)
     assert [b.input_parkable_bytes for b in profile.blocks] == [hidden] * len(profile.blocks)
     # the time embedding every block takes unsaved is held under every plan: counted once, outside
@@ -170,8 +200,11 @@ def test_the_first_block_keeps_no_more_than_the_others():
     # the output norm saves the last block's output: after that block, not held under the blocks' backward
     after = [b.saved_after_bytes for b in profile.blocks]
     assert after[:-1] == [0] * (len(after) - 1) and after[-1] >= hidden
-    plan = plan_policies(profile, profile.outside_bytes + hidden * len(profile.blocks), allowed=lambda b: (
-        BlockPolicy.KEEP, BlockPolicy.BLOCK, BlockPolicy.BLOCK_OFFLOAD))
+    plan = plan_policies(
+        profile,
+        profile.outside_bytes + hidden * len(profile.blocks),
+        allowed=lambda b: (BlockPolicy.KEEP, BlockPolicy.BLOCK, BlockPolicy.BLOCK_OFFLOAD),
+    )
     # every block's input parked, nothing else held (off CUDA: when backward begins, the output norm's too)
     assert plan.smallest_peak_bytes == profile.outside_bytes + after[-1]
 
@@ -235,7 +268,9 @@ def test_a_budget_beyond_the_allocators_room_is_planned_for_less_and_says_so(mod
     try:
         with pytest.warns(memfit.MemfitWarning, match="caching allocator too little room"):
             step(model, inputs(model))
-        assert handle.plan.needed and handle.plan.budget_bytes == int(capacity * controller.ALLOCATOR_HEADROOM)
+        assert handle.plan.needed and handle.plan.budget_bytes == int(
+            capacity * controller.ALLOCATOR_HEADROOM
+        )
         assert handle.plan.predicted_peak_bytes <= handle.plan.budget_bytes
     finally:
         handle.remove()
@@ -298,13 +333,16 @@ def test_describe_lists_the_plan(model):
     assert "auto plan (held activations)" in text and "transformer_blocks." in text
 
 
-@pytest.mark.parametrize("extra, match", [
-    ({"gradient_checkpointing_interval": 2}, "gradient_checkpointing_interval"),
-    ({"gradient_checkpointing_segment_stride": 2}, "gradient_checkpointing_segment_stride"),
-    ({"gradient_checkpointing_offload_attention": True}, "gradient_checkpointing_offload_attention"),
-    ({"gradient_checkpointing_memory_budget": "lots"}, "must be a size such as 24GiB"),
-    ({"gradient_checkpointing_memory_budget": -5}, "positive number of bytes"),
-])
+@pytest.mark.parametrize(
+    "extra, match",
+    [
+        ({"gradient_checkpointing_interval": 2}, "gradient_checkpointing_interval"),
+        ({"gradient_checkpointing_segment_stride": 2}, "gradient_checkpointing_segment_stride"),
+        ({"gradient_checkpointing_offload_attention": True}, "gradient_checkpointing_offload_attention"),
+        ({"gradient_checkpointing_memory_budget": "lots"}, "must be a size such as 24GiB"),
+        ({"gradient_checkpointing_memory_budget": -5}, "positive number of bytes"),
+    ],
+)
 def test_config_errors(extra, match):
     with pytest.raises(memfit.ConfigError, match=match):
         memfit.MemfitConfig.from_dict({**auto("1GiB"), **extra})
@@ -340,8 +378,12 @@ def test_blocks_that_keep_everything_count_as_regions_of_the_step(model):
     blocks = [block for _, _, block in ADAPTER.iter_blocks(model)]
 
     def offload_attention(marked):
-        with memfit.apply(model, {"gradient_checkpointing_offload_attention": True}, copy_engine=cpu_copy_engine(),
-                          min_offload_bytes=0) as handle:
+        with memfit.apply(
+            model,
+            {"gradient_checkpointing_offload_attention": True},
+            copy_engine=cpu_copy_engine(),
+            min_offload_bytes=0,
+        ) as handle:
             marks = mark_keeping_blocks(handle._session, [(b, 0) for b in blocks[-2:]]) if marked else []
             loss = ADAPTER.loss(model(**batch))
             loss.backward()
@@ -357,8 +399,10 @@ def test_blocks_that_keep_everything_count_as_regions_of_the_step(model):
     # plain: the last two attention calls keep theirs; marked: the last block's call is the only one of the
     # step's last two regions (the other is the last block itself), the one before it is parked
     assert 0 < marked["bytes_kept_on_device"] < plain["bytes_kept_on_device"]
-    assert marked["bytes_offloaded"] + marked["bytes_kept_on_device"] == \
-        plain["bytes_offloaded"] + plain["bytes_kept_on_device"]
+    assert (
+        marked["bytes_offloaded"] + marked["bytes_kept_on_device"]
+        == plain["bytes_offloaded"] + plain["bytes_kept_on_device"]
+    )
     assert torch.equal(marked_loss, plain_loss)
     assert all(torch.equal(marked_grads[n], g) for n, g in plain_grads.items())
 

@@ -18,21 +18,48 @@ from memfit.offload.session import PREFETCH_DEPTH
 MiB = 1 << 20
 
 
-def block(i: int, saved: int, ffn: int, attention: int, flops: int = 10**12, copied: int | None = None,
-          saves: int = 0) -> BlockProfile:
-    return BlockProfile(path="blocks", index=i, saved_bytes=saved * MiB, input_bytes=8 * MiB,
-                        input_parkable_bytes=8 * MiB, ffn_saved_bytes=ffn * MiB, ffn_input_bytes=8 * MiB,
-                        ffn_input_parkable_bytes=8 * MiB, attention_bytes=attention * MiB,
-                        attention_copy_bytes=(attention if copied is None else copied) * MiB, flops=flops,
-                        ffn_flops=flops // 2, has_ffn=True, has_attention=True, attention_saves=saves,
-                        attention_hook_calls=saves)
+def block(
+    i: int,
+    saved: int,
+    ffn: int,
+    attention: int,
+    flops: int = 10**12,
+    copied: int | None = None,
+    saves: int = 0,
+) -> BlockProfile:
+    return BlockProfile(
+        path="blocks",
+        index=i,
+        saved_bytes=saved * MiB,
+        input_bytes=8 * MiB,
+        input_parkable_bytes=8 * MiB,
+        ffn_saved_bytes=ffn * MiB,
+        ffn_input_bytes=8 * MiB,
+        ffn_input_parkable_bytes=8 * MiB,
+        attention_bytes=attention * MiB,
+        attention_copy_bytes=(attention if copied is None else copied) * MiB,
+        flops=flops,
+        ffn_flops=flops // 2,
+        has_ffn=True,
+        has_attention=True,
+        attention_saves=saves,
+        attention_hook_calls=saves,
+    )
 
 
 def profile(blocks, *, cuda=True, bandwidth=50e9, backward_to_forward=2.0, ffn_rate=None) -> ModelProfile:
-    return ModelProfile(blocks=tuple(blocks), device="cuda:0" if cuda else "cpu", static_bytes=1000 * MiB if cuda else 0,
-                        outside_bytes=16 * MiB, workspace_bytes=64 * MiB if cuda else 0, flops_per_second=1e14,
-                        copy_bytes_per_second=bandwidth, counts_transient=cuda,
-                        backward_to_forward=backward_to_forward, ffn_flops_per_second=ffn_rate)
+    return ModelProfile(
+        blocks=tuple(blocks),
+        device="cuda:0" if cuda else "cpu",
+        static_bytes=1000 * MiB if cuda else 0,
+        outside_bytes=16 * MiB,
+        workspace_bytes=64 * MiB if cuda else 0,
+        flops_per_second=1e14,
+        copy_bytes_per_second=bandwidth,
+        counts_transient=cuda,
+        backward_to_forward=backward_to_forward,
+        ffn_flops_per_second=ffn_rate,
+    )
 
 
 def everything(b: BlockProfile) -> tuple[BlockPolicy, ...]:
@@ -47,8 +74,11 @@ def model_peak(prof: ModelProfile, picks) -> int:
     for b, c in enumerate(picks):
         if prof.counts_transient:
             earlier = [p.copied for p in reversed(picks[:b]) if p.copied]
-            ahead = earlier[0] + (earlier[1] if len(earlier) > 1 and earlier[1] > earlier[0] else 0) \
-                if earlier else 0
+            ahead = (
+                earlier[0] + (earlier[1] if len(earlier) > 1 and earlier[1] > earlier[0] else 0)
+                if earlier
+                else 0
+            )
             # a block that offloads attention meets the reload from its attention's backward on, unless it is
             # the last and its attention one region (the block before it keeps its tensors on the device)
             late = c.own_late if b < len(picks) - 1 or prof.blocks[-1].attention_calls >= 2 else None
@@ -69,14 +99,25 @@ def brute_force(prof: ModelProfile, budget: int) -> float | None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(sizes=st.lists(st.tuples(st.integers(40, 400), st.integers(0, 30), st.integers(0, 30), st.integers(0, 100)),
-                      min_size=1, max_size=3), fraction=st.floats(0.05, 1.2))
+@given(
+    sizes=st.lists(
+        st.tuples(st.integers(40, 400), st.integers(0, 30), st.integers(0, 30), st.integers(0, 100)),
+        min_size=1,
+        max_size=3,
+    ),
+    fraction=st.floats(0.05, 1.2),
+)
 @example(sizes=[(243, 0, 14, 0), (246, 0, 0, 0), (246, 0, 6, 0)], fraction=0.9740381803283126)
 def test_plan_is_optimal_under_the_model_and_fits(sizes, fraction):
     # (a block's measured peak = its saved bytes; from its attention's backward on, ``late`` % of that)
-    blocks = [dataclasses.replace(block(i, saved, min(ffn * saved // 100, saved // 2), min(att * saved // 100, saved // 3)),
-                                  backward_peak_bytes=saved * MiB, attention_backward_peak_bytes=late * saved * MiB // 100)
-              for i, (saved, ffn, att, late) in enumerate(sizes)]
+    blocks = [
+        dataclasses.replace(
+            block(i, saved, min(ffn * saved // 100, saved // 2), min(att * saved // 100, saved // 3)),
+            backward_peak_bytes=saved * MiB,
+            attention_backward_peak_bytes=late * saved * MiB // 100,
+        )
+        for i, (saved, ffn, att, late) in enumerate(sizes)
+    ]
     prof = profile(blocks)
     no_checkpoint = model_peak(prof, [block_choices(b, prof, (BlockPolicy.KEEP,))[0] for b in blocks])
     budget = int(no_checkpoint * fraction)
@@ -116,10 +157,12 @@ def test_ties_go_to_the_less_intrusive_policy_and_runs_are_described():
 
 
 def test_slow_copies_are_avoided():
-    fast = plan_policies(profile([block(i, 100, 40, 30) for i in range(6)], bandwidth=1e12), 1450 * MiB,
-                         allowed=everything)
-    slow = plan_policies(profile([block(i, 100, 40, 30) for i in range(6)], bandwidth=1e6), 1450 * MiB,
-                         allowed=everything)
+    fast = plan_policies(
+        profile([block(i, 100, 40, 30) for i in range(6)], bandwidth=1e12), 1450 * MiB, allowed=everything
+    )
+    slow = plan_policies(
+        profile([block(i, 100, 40, 30) for i in range(6)], bandwidth=1e6), 1450 * MiB, allowed=everything
+    )
     assert fast.copied_bytes > 0
     assert slow.copied_bytes < fast.copied_bytes
 
@@ -127,6 +170,7 @@ def test_slow_copies_are_avoided():
 def test_attention_offload_is_charged_per_saved_tensor():
     """Each tensor saved inside an offloaded attention call goes through Python hooks twice: a region saving
     many tensors costs host time its copy time does not show, and FFN recompute can be the cheaper way."""
+
     def cost(saves: int) -> float:
         b = block(0, 100, 40, 40, saves=saves)  # forward 10 ms, its FFN half 5 ms
         return {c.policy: c.seconds for c in block_choices(b, profile([b], bandwidth=1e12), everything(b))}
@@ -155,22 +199,35 @@ def test_peak_counts_the_regions_reloaded_ahead():
     prof = profile([block(i, 100, 40, 30) for i in range(6)], bandwidth=1e12)
     plan = plan_policies(prof, 1300 * MiB, allowed=everything)
     assert plan.copied_bytes > 0
-    picks = [{c.policy: c for c in block_choices(b, prof, everything(b))}[plan.policy(b.name)] for b in prof.blocks]
+    picks = [
+        {c.policy: c for c in block_choices(b, prof, everything(b))}[plan.policy(b.name)] for b in prof.blocks
+    ]
     held = sum(c.kept for c in picks[:-1])
     nearest = next(c.copied for c in reversed(picks[:-1]) if c.copied)
-    assert plan.predicted_peak_bytes >= prof.static_bytes + prof.outside_bytes + held + picks[-1].own + nearest
+    assert (
+        plan.predicted_peak_bytes >= prof.static_bytes + prof.outside_bytes + held + picks[-1].own + nearest
+    )
     assert plan.predicted_peak_bytes == model_peak(prof, picks) <= 1300 * MiB
 
 
 def test_attention_offload_meets_the_reload_ahead_after_its_ffn_backward():
     """A block that parks only its attention reloads the blocks before it once its attention's backward
     begins: the reload stacks on its peak from then on (measured), not on the FFN backward's peak before."""
-    blocks = [dataclasses.replace(block(i, 400, 100, 200), backward_peak_bytes=500 * MiB,
-                                  attention_backward_peak_bytes=200 * MiB, attention_calls=2) for i in range(3)]
+    blocks = [
+        dataclasses.replace(
+            block(i, 400, 100, 200),
+            backward_peak_bytes=500 * MiB,
+            attention_backward_peak_bytes=200 * MiB,
+            attention_calls=2,
+        )
+        for i in range(3)
+    ]
     prof = profile(blocks, bandwidth=1e12)
     attention = {c.policy: c for c in block_choices(blocks[2], prof, everything(blocks[2]))}
     ao, whole = attention[BlockPolicy.ATTENTION_OFFLOAD], attention[BlockPolicy.BLOCK_OFFLOAD]
-    extra = 8 * MiB + max(0, ao.kept + 200 * MiB - 400 * MiB)  # its input, the views wider than storages (none)
+    extra = 8 * MiB + max(
+        0, ao.kept + 200 * MiB - 400 * MiB
+    )  # its input, the views wider than storages (none)
     assert ao.own == 500 * MiB + extra and ao.own_late == 200 * MiB + extra
     assert ao.need(200 * MiB) == ao.own  # hidden under the FFN backward's peak
     assert ao.need(400 * MiB) == 600 * MiB + extra  # larger than the gap: the phase's peak + the reload
@@ -180,8 +237,9 @@ def test_attention_offload_meets_the_reload_ahead_after_its_ffn_backward():
     # block 2 over blocks 0 and 1's kept bytes, block 1's attention (200 MiB) reloaded meanwhile
     assert model_peak(prof, picks) == base + max(2 * ao.kept + ao.own, 3 * ao.kept + prof.workspace_bytes)
     budget = model_peak(prof, picks)
-    assert plan_policies(prof, budget, allowed=lambda b: (BlockPolicy.KEEP, BlockPolicy.ATTENTION_OFFLOAD)
-                         ).counts() == {"attention-offload": 3}
+    assert plan_policies(
+        prof, budget, allowed=lambda b: (BlockPolicy.KEEP, BlockPolicy.ATTENTION_OFFLOAD)
+    ).counts() == {"attention-offload": 3}
 
 
 def test_before_a_last_block_with_one_attention_region_nothing_is_reloaded_late():
@@ -189,15 +247,33 @@ def test_before_a_last_block_with_one_attention_region_nothing_is_reloaded_late(
     single region, the block before it is one of those two: its tensors are there through the last block's
     whole backward, not brought back when its attention's backward begins. Two attention calls (Wan: self-
     and cross-attention) fill the last two regions themselves."""
-    def plan(calls: int, budget: int):
-        blocks = [dataclasses.replace(block(i, 400, 100, 200), backward_peak_bytes=500 * MiB,
-                                      attention_backward_peak_bytes=200 * MiB, attention_calls=calls)
-                  for i in range(3)]
-        return plan_policies(profile(blocks, bandwidth=1e12), budget,
-                             allowed=lambda b: (BlockPolicy.KEEP, BlockPolicy.ATTENTION_OFFLOAD))
 
-    prof = profile([dataclasses.replace(block(0, 400, 100, 200), backward_peak_bytes=500 * MiB,
-                                        attention_backward_peak_bytes=200 * MiB)], bandwidth=1e12)
+    def plan(calls: int, budget: int):
+        blocks = [
+            dataclasses.replace(
+                block(i, 400, 100, 200),
+                backward_peak_bytes=500 * MiB,
+                attention_backward_peak_bytes=200 * MiB,
+                attention_calls=calls,
+            )
+            for i in range(3)
+        ]
+        return plan_policies(
+            profile(blocks, bandwidth=1e12),
+            budget,
+            allowed=lambda b: (BlockPolicy.KEEP, BlockPolicy.ATTENTION_OFFLOAD),
+        )
+
+    prof = profile(
+        [
+            dataclasses.replace(
+                block(0, 400, 100, 200),
+                backward_peak_bytes=500 * MiB,
+                attention_backward_peak_bytes=200 * MiB,
+            )
+        ],
+        bandwidth=1e12,
+    )
     ao = {c.policy: c for c in block_choices(prof.blocks[0], prof, everything(prof.blocks[0]))}
     ao = ao[BlockPolicy.ATTENTION_OFFLOAD]
     base = prof.static_bytes + prof.outside_bytes
@@ -206,7 +282,9 @@ def test_before_a_last_block_with_one_attention_region_nothing_is_reloaded_late(
     assert with_one.counts() == with_two.counts() == {"attention-offload": 3}
     # one region: the last block's whole peak carries block 1's attention; two: only its attention phase does
     assert with_one.predicted_peak_bytes == base + 2 * ao.kept + ao.own + ao.copied
-    assert with_two.predicted_peak_bytes == base + max(2 * ao.kept + ao.need(ao.copied), 3 * ao.kept + prof.workspace_bytes)
+    assert with_two.predicted_peak_bytes == base + max(
+        2 * ao.kept + ao.need(ao.copied), 3 * ao.kept + prof.workspace_bytes
+    )
     assert with_two.predicted_peak_bytes < with_one.predicted_peak_bytes
 
 
@@ -232,8 +310,17 @@ def test_the_searchs_two_copy_state_reloads_what_the_rule_reloads(copies):
     what :func:`reloaded_ahead` (the copy engine's rule) reloads given every copy before the block."""
     from memfit.auto import search
 
-    choices = [[dataclasses.replace(block_choices(block(0, 100, 40, 30), profile([block(0, 100, 40, 30)]),
-                                                  (BlockPolicy.KEEP,))[0], copied=c * MiB)] for c in copies]
+    choices = [
+        [
+            dataclasses.replace(
+                block_choices(block(0, 100, 40, 30), profile([block(0, 100, 40, 30)]), (BlockPolicy.KEEP,))[
+                    0
+                ],
+                copied=c * MiB,
+            )
+        ]
+        for c in copies
+    ]
     states = search._Copies(search.Problem(choices, unit=MiB, depth=PREFETCH_DEPTH, own_counts=True))
     state = 0
     for b, c in enumerate(copies):
@@ -259,7 +346,9 @@ def test_a_block_adds_its_own_peak_to_what_the_blocks_before_it_keep():
     plan = plan_policies(prof, 10 * 1024 * MiB, allowed=everything)
     base = prof.static_bytes + prof.outside_bytes
     own = 150 * MiB + 8 * MiB  # its measured peak and its input
-    assert plan.no_checkpoint_peak_bytes == base + max(3 * 100 * MiB + own, 4 * 100 * MiB + prof.workspace_bytes)
+    assert plan.no_checkpoint_peak_bytes == base + max(
+        3 * 100 * MiB + own, 4 * 100 * MiB + prof.workspace_bytes
+    )
     # a sum (everything kept + a block's peak + the working memory) would ask for 150 MiB more than this
     assert plan.no_checkpoint_peak_bytes < base + 4 * 100 * MiB + own + prof.workspace_bytes
     assert plan_policies(prof, plan.no_checkpoint_peak_bytes, allowed=everything).counts() == {"keep": 4}
@@ -269,9 +358,14 @@ def test_what_is_saved_between_blocks_is_held_under_the_later_blocks_backward_on
     """Saved between two stacks (after block 0), it is freed as backward passes it: held under the backward of
     the blocks after it, not the blocks before. Saved after the last block (an output norm), it is held
     throughout: that head's own backward is not measured (planner's "Head")."""
+
     def smallest(after: dict[int, int]) -> int:
-        blocks = [dataclasses.replace(block(i, 100, 40, 30), backward_peak_bytes=150 * MiB,
-                                      saved_after_bytes=after.get(i, 0) * MiB) for i in range(4)]
+        blocks = [
+            dataclasses.replace(
+                block(i, 100, 40, 30), backward_peak_bytes=150 * MiB, saved_after_bytes=after.get(i, 0) * MiB
+            )
+            for i in range(4)
+        ]
         return plan_policies(profile(blocks), 10 * 1024 * MiB, allowed=everything).smallest_peak_bytes
 
     plain = smallest({})
@@ -285,9 +379,14 @@ def test_what_is_saved_between_blocks_is_held_under_the_later_blocks_backward_on
 def test_gradients_of_the_weights_backward_passed_count_for_each_block():
     """A full fine-tune: when backward reaches block 0, every later block (and the head) has its weight
     gradients; the planner charges them to block 0's peak, so a plan that keeps block 0 needs more room."""
+
     def prof(trainable):
-        blocks = [dataclasses.replace(block(i, 100, 40, 30), backward_peak_bytes=150 * MiB,
-                                      trainable_bytes=trainable) for i in range(4)]
+        blocks = [
+            dataclasses.replace(
+                block(i, 100, 40, 30), backward_peak_bytes=150 * MiB, trainable_bytes=trainable
+            )
+            for i in range(4)
+        ]
         return dataclasses.replace(profile(blocks), outside_trainable_bytes=trainable)
 
     frozen, full = prof(0), prof(200 * MiB)
@@ -311,7 +410,9 @@ def test_unreachable_budget_names_the_smallest_peak():
 
 def test_policies_that_need_a_boundary_are_not_offered():
     assert BlockPolicy.FFN not in allowed_policies(has_ffn=False, has_attention=True, can_offload=True)
-    assert BlockPolicy.ATTENTION_OFFLOAD not in allowed_policies(has_ffn=True, has_attention=False, can_offload=True)
+    assert BlockPolicy.ATTENTION_OFFLOAD not in allowed_policies(
+        has_ffn=True, has_attention=False, can_offload=True
+    )
     assert not any(p.copies for p in allowed_policies(has_ffn=True, has_attention=True, can_offload=False))
 
 
@@ -375,6 +476,8 @@ def test_copies_hide_behind_the_forward_with_gradients():
 
     def exposed(factor: float) -> float:
         p = dataclasses.replace(profile([b], backward_to_forward=4.0), forward_with_grad=factor)
-        return next(c.seconds for c in block_choices(b, p, everything(b)) if c.policy is BlockPolicy.ATTENTION_OFFLOAD)
+        return next(
+            c.seconds for c in block_choices(b, p, everything(b)) if c.policy is BlockPolicy.ATTENTION_OFFLOAD
+        )
 
     assert exposed(1.0) > exposed(1.25) > exposed(1.5)  # 1.25 ms leaves 8 us of the copy exposed, 1.5 none

@@ -57,8 +57,9 @@ def test_list_shows_flux(capsys):
     assert "flux" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize(("text", "value"), [("24GiB", 24 * 2**30), ("1.5MB", 1_500_000), ("512", 512),
-                                             ("3 MiB", 3 * 2**20)])
+@pytest.mark.parametrize(
+    ("text", "value"), [("24GiB", 24 * 2**30), ("1.5MB", 1_500_000), ("512", 512), ("3 MiB", 3 * 2**20)]
+)
 def test_parse_bytes(text, value):
     assert parse_bytes(text) == value
 

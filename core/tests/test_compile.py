@@ -33,8 +33,11 @@ ON = {"gradient_checkpointing": True}
 CONFIGS = {
     "torch-i2": {**ON, "gradient_checkpointing_interval": 2},
     "torch-ffn": {**ON, "gradient_checkpointing_backend": "torch-ffn"},
-    "unsloth-ffn+attn": {**ON, "gradient_checkpointing_backend": "unsloth-ffn",
-                         "gradient_checkpointing_offload_attention": True},
+    "unsloth-ffn+attn": {
+        **ON,
+        "gradient_checkpointing_backend": "unsloth-ffn",
+        "gradient_checkpointing_offload_attention": True,
+    },
 }
 
 
@@ -103,8 +106,12 @@ class _Stack(torch.nn.Module):
         return x
 
 
-STACK = memfit.FamilyAdapter(name="hooked-stack", model_classes=("_Stack",), block_lists=("blocks",),
-                             blocks={"_Block": memfit.BlockSpec(ffn=(("ff",),))})
+STACK = memfit.FamilyAdapter(
+    name="hooked-stack",
+    model_classes=("_Stack",),
+    block_lists=("blocks",),
+    blocks={"_Block": memfit.BlockSpec(ffn=(("ff",),))},
+)
 TORCH_FFN = {**ON, "gradient_checkpointing_backend": "torch-ffn"}
 
 

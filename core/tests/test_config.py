@@ -42,7 +42,9 @@ def test_unknown_backend_lists_allowed_values():
 
 def test_stride_below_interval_is_an_error():
     with pytest.raises(ConfigError, match="gradient_checkpointing_segment_stride=2 is smaller than"):
-        MemfitConfig.from_dict({"gradient_checkpointing_interval": 3, "gradient_checkpointing_segment_stride": 2})
+        MemfitConfig.from_dict(
+            {"gradient_checkpointing_interval": 3, "gradient_checkpointing_segment_stride": 2}
+        )
 
 
 def test_unknown_key_suggests_the_close_one():

@@ -47,7 +47,10 @@ def test_a_device_to_host_copy_waits_for_its_producer_and_ties_the_source_to_its
 def test_a_reload_waits_for_compute_and_for_each_host_copy_once():
     eng = order_checking_copy_engine(landed=True, coalesce_max_bytes=0)
     streams = eng.streams
-    first, second = eng.offload_many([torch.randn(4, 8), torch.randn(3, 5)]), eng.offload_many([torch.randn(6)])
+    first, second = (
+        eng.offload_many([torch.randn(4, 8), torch.randn(3, 5)]),
+        eng.offload_many([torch.randn(6)]),
+    )
     for p in (*first, *second):
         p.source = None  # the device tensors are gone: only the host copies remain
     streams.log.clear()
@@ -56,7 +59,9 @@ def test_a_reload_waits_for_compute_and_for_each_host_copy_once():
     assert streams.log[0] == ("record", "compute", ready)
     assert streams.waits("h2d") == [ready, first[0].d2h_done.id, second[0].d2h_done.id]
     outs = [p.reloaded for p in (*first, *second)]
-    assert {p.h2d_done for p in (*first, *second)} == {first[0].h2d_done} and first[0].h2d_done.stream == "h2d"
+    assert {p.h2d_done for p in (*first, *second)} == {first[0].h2d_done} and first[
+        0
+    ].h2d_done.stream == "h2d"
     assert {t.untyped_storage().data_ptr() for t in outs} <= {ptr for ptr, s in streams.tied if s == "h2d"}
     assert eng.stats.bytes_reloaded == sum(p.nbytes for p in (*first, *second))
 
@@ -93,9 +98,15 @@ def test_a_small_batch_is_packed_on_compute_and_copied_once_each_way():
 
 def test_packed_batches_keep_empty_scalar_bool_complex_and_strided_tensors_exact():
     eng = order_checking_copy_engine()  # events in flight: every wait must be there
-    tensors = [torch.randn(0, 4), torch.tensor(3.5), torch.tensor([True, False, True]),
-               torch.randn(3, dtype=torch.complex64), torch.randn(2, 3, 4).permute(2, 0, 1), torch.randn(5, 6)[::2, 1:],
-               torch.randn(3, 1).expand(3, 4)]  # a broadcast view: its storage is copied, it comes back broadcast
+    tensors = [
+        torch.randn(0, 4),
+        torch.tensor(3.5),
+        torch.tensor([True, False, True]),
+        torch.randn(3, dtype=torch.complex64),
+        torch.randn(2, 3, 4).permute(2, 0, 1),
+        torch.randn(5, 6)[::2, 1:],
+        torch.randn(3, 1).expand(3, 4),
+    ]  # a broadcast view: its storage is copied, it comes back broadcast
     parked = eng.offload_many(tensors)
     assert eng.stats.coalesced_batches == 1
     for p in parked:
@@ -139,7 +150,9 @@ def test_above_the_coalescing_size_views_of_one_storage_still_share_one_copy_str
     lone = torch.randn(16)
     tensors = [q, lone, k, v]
     parked = eng.offload_many(tensors)
-    assert eng.stats.coalesced_batches == 1 and eng.stats.bytes_offloaded == qkv.numel() * 4 + lone.numel() * 4
+    assert (
+        eng.stats.coalesced_batches == 1 and eng.stats.bytes_offloaded == qkv.numel() * 4 + lone.numel() * 4
+    )
     assert parked[1].group is None and len({id(parked[i].group) for i in (0, 2, 3)}) == 1
     # the storage was copied from where it lies (no packed copy of it): its memory is tied to the copy stream
     assert qkv.untyped_storage().data_ptr() in {ptr for ptr, stream in eng.streams.tied if stream == "d2h"}
@@ -257,14 +270,20 @@ def test_a_released_host_buffer_waits_for_the_last_copy_that_used_it():
     assert [b._ready for b in buffers] == [kept[0].d2h_done, reloaded[0].h2d_done]
 
 
-@pytest.mark.parametrize("config", [
-    {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"},
-    {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-ffn"},
-    {"gradient_checkpointing_offload_attention": True},
-], ids=["unsloth", "unsloth-ffn", "offload_attention"])
+@pytest.mark.parametrize(
+    "config",
+    [
+        {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth"},
+        {"gradient_checkpointing": True, "gradient_checkpointing_backend": "unsloth-ffn"},
+        {"gradient_checkpointing_offload_attention": True},
+    ],
+    ids=["unsloth", "unsloth-ffn", "offload_attention"],
+)
 @pytest.mark.parametrize("landed", [True, False], ids=["landed", "in-flight"])
 @pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "one-by-one"])
-def test_backends_through_the_asynchronous_engine_keep_gradients_and_order(model, x, config, landed, coalesce):
+def test_backends_through_the_asynchronous_engine_keep_gradients_and_order(
+    model, x, config, landed, coalesce
+):
     """The engine checks its own ordering as it runs; gradients as without memfit; every reload waited on
     while in flight, none once landed; every host buffer back in the pool."""
     ref = step(model, x)

@@ -20,8 +20,11 @@ def _step(model, inputs, **extra):
     out = model(**{**inputs, "hidden_states": hs}, **extra)[0]
     loss = out.float().pow(2).mean()
     loss.backward()
-    return loss.detach(), hs.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters()
-                                            if p.grad is not None}
+    return (
+        loss.detach(),
+        hs.grad.clone(),
+        {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+    )
 
 
 def _same(a, b):
@@ -57,8 +60,16 @@ def _tiny_sd3():
 
     torch.manual_seed(0)
     model = SD3Transformer2DModel(
-        sample_size=8, patch_size=2, in_channels=4, num_layers=3, attention_head_dim=8, num_attention_heads=2,
-        joint_attention_dim=16, caption_projection_dim=16, pooled_projection_dim=8, out_channels=4,
+        sample_size=8,
+        patch_size=2,
+        in_channels=4,
+        num_layers=3,
+        attention_head_dim=8,
+        num_attention_heads=2,
+        joint_attention_dim=16,
+        caption_projection_dim=16,
+        pooled_projection_dim=8,
+        out_channels=4,
     )
     g = torch.Generator().manual_seed(0)
     inputs = {

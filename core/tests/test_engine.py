@@ -37,8 +37,12 @@ def assert_same(a, b):
 @pytest.mark.parametrize(("interval", "stride"), [(1, None), (2, None), (3, 3), (2, 5), (6, None)])
 def test_hooks_entry_matches_reference(model, x, backend, interval, stride):
     ref = step(model, x)
-    cfg = {**ON, "gradient_checkpointing_backend": backend, "gradient_checkpointing_interval": interval,
-           "gradient_checkpointing_segment_stride": stride}
+    cfg = {
+        **ON,
+        "gradient_checkpointing_backend": backend,
+        "gradient_checkpointing_interval": interval,
+        "gradient_checkpointing_segment_stride": stride,
+    }
     if stride is None:
         del cfg["gradient_checkpointing_segment_stride"]
     with memfit.apply(model, cfg, adapter=TOY) as handle:
@@ -131,7 +135,10 @@ def test_entry_edited_after_forward_is_detected(model):
 def test_module_editing_its_input_in_place_is_refused(x):
     model = build()
     model.blocks[1].edit_input = True
-    with memfit.apply(model, ON, adapter=TOY), pytest.raises(MemfitError, match="modified one of its inputs in place"):
+    with (
+        memfit.apply(model, ON, adapter=TOY),
+        pytest.raises(MemfitError, match="modified one of its inputs in place"),
+    ):
         step(model, x)
 
 
@@ -156,7 +163,9 @@ def test_disabled_installs_nothing(model, x):
     with memfit.apply(model, {"gradient_checkpointing": False}, adapter=TOY) as handle:
         step(model, x)
         assert handle.stats()["frames"] == 0
-        assert sum(len(m._forward_pre_hooks) for m in model.modules()) == hooks_before + 1  # the model hook only
+        assert (
+            sum(len(m._forward_pre_hooks) for m in model.modules()) == hooks_before + 1
+        )  # the model hook only
 
 
 def test_apply_twice_is_refused_and_remove_is_idempotent(model):

@@ -22,9 +22,18 @@ def build():
 
     from memfit.adapters.building import build_model
 
-    config = dict(patch_size=1, in_channels=16, num_layers=3, num_single_layers=6, attention_head_dim=64,
-                  num_attention_heads=4, joint_attention_dim=64, pooled_projection_dim=32, axes_dims_rope=[16, 24, 24],
-                  guidance_embeds=True)
+    config = dict(
+        patch_size=1,
+        in_channels=16,
+        num_layers=3,
+        num_single_layers=6,
+        attention_head_dim=64,
+        num_attention_heads=4,
+        joint_attention_dim=64,
+        pooled_projection_dim=32,
+        axes_dims_rope=[16, 24, 24],
+        guidance_embeds=True,
+    )
     return build_model(FluxTransformer2DModel, config, dtype=torch.float32, device="cuda", seed=0)
 
 
@@ -39,8 +48,12 @@ def run(model, batch, config):
                 ADAPTER.loss(model(**batch)).backward()
             torch.cuda.synchronize()
         grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-        return torch.cuda.max_memory_allocated(), grads, handle.plan if handle else None, \
-            handle.stats() if handle else {}
+        return (
+            torch.cuda.max_memory_allocated(),
+            grads,
+            handle.plan if handle else None,
+            handle.stats() if handle else {},
+        )
     finally:
         if handle is not None:
             handle.remove()
@@ -58,8 +71,11 @@ def test_auto_peaks_stay_within_budgets_with_exact_gradients():
     static = torch.cuda.memory_allocated()
     for fraction in (0.35, 0.55, 0.8):
         budget = int(static + (none_peak - static) * fraction)
-        cfg = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "auto",
-               "gradient_checkpointing_memory_budget": budget}
+        cfg = {
+            "gradient_checkpointing": True,
+            "gradient_checkpointing_backend": "auto",
+            "gradient_checkpointing_memory_budget": budget,
+        }
         try:
             peak, grads, plan, stats = run(model, batch, cfg)
         except memfit.BudgetError as exc:
@@ -68,8 +84,12 @@ def test_auto_peaks_stay_within_budgets_with_exact_gradients():
         assert peak <= budget, (fraction, peak, budget, plan.describe())
         # and close: the peak model (each block's own measured peak on what the blocks before it keep) over-
         # predicts by at most a tenth of the activations (summing every term overshot Flux by ~0.8 GiB)
-        assert plan.predicted_peak_bytes - peak <= 0.1 * (none_peak - static), \
-            (fraction, plan.predicted_peak_bytes, peak, none_peak - static)
+        assert plan.predicted_peak_bytes - peak <= 0.1 * (none_peak - static), (
+            fraction,
+            plan.predicted_peak_bytes,
+            peak,
+            none_peak - static,
+        )
         assert grads.keys() == ref.keys()
         worst = max(float((grads[n] - g).abs().max()) for n, g in ref.items())
         assert worst <= 2 * noise, (fraction, worst, noise)
@@ -78,7 +98,9 @@ def test_auto_peaks_stay_within_budgets_with_exact_gradients():
     # engine runs for real, and the tightest budget still holds.
     try:
         peak, grads, plan, stats = run(model, batch, {**cfg, "gradient_checkpointing_memory_budget": floor})
-    except memfit.BudgetError as exc:  # the floor moved with what was allocated before this profile: take the new one
+    except (
+        memfit.BudgetError
+    ) as exc:  # the floor moved with what was allocated before this profile: take the new one
         floor = exc.smallest_peak_bytes
         peak, grads, plan, stats = run(model, batch, {**cfg, "gradient_checkpointing_memory_budget": floor})
     assert peak <= floor, (peak, floor, plan.describe())

@@ -103,7 +103,10 @@ def test_attention_phase_peak_starts_after_the_ffn_backward():
     run = measure_block(block, (x,), {}, cuda, attention=[block.attn])
     # the FFN phase holds its two 64 MiB activations and a 64 MiB gradient at least; the attention phase
     # only 16 MiB tensors (the attention's input, the gradients) and the weight gradients
-    assert run.peak_bytes >= run.attention_peak_bytes + 64 * MiB, (run.peak_bytes / MiB, run.attention_peak_bytes / MiB)
+    assert run.peak_bytes >= run.attention_peak_bytes + 64 * MiB, (
+        run.peak_bytes / MiB,
+        run.attention_peak_bytes / MiB,
+    )
     assert run.attention_peak_bytes >= 16 * MiB
     assert measure_block(block, (x,), {}, cuda).attention_peak_bytes == 0
 

@@ -31,7 +31,8 @@ def assert_within_noise(reference: dict, again: dict, got: dict, *, floor: float
         noise = (a.float() - again[name].float()).abs().max().item()
         diff = (a.float() - b.float()).abs().max().item()
         assert diff <= max(4 * noise, floor * scale) + 1e-7, (
-            f"{name}: differs by {diff:.3e} (noise {noise:.3e}, magnitude {scale:.3e})")
+            f"{name}: differs by {diff:.3e} (noise {noise:.3e}, magnitude {scale:.3e})"
+        )
 
 
 def _grads(model, inputs) -> dict[str, torch.Tensor]:
@@ -46,8 +47,11 @@ COMPILE_CONFIGS = {
     "torch": {**ON},
     "torch-ffn": {**ON, "gradient_checkpointing_backend": "torch-ffn"},
     "unsloth": {**ON, "gradient_checkpointing_backend": "unsloth"},
-    "unsloth-ffn+attn": {**ON, "gradient_checkpointing_backend": "unsloth-ffn",
-                         "gradient_checkpointing_offload_attention": True},
+    "unsloth-ffn+attn": {
+        **ON,
+        "gradient_checkpointing_backend": "unsloth-ffn",
+        "gradient_checkpointing_offload_attention": True,
+    },
 }
 
 
@@ -103,8 +107,22 @@ def test_inductor_compiled_blocks_same_gradients_no_recompiles(name, compiled_re
 
 # -- PEFT LoRA on a frozen bf16 transformer ------------------------------------------------------------------------
 
-LORA_TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-                "proj_mlp", "proj_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
+LORA_TARGETS = [
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+    "proj_mlp",
+    "proj_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+]
 PEFT_CONFIGS = {
     "torch": {**ON},
     "torch-i2-s4": {**ON, "gradient_checkpointing_interval": 2, "gradient_checkpointing_segment_stride": 4},
@@ -112,8 +130,11 @@ PEFT_CONFIGS = {
     "unsloth": {**ON, "gradient_checkpointing_backend": "unsloth"},
     "unsloth-ffn": {**ON, "gradient_checkpointing_backend": "unsloth-ffn"},
     "attn-offload": {"gradient_checkpointing_offload_attention": True},
-    "torch-ffn+attn": {**ON, "gradient_checkpointing_backend": "torch-ffn",
-                       "gradient_checkpointing_offload_attention": True},
+    "torch-ffn+attn": {
+        **ON,
+        "gradient_checkpointing_backend": "torch-ffn",
+        "gradient_checkpointing_offload_attention": True,
+    },
 }
 
 
@@ -122,7 +143,9 @@ def lora_model():
     require_cuda()
     peft = pytest.importorskip("peft")
     model = TINY.build(dtype=torch.bfloat16, device="cuda").requires_grad_(False)
-    model.add_adapter(peft.LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights="gaussian"))
+    model.add_adapter(
+        peft.LoraConfig(r=8, lora_alpha=8, target_modules=LORA_TARGETS, init_lora_weights="gaussian")
+    )
     inputs = TINY.inputs(model, tokens=1024, generator=torch.Generator().manual_seed(0))
     with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
         reference, again = _grads(model, inputs), _grads(model, inputs)

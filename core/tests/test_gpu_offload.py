@@ -18,17 +18,32 @@ ON = {"gradient_checkpointing": True}
 
 OFFLOAD_CONFIGS = [
     {**ON, "gradient_checkpointing_backend": "unsloth"},
-    {**ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_interval": 2,
-     "gradient_checkpointing_segment_stride": 3},
+    {
+        **ON,
+        "gradient_checkpointing_backend": "unsloth",
+        "gradient_checkpointing_interval": 2,
+        "gradient_checkpointing_segment_stride": 3,
+    },
     {**ON, "gradient_checkpointing_backend": "unsloth-ffn"},
     {"gradient_checkpointing_offload_attention": True},
     {**ON, "gradient_checkpointing_backend": "torch-ffn", "gradient_checkpointing_offload_attention": True},
     {**ON, "gradient_checkpointing_backend": "unsloth-ffn", "gradient_checkpointing_offload_attention": True},
-    {**ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_segment_stride": 2,
-     "gradient_checkpointing_offload_attention": True},
+    {
+        **ON,
+        "gradient_checkpointing_backend": "unsloth",
+        "gradient_checkpointing_segment_stride": 2,
+        "gradient_checkpointing_offload_attention": True,
+    },
 ]
-IDS = ["unsloth", "unsloth-i2-s3", "unsloth-ffn", "attn-alone", "torch-ffn+attn", "unsloth-ffn+attn",
-       "unsloth-s2+attn"]
+IDS = [
+    "unsloth",
+    "unsloth-i2-s3",
+    "unsloth-ffn",
+    "attn-alone",
+    "torch-ffn+attn",
+    "unsloth-ffn+attn",
+    "unsloth-s2+attn",
+]
 
 
 @pytest.mark.parametrize("config", OFFLOAD_CONFIGS, ids=IDS)
@@ -82,10 +97,15 @@ def test_delayed_compute_stream_still_gives_identical_gradients():
     x = torch.randn(1, 4096, 1024, device="cuda")
     hooks = _sleepy(model, 2_000_000)
     ref = step(model, x)
-    for config in ({**ON, "gradient_checkpointing_backend": "unsloth"},
-                   {"gradient_checkpointing_offload_attention": True},
-                   {**ON, "gradient_checkpointing_backend": "unsloth-ffn",
-                    "gradient_checkpointing_offload_attention": True}):
+    for config in (
+        {**ON, "gradient_checkpointing_backend": "unsloth"},
+        {"gradient_checkpointing_offload_attention": True},
+        {
+            **ON,
+            "gradient_checkpointing_backend": "unsloth-ffn",
+            "gradient_checkpointing_offload_attention": True,
+        },
+    ):
         with memfit.apply(model, config, adapter=TOY, min_offload_bytes=0):
             assert_same(ref, step(model, x))
     for h in hooks:
@@ -95,7 +115,11 @@ def test_delayed_compute_stream_still_gives_identical_gradients():
 def test_200_steps_with_alternating_shapes_leak_nothing():
     model = build(dim=512, blocks=4, device="cuda")
     shapes = [(1, 1024, 512), (1, 1536, 512)]
-    config = {**ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_offload_attention": True}
+    config = {
+        **ON,
+        "gradient_checkpointing_backend": "unsloth",
+        "gradient_checkpointing_offload_attention": True,
+    }
     with memfit.apply(model, config, adapter=TOY, min_offload_bytes=0) as handle:
         pool = handle._session.copy.pool
         for i in range(200):

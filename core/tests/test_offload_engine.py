@@ -28,20 +28,31 @@ def pageable(nbytes: int, pinned: bool) -> torch.Tensor:
 
 
 def make_engine(**kw) -> SyncCopyEngine:
-    return SyncCopyEngine(PinnedBucketPool(allocate=pageable, available_host_bytes=lambda: 1 << 40,
-                                           host_reserve_bytes=0, **kw))
+    return SyncCopyEngine(
+        PinnedBucketPool(allocate=pageable, available_host_bytes=lambda: 1 << 40, host_reserve_bytes=0, **kw)
+    )
 
 
 def offload_apply(model, config, **kw):
-    return memfit.apply(model, config, adapter=TOY, copy_engine=kw.pop("engine", None) or make_engine(),
-                        min_offload_bytes=kw.pop("min_offload_bytes", 0), **kw)
+    return memfit.apply(
+        model,
+        config,
+        adapter=TOY,
+        copy_engine=kw.pop("engine", None) or make_engine(),
+        min_offload_bytes=kw.pop("min_offload_bytes", 0),
+        **kw,
+    )
 
 
 CONFIGS = [
     {**ON, "gradient_checkpointing_backend": "unsloth"},
     {**ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_interval": 2},
-    {**ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_interval": 2,
-     "gradient_checkpointing_segment_stride": 4},
+    {
+        **ON,
+        "gradient_checkpointing_backend": "unsloth",
+        "gradient_checkpointing_interval": 2,
+        "gradient_checkpointing_segment_stride": 4,
+    },
     {**ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_segment_stride": 2},
     {**ON, "gradient_checkpointing_backend": "unsloth-ffn"},
     {"gradient_checkpointing_offload_attention": True},
@@ -52,7 +63,9 @@ CONFIGS = [
 ]
 
 
-@pytest.mark.parametrize("config", CONFIGS, ids=lambda c: "+".join(f"{k.split('_')[-1]}={v}" for k, v in c.items()))
+@pytest.mark.parametrize(
+    "config", CONFIGS, ids=lambda c: "+".join(f"{k.split('_')[-1]}={v}" for k, v in c.items())
+)
 def test_offload_modes_match_reference_and_return_buffers(model, x, config):
     ref = step(model, x)
     engine = make_engine()
@@ -63,7 +76,9 @@ def test_offload_modes_match_reference_and_return_buffers(model, x, config):
     every_block_recomputed = config.get("gradient_checkpointing_backend") == "torch"
     # with every block recomputed, attention offload has nothing to do (never copy twice); the step's last two
     # regions keep their entries (interval 2, stride 4 on six blocks has only two)
-    parks = not every_block_recomputed and (stats["frames"] > 2 or "gradient_checkpointing_offload_attention" in config)
+    parks = not every_block_recomputed and (
+        stats["frames"] > 2 or "gradient_checkpointing_offload_attention" in config
+    )
     assert (stats["bytes_offloaded"] > 0) == parks, stats
     gc.collect()
     assert engine.pool.stats().buffers_in_use == 0, "host buffers were not returned after backward"
@@ -90,11 +105,15 @@ def test_attention_offload_does_nothing_inside_recomputed_regions(model, x):
     with offload_apply(model, {**ON, "gradient_checkpointing_offload_attention": True}) as h:
         step(model, x)
         assert h.stats()["attention_calls_offloaded"] == 0  # every block is recomputed: never copy twice
-    with offload_apply(model, {**ON, "gradient_checkpointing_segment_stride": 3,
-                               "gradient_checkpointing_offload_attention": True}) as h:
+    with offload_apply(
+        model,
+        {**ON, "gradient_checkpointing_segment_stride": 3, "gradient_checkpointing_offload_attention": True},
+    ) as h:
         step(model, x)
         stats = h.stats()
-    assert stats["attention_calls_offloaded"] == 4  # blocks 1, 2, 4, 5 run normally: their attention is parked
+    assert (
+        stats["attention_calls_offloaded"] == 4
+    )  # blocks 1, 2, 4, 5 run normally: their attention is parked
     assert stats["attention_tensors_parked"] >= 4
 
 
@@ -106,15 +125,20 @@ def test_attention_offload_alone_parks_every_attention_call(model, x):
 
 
 def test_small_tensors_stay_on_the_device(model, x):
-    with offload_apply(model, {**ON, "gradient_checkpointing_backend": "unsloth"}, min_offload_bytes=1 << 20) as h:
+    with offload_apply(
+        model, {**ON, "gradient_checkpointing_backend": "unsloth"}, min_offload_bytes=1 << 20
+    ) as h:
         step(model, x)
         assert h.stats()["bytes_offloaded"] == 0
 
 
 def test_steady_state_allocates_no_new_host_buffers(model):
     engine = make_engine()
-    with offload_apply(model, {**ON, "gradient_checkpointing_backend": "unsloth",
-                               "gradient_checkpointing_offload_attention": True}, engine=engine):
+    with offload_apply(
+        model,
+        {**ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_offload_attention": True},
+        engine=engine,
+    ):
         shapes = [(2, 8, 16), (2, 12, 16)]  # alternating "aspect-ratio buckets"
         for i in range(6):
             if i == 2:
@@ -128,8 +152,11 @@ def test_steady_state_allocates_no_new_host_buffers(model):
 
 def test_exception_mid_forward_returns_every_buffer(model, x):
     engine = make_engine()
-    with offload_apply(model, {**ON, "gradient_checkpointing_backend": "unsloth",
-                               "gradient_checkpointing_offload_attention": True}, engine=engine):
+    with offload_apply(
+        model,
+        {**ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_offload_attention": True},
+        engine=engine,
+    ):
         model.blocks[4].fail = True
         with pytest.raises(RuntimeError, match="planted failure"):
             step(model, x)
@@ -142,23 +169,41 @@ def test_exception_mid_forward_returns_every_buffer(model, x):
 def test_attention_offload_without_declared_attention_is_refused(model):
     import dataclasses
 
-    no_attn = dataclasses.replace(TOY, blocks={"ToyBlock": dataclasses.replace(TOY.blocks["ToyBlock"], attention=())})
+    no_attn = dataclasses.replace(
+        TOY, blocks={"ToyBlock": dataclasses.replace(TOY.blocks["ToyBlock"], attention=())}
+    )
     with pytest.raises(UnsupportedBoundaryError, match="attention regions"):
-        memfit.apply(model, {"gradient_checkpointing_offload_attention": True}, adapter=no_attn,
-                     copy_engine=make_engine())
+        memfit.apply(
+            model,
+            {"gradient_checkpointing_offload_attention": True},
+            adapter=no_attn,
+            copy_engine=make_engine(),
+        )
 
 
 def test_no_grad_parks_nothing(model, x):
-    with offload_apply(model, {**ON, "gradient_checkpointing_backend": "unsloth",
-                               "gradient_checkpointing_offload_attention": True}) as h, torch.no_grad():
+    with (
+        offload_apply(
+            model,
+            {
+                **ON,
+                "gradient_checkpointing_backend": "unsloth",
+                "gradient_checkpointing_offload_attention": True,
+            },
+        ) as h,
+        torch.no_grad(),
+    ):
         model(x)
         assert h.stats()["bytes_offloaded"] == 0
 
 
 def test_parked_tensors_come_back_with_their_strides():
     engine = make_engine()
-    for make in (lambda: torch.randn(2, 5, 3, 4), lambda: torch.randn(3, 4, 5).transpose(0, 2),
-                 lambda: torch.randn(2, 3, 4, 5).permute(0, 2, 3, 1)):
+    for make in (
+        lambda: torch.randn(2, 5, 3, 4),
+        lambda: torch.randn(3, 4, 5).transpose(0, 2),
+        lambda: torch.randn(2, 3, 4, 5).permute(0, 2, 3, 1),
+    ):
         t = make()
         expected_stride, expected = t.stride(), t.clone()
         parked = engine.offload(t)
@@ -291,7 +336,9 @@ def _log_backward_reloads(monkeypatch, model, adapter, batch, loss_fn, backend, 
         loss = loss_fn(model(**batch))
         regions = [ref() for ref in handle._session.snapshot_timeline()]
         # (a region nothing holds any more parked nothing; backward empties the lists)
-        region_of = {id(p): i for i, region in enumerate(regions) if region is not None for p in region.parked}
+        region_of = {
+            id(p): i for i, region in enumerate(regions) if region is not None for p in region.parked
+        }
         sizes = [sum(p.nbytes for p in region.parked) if region is not None else 0 for region in regions]
         engine.events.clear()
         loss.backward()
@@ -329,12 +376,15 @@ def test_on_equal_regions_one_region_is_reloaded_ahead(monkeypatch):
 
     model = build(blocks=6, dim=16)
     batch = inputs(model, tokens=8, generator=torch.Generator().manual_seed(1))
-    sizes, started, first = _log_backward_reloads(monkeypatch, model, TOY, batch, lambda out: out.square().mean(),
-                                                  "unsloth")
+    sizes, started, first = _log_backward_reloads(
+        monkeypatch, model, TOY, batch, lambda out: out.square().mean(), "unsloth"
+    )
     assert len(set(s for s in sizes if s)) == 1 and len(first) >= 4
     for r in first:
         if r + 1 in started:
-            assert started[r + 1] < first[r] < started[r], f"region {r} was not reloaded exactly one region ahead"
+            assert started[r + 1] < first[r] < started[r], (
+                f"region {r} was not reloaded exactly one region ahead"
+            )
 
 
 def test_attention_offload_reloads_every_parked_call_before_its_backward(monkeypatch):
@@ -346,8 +396,9 @@ def test_attention_offload_reloads_every_parked_call_before_its_backward(monkeyp
     model = build(blocks=6, dim=16)
     batch = inputs(model, tokens=8, generator=torch.Generator().manual_seed(1))
     config = {"gradient_checkpointing": False, "gradient_checkpointing_offload_attention": True}
-    sizes, started, first = _log_backward_reloads(monkeypatch, model, TOY, batch, lambda out: out.square().mean(),
-                                                  None, config=config)
+    sizes, started, first = _log_backward_reloads(
+        monkeypatch, model, TOY, batch, lambda out: out.square().mean(), None, config=config
+    )
     parked = [r for r, size in enumerate(sizes) if size]
     assert len(parked) == len(sizes) - 2 and set(parked) <= set(first)  # (on demand fails inside the helper)
 
@@ -360,11 +411,15 @@ def test_a_source_held_by_reload_ahead_is_checked_again_when_fetched():
     parked = engine.offload(x)
     engine.reload(parked)  # alive: held, nothing copied
     assert parked.reloaded is x and engine.stats.bytes_reloaded == 0
-    assert engine.fetch(parked) is x and engine.stats.reloads_skipped == 1  # unchanged: the held tensor itself
+    assert (
+        engine.fetch(parked) is x and engine.stats.reloads_skipped == 1
+    )  # unchanged: the held tensor itself
     engine.reload(parked)
     x.mul_(2)
     got = engine.fetch(parked)
-    assert got is not x and torch.equal(got, torch.arange(6.0)) and engine.stats.bytes_reloaded == x.numel() * 4
+    assert (
+        got is not x and torch.equal(got, torch.arange(6.0)) and engine.stats.bytes_reloaded == x.numel() * 4
+    )
     assert engine.stats.reloads_skipped == 1
 
 
@@ -373,10 +428,14 @@ def test_an_attention_activation_edited_in_place_after_the_call_is_an_error(mode
     parked (and given to backward) changed. Autograd rejects such an edit too; memfit says so at parking."""
     edit = model.blocks[1].attn.register_forward_hook(lambda module, args, out: args[0].mul_(1.0))
     try:
-        with offload_apply(model, {"gradient_checkpointing_offload_attention": True}) as handle, \
-                pytest.raises(memfit.MemfitError, match="modified in place after the call"):
+        with (
+            offload_apply(model, {"gradient_checkpointing_offload_attention": True}) as handle,
+            pytest.raises(memfit.MemfitError, match="modified in place after the call"),
+        ):
             step(model, x)
-        assert handle._session.copy.pool.stats().buffers_in_use == 0  # the failed forward gave its buffers back
+        assert (
+            handle._session.copy.pool.stats().buffers_in_use == 0
+        )  # the failed forward gave its buffers back
     finally:
         edit.remove()
 
@@ -391,10 +450,20 @@ def test_auto_blocks_that_keep_everything_reload_the_parked_block_before_them_ah
 
     def forced(profile, budget, *, allowed):  # block offload everywhere but the last two blocks
         names = [b.name for b in profile.blocks]
-        policies = tuple((n, BlockPolicy.KEEP if i >= len(names) - 2 else BlockPolicy.BLOCK_OFFLOAD)
-                         for i, n in enumerate(names))
-        return Plan(blocks=policies, budget_bytes=budget, predicted_peak_bytes=0, predicted_extra_seconds=0.0,
-                    no_checkpoint_peak_bytes=0, smallest_peak_bytes=0, copied_bytes=1, metric="held activations")
+        policies = tuple(
+            (n, BlockPolicy.KEEP if i >= len(names) - 2 else BlockPolicy.BLOCK_OFFLOAD)
+            for i, n in enumerate(names)
+        )
+        return Plan(
+            blocks=policies,
+            budget_bytes=budget,
+            predicted_peak_bytes=0,
+            predicted_extra_seconds=0.0,
+            no_checkpoint_peak_bytes=0,
+            smallest_peak_bytes=0,
+            copied_bytes=1,
+            metric="held activations",
+        )
 
     monkeypatch.setattr(controller, "plan_policies", forced)
     torch.manual_seed(0)
@@ -404,9 +473,11 @@ def test_auto_blocks_that_keep_everything_reload_the_parked_block_before_them_ah
     reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     model.zero_grad(set_to_none=True)
     config = {**ON, "gradient_checkpointing_backend": "auto", "gradient_checkpointing_memory_budget": "1GiB"}
-    sizes, started, first = _log_backward_reloads(monkeypatch, model, flux, batch, flux.loss, None, config=config)
+    sizes, started, first = _log_backward_reloads(
+        monkeypatch, model, flux, batch, flux.loss, None, config=config
+    )
     last_parked = max(r for r, size in enumerate(sizes) if size)
-    assert sizes[last_parked + 1:] == [0, 0]  # the two keeping blocks' regions, after it
+    assert sizes[last_parked + 1 :] == [0, 0]  # the two keeping blocks' regions, after it
     assert last_parked in first  # reloaded, and not on demand (the helper checks every region's reloads)
     assert reference.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
     assert all(torch.equal(p.grad, reference[n]) for n, p in model.named_parameters() if p.grad is not None)

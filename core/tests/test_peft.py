@@ -18,24 +18,52 @@ memfit_flux = pytest.importorskip("memfit_flux")
 
 TINY = memfit_flux.ADAPTER.presets["tiny"]
 # the usual Flux LoRA targets, including the FFN linears memfit hooks regions on (proj_mlp, ff.net.*)
-TARGETS = ["to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out",
-           "proj_mlp", "proj_out", "ff.net.0.proj", "ff.net.2", "ff_context.net.0.proj", "ff_context.net.2"]
+TARGETS = [
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+    "proj_mlp",
+    "proj_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+]
 ON = {"gradient_checkpointing": True}
 CONFIGS = {
     "torch-i1": {**ON},
     "torch-i2": {**ON, "gradient_checkpointing_interval": 2},
     "torch-i2-s4": {**ON, "gradient_checkpointing_interval": 2, "gradient_checkpointing_segment_stride": 4},
     "torch-ffn-i1": {**ON, "gradient_checkpointing_backend": "torch-ffn"},
-    "torch-ffn-i2": {**ON, "gradient_checkpointing_backend": "torch-ffn", "gradient_checkpointing_interval": 2},
-    "torch-ffn-i1-s2": {**ON, "gradient_checkpointing_backend": "torch-ffn",
-                        "gradient_checkpointing_segment_stride": 2},
+    "torch-ffn-i2": {
+        **ON,
+        "gradient_checkpointing_backend": "torch-ffn",
+        "gradient_checkpointing_interval": 2,
+    },
+    "torch-ffn-i1-s2": {
+        **ON,
+        "gradient_checkpointing_backend": "torch-ffn",
+        "gradient_checkpointing_segment_stride": 2,
+    },
     "unsloth-i1": {**ON, "gradient_checkpointing_backend": "unsloth"},
-    "unsloth-i2-s4": {**ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_interval": 2,
-                      "gradient_checkpointing_segment_stride": 4},
+    "unsloth-i2-s4": {
+        **ON,
+        "gradient_checkpointing_backend": "unsloth",
+        "gradient_checkpointing_interval": 2,
+        "gradient_checkpointing_segment_stride": 4,
+    },
     "unsloth-ffn": {**ON, "gradient_checkpointing_backend": "unsloth-ffn"},
     "attn-offload-only": {"gradient_checkpointing_offload_attention": True},
-    "torch-ffn+attn": {**ON, "gradient_checkpointing_backend": "torch-ffn",
-                       "gradient_checkpointing_offload_attention": True},
+    "torch-ffn+attn": {
+        **ON,
+        "gradient_checkpointing_backend": "torch-ffn",
+        "gradient_checkpointing_offload_attention": True,
+    },
 }
 
 

@@ -247,9 +247,15 @@ def test_host_ram_check_refuses_with_a_useful_message():
     with pytest.raises(MemfitError) as e:
         pool.acquire(300 * MiB)
     msg = str(e.value)
-    assert "320.00 MiB" in msg and "300.00 MiB" in msg and "512.00 MiB available" in msg and "256.00 MiB" in msg
-    for fix in ("resolution", "gradient_checkpointing_offload_pin_memory_max_buckets=0", "max_bytes",
-                "pageable_fallback=True"):
+    assert (
+        "320.00 MiB" in msg and "300.00 MiB" in msg and "512.00 MiB available" in msg and "256.00 MiB" in msg
+    )
+    for fix in (
+        "resolution",
+        "gradient_checkpointing_offload_pin_memory_max_buckets=0",
+        "max_bytes",
+        "pageable_fallback=True",
+    ):
         assert fix in msg
     assert host.pinned_calls == 1  # the refused buffer was never pinned
 
@@ -258,8 +264,11 @@ def test_host_ram_check_frees_idle_buffers_before_refusing():
     base = 64 * MiB
     holder: dict[str, PinnedBucketPool] = {}
     host = FakeHost()
-    pool = PinnedBucketPool(allocate=host.allocate, host_reserve_bytes=0,
-                            available_host_bytes=lambda: base - holder["pool"].stats().pinned_bytes_held)
+    pool = PinnedBucketPool(
+        allocate=host.allocate,
+        host_reserve_bytes=0,
+        available_host_bytes=lambda: base - holder["pool"].stats().pinned_bytes_held,
+    )
     holder["pool"] = pool
     _step(pool, [16 * MiB, 16 * MiB, 16 * MiB])  # 48 MiB idle, 16 MiB left
     buf = pool.acquire(40 * MiB)
@@ -423,7 +432,6 @@ def test_strided_view_keeps_the_layout_it_is_given():
         assert odd.strided_view(torch.float64, (odd.capacity // 8,), (1,)).numel() == odd.capacity // 8
 
 
-
 def test_a_pooled_buffer_gives_the_same_view_again_and_a_freed_one_lets_its_views_go():
     """Steady state: the same buffer parks the same shapes step after step, so its views are made once."""
     pool, _ = make_pool()
@@ -441,6 +449,7 @@ def test_a_pooled_buffer_gives_the_same_view_again_and_a_freed_one_lets_its_view
         again.strided_view(torch.float32, (4, 8), (1, 4))  # a released buffer's views are not handed out
     pool.clear()
     assert buf._views == {} and buf._tensor is None
+
 
 def test_ready_event_delays_reuse():
     class Event:
@@ -485,8 +494,11 @@ def test_bad_arguments():
     pool, _ = make_pool()
     with pytest.raises(ValueError):
         pool.acquire(-1)
-    bad = PinnedBucketPool(allocate=lambda n, p: torch.empty(n, dtype=torch.float32), host_reserve_bytes=0,
-                           available_host_bytes=lambda: 1 << 40)
+    bad = PinnedBucketPool(
+        allocate=lambda n, p: torch.empty(n, dtype=torch.float32),
+        host_reserve_bytes=0,
+        available_host_bytes=lambda: 1 << 40,
+    )
     with pytest.raises(MemfitError, match="uint8"):
         bad.acquire(100)
 
@@ -511,7 +523,10 @@ def test_concurrent_acquire_release():
         rng = random.Random(seed)
         try:
             for _ in range(300):
-                bufs = [pool.acquire(rng.choice((KiB, 2 * KiB, 3 * KiB, 5 * KiB, 7 * KiB, 30 * KiB))) for _ in range(3)]
+                bufs = [
+                    pool.acquire(rng.choice((KiB, 2 * KiB, 3 * KiB, 5 * KiB, 7 * KiB, 30 * KiB)))
+                    for _ in range(3)
+                ]
                 for b in bufs:
                     b.view(torch.int32, (b.nbytes // 4,)).fill_(seed)
                 for b in bufs:
@@ -568,6 +583,8 @@ def test_random_workload_respects_limits(max_buckets, cap_kib, ops, seed):
             assert s.pinned_bytes_held == host.live_pinned  # evicted buffers really are freed
             assert s.buffers_in_use == len(live)
             assert s.pageable_bytes_held == sum(b.capacity for b in live if not b.pinned)
-            assert len({b.tensor.data_ptr() for b in live if b.capacity}) == sum(1 for b in live if b.capacity)
+            assert len({b.tensor.data_ptr() for b in live if b.capacity}) == sum(
+                1 for b in live if b.capacity
+            )
     pool.release_all()
     assert pool.stats().buffers_in_use == 0

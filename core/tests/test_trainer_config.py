@@ -24,17 +24,42 @@ MEMFIT_KEYS = {
     "gradient_checkpointing_offload_pin_memory_max_buckets": 12,
 }
 TRAINER_KEYS = {
-    "model_type": "lora", "model_family": "flux", "pretrained_model_name_or_path": "black-forest-labs/FLUX.1-dev",
-    "output_dir": "output/models", "data_backend_config": "config/multidatabackend.json",
-    "resume_from_checkpoint": "latest", "checkpointing_steps": 500, "checkpoints_total_limit": 5,
-    "lora_rank": 16, "lora_alpha": 16, "lora_type": "standard", "flux_lora_target": "all",
-    "learning_rate": 1e-4, "lr_scheduler": "constant_with_warmup", "lr_warmup_steps": 100,
-    "optimizer": "adamw_bf16", "max_train_steps": 3000, "num_train_epochs": 0, "train_batch_size": 1,
-    "gradient_accumulation_steps": 4, "mixed_precision": "bf16", "base_model_precision": "int8-quanto",
-    "seed": 42, "resolution": 1024, "resolution_type": "pixel_area", "validation_steps": 250,
-    "validation_prompt": "a photo of a cat", "validation_guidance": 3.5, "validation_num_inference_steps": 20,
-    "report_to": "wandb", "tracker_project_name": "flux-lora", "push_to_hub": False, "disable_benchmark": False,
-    "caption_dropout_probability": 0.05, "flow_schedule_shift": 3.0, "use_ema": False,
+    "model_type": "lora",
+    "model_family": "flux",
+    "pretrained_model_name_or_path": "black-forest-labs/FLUX.1-dev",
+    "output_dir": "output/models",
+    "data_backend_config": "config/multidatabackend.json",
+    "resume_from_checkpoint": "latest",
+    "checkpointing_steps": 500,
+    "checkpoints_total_limit": 5,
+    "lora_rank": 16,
+    "lora_alpha": 16,
+    "lora_type": "standard",
+    "flux_lora_target": "all",
+    "learning_rate": 1e-4,
+    "lr_scheduler": "constant_with_warmup",
+    "lr_warmup_steps": 100,
+    "optimizer": "adamw_bf16",
+    "max_train_steps": 3000,
+    "num_train_epochs": 0,
+    "train_batch_size": 1,
+    "gradient_accumulation_steps": 4,
+    "mixed_precision": "bf16",
+    "base_model_precision": "int8-quanto",
+    "seed": 42,
+    "resolution": 1024,
+    "resolution_type": "pixel_area",
+    "validation_steps": 250,
+    "validation_prompt": "a photo of a cat",
+    "validation_guidance": 3.5,
+    "validation_num_inference_steps": 20,
+    "report_to": "wandb",
+    "tracker_project_name": "flux-lora",
+    "push_to_hub": False,
+    "disable_benchmark": False,
+    "caption_dropout_probability": 0.05,
+    "flow_schedule_shift": 3.0,
+    "use_ema": False,
 }
 
 
@@ -74,14 +99,21 @@ def test_cli_flag_style_keys(tmp_path):
 def test_training_script_one_liner(form, config_file):
     """The README's integration: after the frozen base + LoRA setup, one line; the step trains as before."""
     peft = pytest.importorskip("peft")
-    args = argparse.Namespace(memfit_config=str(config_file) if form == "file" else json.loads(
-        config_file.read_text()))
+    args = argparse.Namespace(
+        memfit_config=str(config_file) if form == "file" else json.loads(config_file.read_text())
+    )
 
     def setup():
         transformer = TINY.build()
         transformer.requires_grad_(False)
-        transformer.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, init_lora_weights="gaussian",
-                                                target_modules=["to_q", "to_k", "to_v", "proj_mlp", "ff.net.2"]))
+        transformer.add_adapter(
+            peft.LoraConfig(
+                r=4,
+                lora_alpha=4,
+                init_lora_weights="gaussian",
+                target_modules=["to_q", "to_k", "to_v", "proj_mlp", "ff.net.2"],
+            )
+        )
         return transformer
 
     def train_step(transformer):

@@ -37,7 +37,9 @@ class ToyModel(nn.Module):
         self.blocks = nn.ModuleList(ToyBlock(dim, dropout) for _ in range(blocks))
         self.proj_out = nn.Linear(dim, dim)
 
-    def forward(self, hidden_states: torch.Tensor, residuals: list[torch.Tensor] | None = None) -> torch.Tensor:
+    def forward(
+        self, hidden_states: torch.Tensor, residuals: list[torch.Tensor] | None = None
+    ) -> torch.Tensor:
         scale = torch.sigmoid(self.proj_in.bias.sum())  # one tensor shared by every block
         x = self.proj_in(hidden_states)
         for i, block in enumerate(self.blocks):

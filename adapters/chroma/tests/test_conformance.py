@@ -36,18 +36,28 @@ class TestChromaConformanceUnmasked(AdapterConformance):
         del inputs["attention_mask"]
         return inputs
 
-    @pytest.mark.parametrize("case", [
-        Combination(Backend.TORCH, 1), Combination(Backend.TORCH, 2), Combination(Backend.TORCH, 2, 4),
-        Combination(Backend.TORCH_FFN, 1),
-    ], ids=str)
-    def test_controlnet_residuals_equal(self, model: nn.Module, inputs: dict[str, Any], case: Combination) -> None:
+    @pytest.mark.parametrize(
+        "case",
+        [
+            Combination(Backend.TORCH, 1),
+            Combination(Backend.TORCH, 2),
+            Combination(Backend.TORCH, 2, 4),
+            Combination(Backend.TORCH_FFN, 1),
+        ],
+        ids=str,
+    )
+    def test_controlnet_residuals_equal(
+        self, model: nn.Module, inputs: dict[str, Any], case: Combination
+    ) -> None:
         g = torch.Generator().manual_seed(1)
         image_tokens, width = inputs["hidden_states"].shape[1], model.inner_dim
         inputs = dict(
             inputs,
             # two residuals per list: each is added to several consecutive blocks' outputs
             controlnet_block_samples=[torch.randn(1, image_tokens, width, generator=g) for _ in range(2)],
-            controlnet_single_block_samples=[torch.randn(1, image_tokens, width, generator=g) for _ in range(2)],
+            controlnet_single_block_samples=[
+                torch.randn(1, image_tokens, width, generator=g) for _ in range(2)
+            ],
         )
         expected = self._step(model, inputs, "full")
         with memfit.apply(model, case.config(), adapter=self.adapter) as handle:

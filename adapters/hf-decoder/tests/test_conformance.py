@@ -15,8 +15,11 @@ import memfit
 from memfit_conformance import AdapterConformance
 from memfit_conformance.harness import assert_same_step, run_step
 
-WHOLE = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch",
-         "gradient_checkpointing_interval": 2}
+WHOLE = {
+    "gradient_checkpointing": True,
+    "gradient_checkpointing_backend": "torch",
+    "gradient_checkpointing_interval": 2,
+}
 FFN = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "torch-ffn"}
 
 
@@ -25,8 +28,14 @@ def _flags(model: nn.Module) -> list[tuple[bool, Any, bool, Any]]:
     out = []
     for m in model.modules():
         d = m.__dict__
-        out.append(("gradient_checkpointing" in d, d.get("gradient_checkpointing"),
-                    "_gradient_checkpointing_func" in d, d.get("_gradient_checkpointing_func")))
+        out.append(
+            (
+                "gradient_checkpointing" in d,
+                d.get("gradient_checkpointing"),
+                "_gradient_checkpointing_func" in d,
+                d.get("_gradient_checkpointing_func"),
+            )
+        )
     return out
 
 
@@ -51,7 +60,9 @@ class HFDecoderChecks:
     def test_remove_restores_hf_checkpointing_the_user_enabled(self) -> None:
         model = self.build_model()
         # transformers 5 renamed gradient_checkpointing_enable (now a deprecated alias) to this.
-        enable = getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        enable = (
+            getattr(model, "activation_checkpointing_enable", None) or model.gradient_checkpointing_enable
+        )
         enable()
         assert model.is_gradient_checkpointing
         before = _flags(model)
@@ -65,8 +76,9 @@ class HFDecoderChecks:
         """Z-Image's call: token ids, padding mask, ``output_hidden_states=True``, the loss on
         ``hidden_states[-2]`` (the second-to-last layer's output, what the DiT reads)."""
         preset = self.adapter.presets[self.preset]
-        inputs = preset.inputs(model, tokens=16, batch=2, generator=torch.Generator().manual_seed(1),
-                               input_ids=True)
+        inputs = preset.inputs(
+            model, tokens=16, batch=2, generator=torch.Generator().manual_seed(1), input_ids=True
+        )
         inputs["output_hidden_states"] = True
 
         def loss(out: Any) -> torch.Tensor:
@@ -77,7 +89,9 @@ class HFDecoderChecks:
             with memfit.apply(model, config, adapter=self.adapter) as handle:
                 actual = run_step(model, inputs, loss, grad_inputs=())
                 assert handle.stats()["recomputes"] > 0
-            assert_same_step(expected, actual, what=f"{self.adapter.name} {config['gradient_checkpointing_backend']}")
+            assert_same_step(
+                expected, actual, what=f"{self.adapter.name} {config['gradient_checkpointing_backend']}"
+            )
 
     def test_loss_handles_return_dict_false(self, model: nn.Module, inputs: dict[str, Any]) -> None:
         with torch.no_grad():
@@ -110,17 +124,27 @@ class TestLlamaCausalLMConformance(HFDecoderChecks, AdapterConformance):
     preset = "tiny-llama"
 
 
-@pytest.mark.parametrize("cls_name, adapter", [
-    ("Qwen3Model", memfit_hf_decoder.ADAPTER), ("LlamaModel", memfit_hf_decoder.ADAPTER),
-    ("Qwen3ForCausalLM", memfit_hf_decoder.CAUSAL_LM_ADAPTER),
-    ("LlamaForCausalLM", memfit_hf_decoder.CAUSAL_LM_ADAPTER),
-])
+@pytest.mark.parametrize(
+    "cls_name, adapter",
+    [
+        ("Qwen3Model", memfit_hf_decoder.ADAPTER),
+        ("LlamaModel", memfit_hf_decoder.ADAPTER),
+        ("Qwen3ForCausalLM", memfit_hf_decoder.CAUSAL_LM_ADAPTER),
+        ("LlamaForCausalLM", memfit_hf_decoder.CAUSAL_LM_ADAPTER),
+    ],
+)
 def test_discovery_picks_the_layout(cls_name: str, adapter: memfit.FamilyAdapter) -> None:
     import transformers
 
     family = "Qwen3" if cls_name.startswith("Qwen3") else "Llama"
-    cfg = getattr(transformers, f"{family}Config")(vocab_size=16, hidden_size=16, intermediate_size=32,
-                                                   num_hidden_layers=1, num_attention_heads=2,
-                                                   num_key_value_heads=1, head_dim=8)
+    cfg = getattr(transformers, f"{family}Config")(
+        vocab_size=16,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+    )
     model = getattr(transformers, cls_name)(cfg)
     assert memfit.find_adapter(model) is adapter

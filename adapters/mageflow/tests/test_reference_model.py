@@ -116,7 +116,7 @@ def test_varlen_attention_equals_block_diagonal_mask():
     q, k, v = (torch.cat(pair).transpose(0, 1) for pair in ((tq, iq), (tk, ik), (tv, iv)))
     dense = F.scaled_dot_product_attention(q, k, v, attn_mask=mask).transpose(0, 1)
     torch.testing.assert_close(txt_out, dense[: sum(txt_lens)], rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(img_out, dense[sum(txt_lens):], rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(img_out, dense[sum(txt_lens) :], rtol=1e-5, atol=1e-6)
 
 
 def test_rotary_layout():
@@ -186,12 +186,36 @@ def test_full_preset_is_the_released_layout():
     assert shapes["proj_out.weight"] == (128, 3072)
     block = {k.split(".", 2)[2]: v for k, v in shapes.items() if k.startswith("transformer_blocks.11.")}
     assert block == {
-        "img_mod.1.weight": (18432, 3072), "img_mod.1.bias": (18432,),
-        "txt_mod.1.weight": (18432, 3072), "txt_mod.1.bias": (18432,),
-        **{f"attn.{n}.weight": (3072, 3072) for n in
-           ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out")},
-        **{f"attn.{n}.bias": (3072,) for n in
-           ("to_q", "to_k", "to_v", "add_q_proj", "add_k_proj", "add_v_proj", "to_out.0", "to_add_out")},
+        "img_mod.1.weight": (18432, 3072),
+        "img_mod.1.bias": (18432,),
+        "txt_mod.1.weight": (18432, 3072),
+        "txt_mod.1.bias": (18432,),
+        **{
+            f"attn.{n}.weight": (3072, 3072)
+            for n in (
+                "to_q",
+                "to_k",
+                "to_v",
+                "add_q_proj",
+                "add_k_proj",
+                "add_v_proj",
+                "to_out.0",
+                "to_add_out",
+            )
+        },
+        **{
+            f"attn.{n}.bias": (3072,)
+            for n in (
+                "to_q",
+                "to_k",
+                "to_v",
+                "add_q_proj",
+                "add_k_proj",
+                "add_v_proj",
+                "to_out.0",
+                "to_add_out",
+            )
+        },
         **{f"attn.{n}.weight": (128,) for n in ("norm_q", "norm_k", "norm_added_q", "norm_added_k")},
         **{f"{s}_mlp.net.0.proj.weight": (12288, 3072) for s in ("img", "txt")},
         **{f"{s}_mlp.net.0.proj.bias": (12288,) for s in ("img", "txt")},
@@ -202,8 +226,17 @@ def test_full_preset_is_the_released_layout():
 
 def test_released_config_loads():
     # transformer/config.json as published carries extra (unused) keys; they are ignored.
-    released = dict(FULL, vec_in_dim=0, depth_single_blocks=0, qkv_bias=True, guidance_embed=False,
-                    checkpoint=False, rope_type="msrope", time_type="qwen_proj", apply_text_rotary_emb=False)
+    released = dict(
+        FULL,
+        vec_in_dim=0,
+        depth_single_blocks=0,
+        qkv_bias=True,
+        guidance_embed=False,
+        checkpoint=False,
+        rope_type="msrope",
+        time_type="qwen_proj",
+        apply_text_rotary_emb=False,
+    )
     released.update(hidden_size=64, num_heads=2, axes_dim=[8, 12, 12], depth=1, context_in_dim=8)
     model = MageFlowTransformer2DModel.from_config(released)
     assert model.config.depth == 1 and len(model.transformer_blocks) == 1
@@ -212,10 +245,20 @@ def test_released_config_loads():
 def test_bad_packing_is_rejected(model):
     a = _sample(model, 0, (4, 6), 5)
     with pytest.raises(ValueError, match="cu_seqlens"):
-        model(hidden_states=a["img"][None], encoder_hidden_states=a["txt"][None], timestep=a["sigma"],
-              img_shapes=[a["shape"]], img_cu_seqlens=lengths_to_cu_seqlens([20]),
-              txt_cu_seqlens=lengths_to_cu_seqlens([5]))
+        model(
+            hidden_states=a["img"][None],
+            encoder_hidden_states=a["txt"][None],
+            timestep=a["sigma"],
+            img_shapes=[a["shape"]],
+            img_cu_seqlens=lengths_to_cu_seqlens([20]),
+            txt_cu_seqlens=lengths_to_cu_seqlens([5]),
+        )
     with pytest.raises(ValueError, match="img_shapes"):
-        model(hidden_states=a["img"][None], encoder_hidden_states=a["txt"][None], timestep=a["sigma"],
-              img_shapes=[(1, 4, 5)], img_cu_seqlens=lengths_to_cu_seqlens([24]),
-              txt_cu_seqlens=lengths_to_cu_seqlens([5]))
+        model(
+            hidden_states=a["img"][None],
+            encoder_hidden_states=a["txt"][None],
+            timestep=a["sigma"],
+            img_shapes=[(1, 4, 5)],
+            img_cu_seqlens=lengths_to_cu_seqlens([24]),
+            txt_cu_seqlens=lengths_to_cu_seqlens([5]),
+        )

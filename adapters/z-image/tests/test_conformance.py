@@ -58,8 +58,12 @@ class TestZImageConformance(AdapterConformance):
 
     def test_list_input_gradients_equal(self, model, inputs) -> None:
         expected = _list_input_grads(model, inputs)
-        for combo in (Combination(Backend.TORCH), Combination(Backend.TORCH, 2, 4),
-                      Combination(Backend.TORCH_FFN), Combination(Backend.TORCH_FFN, 2, 4)):
+        for combo in (
+            Combination(Backend.TORCH),
+            Combination(Backend.TORCH, 2, 4),
+            Combination(Backend.TORCH_FFN),
+            Combination(Backend.TORCH_FFN, 2, 4),
+        ):
             with memfit.apply(model, combo.config(), adapter=self.adapter):
                 actual = _list_input_grads(model, inputs)
             for i, (a, b) in enumerate(zip(expected, actual, strict=True)):

@@ -46,17 +46,18 @@ TINY_SHAPE = ("64w x2, 64 tok (CPU smoke)", 64, 2, 64)
 REGIMES = {
     "lora": "frozen {dtype} base + LoRA r16 (peft), batch 1, loss = mean(out^2), forward+backward",
     "frozen": "frozen {dtype} base, only hidden_states requires grad, batch 1, loss = mean(out^2), "
-              "forward+backward",
+    "forward+backward",
     "full": "every weight trainable ({dtype}), forward+backward+AdamW step (foreach, lr 1e-6) inside the timed "
-            "step, batch 1, loss = mean(out^2)",
+    "step, batch 1, loss = mean(out^2)",
 }
 
 
 def add_lora(model: torch.nn.Module, rank: int = 16) -> None:
     from peft import LoraConfig, inject_adapter_in_model
 
-    inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=["to_qkv", "to_out", "proj_in",
-                                                                                  "proj_out"]), model)
+    inject_adapter_in_model(
+        LoraConfig(r=rank, lora_alpha=rank, target_modules=["to_qkv", "to_out", "proj_in", "proj_out"]), model
+    )
     for name, p in model.named_parameters():
         p.requires_grad_("lora_" in name)
 
@@ -85,15 +86,27 @@ def main(argv: list[str] | None = None) -> list[Path]:
         from memfit_benchmarks import families
 
         return families.main(rest)
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--suite", choices=("synthetic", "families"), default="synthetic",
-                        help="families: every remaining argument goes to python -m memfit_benchmarks.families")
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--suite",
+        choices=("synthetic", "families"),
+        default="synthetic",
+        help="families: every remaining argument goes to python -m memfit_benchmarks.families",
+    )
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--shapes", default=None,
-                        help="comma-separated shape indices (default: all), or 'tiny' (CPU smoke shape)")
-    parser.add_argument("--regime", default="lora",
-                        help="lora | frozen | full, a comma-separated list of them, or all (one process, one JSON "
-                             "per regime)")
+    parser.add_argument(
+        "--shapes",
+        default=None,
+        help="comma-separated shape indices (default: all), or 'tiny' (CPU smoke shape)",
+    )
+    parser.add_argument(
+        "--regime",
+        default="lora",
+        help="lora | frozen | full, a comma-separated list of them, or all (one process, one JSON "
+        "per regime)",
+    )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
@@ -149,17 +162,29 @@ def main(argv: list[str] | None = None) -> list[Path]:
             batch = inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
             optimizer_factory = prepare(model, batch, regime)
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if cuda else contextlib.nullcontext():
-                rows = measure_modes(model, batch, SYNTHETIC.loss, modes, adapter=SYNTHETIC, rounds=args.rounds,
-                                     warmup=args.warmup, steps=args.steps, optimizer_factory=optimizer_factory,
-                                     tag=f"[{regime}] [{label}]")
+                rows = measure_modes(
+                    model,
+                    batch,
+                    SYNTHETIC.loss,
+                    modes,
+                    adapter=SYNTHETIC,
+                    rounds=args.rounds,
+                    warmup=args.warmup,
+                    steps=args.steps,
+                    optimizer_factory=optimizer_factory,
+                    tag=f"[{regime}] [{label}]",
+                )
             results.append({"shape": label, "width": width, "depth": depth, "tokens": tokens, "rows": rows})
             del model, batch, optimizer_factory
             gc.collect()
             if cuda:
                 torch.cuda.empty_cache()
-        payload = {**meta, "regime": regime,
-                   "regime_description": REGIMES[regime].format(dtype=str(dtype).removeprefix("torch.")),
-                   "results": results}
+        payload = {
+            **meta,
+            "regime": regime,
+            "regime_description": REGIMES[regime].format(dtype=str(dtype).removeprefix("torch.")),
+            "results": results,
+        }
         stamp = meta["date"][:10]
         path = out / f"synthetic-{regime}-{stamp}.json"
         path.write_text(json.dumps(payload, indent=1))

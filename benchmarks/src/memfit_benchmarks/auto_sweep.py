@@ -53,13 +53,21 @@ from memfit_benchmarks.families import (
 from memfit_benchmarks.report import AUTO_NOISE, auto_checks, fmt_bytes
 from memfit_benchmarks.runner import MODES, Mode, add_ratios, measure_mode, pinned_bandwidth
 
-SYNTHETIC_TARGETS = {"synthetic-1024": 0, "synthetic-4096": 1, "synthetic-16384": 2, "synthetic-4096w": 3}  # name -> index into __main__.SHAPES
+SYNTHETIC_TARGETS = {
+    "synthetic-1024": 0,
+    "synthetic-4096": 1,
+    "synthetic-16384": 2,
+    "synthetic-4096w": 3,
+}  # name -> index into __main__.SHAPES
 DEFAULT_TARGETS = ["synthetic-4096", "flux", "wan", "synthetic-16384"]
 
 
 def auto_config(budget: int) -> dict[str, Any]:
-    return {"gradient_checkpointing": True, "gradient_checkpointing_backend": "auto",
-            "gradient_checkpointing_memory_budget": int(budget)}
+    return {
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_backend": "auto",
+        "gradient_checkpointing_memory_budget": int(budget),
+    }
 
 
 def spread_budgets(low: int, high: int, n: int) -> list[int]:
@@ -113,33 +121,58 @@ def build_target(name: str, preset: str, device: torch.device, dtype: torch.dtyp
         batch = inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
         prepare(model, batch, "lora")
         dtype_name = str(dtype).removeprefix("torch.")
-        return model, batch, SYNTHETIC, {
-            "description": f"synthetic {label}", "width": width, "depth": depth, "tokens": tokens,
-            "regime_description": REGIMES["lora"].format(dtype=dtype_name),
-            "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-            "total_params": sum(p.numel() for p in model.parameters()),
-        }
+        return (
+            model,
+            batch,
+            SYNTHETIC,
+            {
+                "description": f"synthetic {label}",
+                "width": width,
+                "depth": depth,
+                "tokens": tokens,
+                "regime_description": REGIMES["lora"].format(dtype=dtype_name),
+                "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
+                "total_params": sum(p.numel() for p in model.parameters()),
+            },
+        )
     adapter = memfit.available_adapters()[name]
     tokens = adapter.presets[preset].default_tokens
-    model, batch, info = build_lora_model(adapter, preset, dtype=dtype, device=device, rank=rank, tokens=tokens)
-    return model, batch, adapter, {
-        "description": adapter.presets[preset].description, "tokens": tokens, "lora_rank": rank, **info,
-        "regime_description": lora_regime_description(dtype, rank),
-    }
+    model, batch, info = build_lora_model(
+        adapter, preset, dtype=dtype, device=device, rank=rank, tokens=tokens
+    )
+    return (
+        model,
+        batch,
+        adapter,
+        {
+            "description": adapter.presets[preset].description,
+            "tokens": tokens,
+            "lora_rank": rank,
+            **info,
+            "regime_description": lora_regime_description(dtype, rank),
+        },
+    )
 
 
 def _held_bytes(model, batch, adapter: FamilyAdapter, config: dict[str, Any] | None) -> int:
     """Activation bytes autograd holds between forward and backward (one step after one warm-up step)."""
     from memfit.measure import measure_step
 
-    return measure_step(model, batch, adapter.loss, config=config, adapter=adapter, warmup=1, steps=1).held_bytes
+    return measure_step(
+        model, batch, adapter.loss, config=config, adapter=adapter, warmup=1, steps=1
+    ).held_bytes
 
 
 def _plan_fields(handle: Any) -> dict[str, Any]:
     plan = getattr(handle, "plan", None)
-    profile = getattr(handle, "profile", None)  # per-block bytes and measured peaks: what the prediction came from
-    return {"plan": None if plan is None else plan.to_json(), "plan_counts": None if plan is None else plan.counts(),
-            "profile": None if profile is None else profile.to_json()}
+    profile = getattr(
+        handle, "profile", None
+    )  # per-block bytes and measured peaks: what the prediction came from
+    return {
+        "plan": None if plan is None else plan.to_json(),
+        "plan_counts": None if plan is None else plan.counts(),
+        "profile": None if profile is None else profile.to_json(),
+    }
 
 
 class _Measure:
@@ -149,8 +182,16 @@ class _Measure:
         self.model, self.batch, self.adapter, self.args, self.cuda = model, batch, adapter, args, cuda
 
     def row(self, mode: Mode, **kw: Any) -> dict[str, Any]:
-        row = measure_mode(self.model, self.batch, self.adapter.loss, mode, adapter=self.adapter,
-                           warmup=self.args.warmup, steps=self.args.steps, **kw)
+        row = measure_mode(
+            self.model,
+            self.batch,
+            self.adapter.loss,
+            mode,
+            adapter=self.adapter,
+            warmup=self.args.warmup,
+            steps=self.args.steps,
+            **kw,
+        )
         if not self.cuda and not row.get("oom"):
             row["held_bytes"] = _held_bytes(self.model, self.batch, self.adapter, mode.config)
         return row
@@ -173,12 +214,20 @@ class _Measure:
         try:
             row = self.row(Mode("auto", auto_config(budget)), inspect=_plan_fields)
         except BudgetError as exc:
-            row = {"mode": "auto", "unreachable": True, "oom": False, "error": str(exc),
-                   "smallest_peak_bytes": getattr(exc, "smallest_peak_bytes", None)}
+            row = {
+                "mode": "auto",
+                "unreachable": True,
+                "oom": False,
+                "error": str(exc),
+                "smallest_peak_bytes": getattr(exc, "smallest_peak_bytes", None),
+            }
         row["budget_bytes"] = budget
         best = best_fixed(fixed_rows, budget)
-        row["best_fixed"] = None if best is None else {"mode": best["mode"], "step_s": best["step_s"],
-                                                       "memory_bytes": memory_of(best)}
+        row["best_fixed"] = (
+            None
+            if best is None
+            else {"mode": best["mode"], "step_s": best["step_s"], "memory_bytes": memory_of(best)}
+        )
         memory = memory_of(row) if not row.get("unreachable") else None
         row["memory_bytes"] = memory
         row["within_budget"] = None if memory is None else memory <= budget
@@ -223,7 +272,12 @@ def _print_row(row: dict[str, Any]) -> None:
     else:
         memory = memory_of(row)
         extra = f", speedup {row['speedup']:.3f}" if "speedup" in row else ""
-        print(f"{head} {row['step_s']:.4f} s, memory {fmt_bytes(memory)}" + extra + (f", plan {row['plan_counts']}" if row.get("plan_counts") else ""), flush=True)
+        print(
+            f"{head} {row['step_s']:.4f} s, memory {fmt_bytes(memory)}"
+            + extra
+            + (f", plan {row['plan_counts']}" if row.get("plan_counts") else ""),
+            flush=True,
+        )
 
 
 def budget_range(fixed_rows: list[dict[str, Any]], device: torch.device) -> dict[str, Any]:
@@ -234,13 +288,21 @@ def budget_range(fixed_rows: list[dict[str, Any]], device: torch.device) -> dict
     low = min(measured, key=memory_of)
     none = next((r for r in measured if r["mode"] == "none"), None)
     if none is not None:
-        return {"low_bytes": memory_of(low), "low_mode": low["mode"], "high_bytes": memory_of(none),
-                "high_source": "none"}
+        return {
+            "low_bytes": memory_of(low),
+            "low_mode": low["mode"],
+            "high_bytes": memory_of(none),
+            "high_source": "none",
+        }
     if device.type != "cuda":
         raise RuntimeError("the none row was not measured: no high end for the budgets")
     total = torch.cuda.get_device_properties(device).total_memory
-    return {"low_bytes": memory_of(low), "low_mode": low["mode"], "high_bytes": total,
-            "high_source": "device memory (none ran out of memory)"}
+    return {
+        "low_bytes": memory_of(low),
+        "low_mode": low["mode"],
+        "high_bytes": total,
+        "high_source": "device memory (none ran out of memory)",
+    }
 
 
 def planner_floor(rows: list[dict[str, Any]], high: int) -> int | None:
@@ -251,9 +313,14 @@ def planner_floor(rows: list[dict[str, Any]], high: int) -> int | None:
     return floor if floor is not None and floor < high and floor not in measured else None
 
 
-def run_target(name: str, args: argparse.Namespace, device: torch.device, env: dict[str, Any],
-               save: Callable[[dict[str, Any]], None],
-               fixed_done: Callable[[dict[str, Any]], None] | None = None) -> dict[str, Any]:
+def run_target(
+    name: str,
+    args: argparse.Namespace,
+    device: torch.device,
+    env: dict[str, Any],
+    save: Callable[[dict[str, Any]], None],
+    fixed_done: Callable[[dict[str, Any]], None] | None = None,
+) -> dict[str, Any]:
     """Fixed modes, then ``auto`` at each budget; ``save`` is called with the payload after the fixed modes and
     after every budget (``complete`` stays False until the last), so a run cut by a deadline keeps its rows.
     ``fixed_done`` gets the payload once the fixed modes are measured."""
@@ -261,10 +328,19 @@ def run_target(name: str, args: argparse.Namespace, device: torch.device, env: d
     dtype = torch.bfloat16 if cuda else torch.float32
     synthetic = name.startswith("synthetic")
     payload: dict[str, Any] = {
-        **env, "target": name, "preset": args.preset, "dtype": str(dtype).removeprefix("torch."), "batch": 1,
-        "regime": "lora", "steps": args.steps, "warmup": args.warmup,
+        **env,
+        "target": name,
+        "preset": args.preset,
+        "dtype": str(dtype).removeprefix("torch."),
+        "batch": 1,
+        "regime": "lora",
+        "steps": args.steps,
+        "warmup": args.warmup,
         "memory_metric": "peak_allocated" if cuda else "held_bytes",
-        "fixed_rows": [], "skipped": {}, "auto_rows": [], "complete": False,
+        "fixed_rows": [],
+        "skipped": {},
+        "auto_rows": [],
+        "complete": False,
     }
     if cuda and synthetic:
         payload["sdpa_backend"] = "flash (cuDNN SDPA disabled)"
@@ -282,8 +358,11 @@ def run_target(name: str, args: argparse.Namespace, device: torch.device, env: d
                 fixed_done(payload)
             payload.update(budget_range(payload["fixed_rows"], device))
             budgets = spread_budgets(payload["low_bytes"], payload["high_bytes"], args.budgets)
-            payload["gap_budgets"] = gap_budgets(payload["fixed_rows"], payload["low_bytes"],
-                                                 payload["high_bytes"]) if args.gaps else []
+            payload["gap_budgets"] = (
+                gap_budgets(payload["fixed_rows"], payload["low_bytes"], payload["high_bytes"])
+                if args.gaps
+                else []
+            )
             if args.gap_range is not None:  # one share of the gaps: another run measures the rest
                 low, high = args.gap_range
                 payload["gap_budgets"] = [b for b in payload["gap_budgets"] if low <= b < high]
@@ -293,12 +372,18 @@ def run_target(name: str, args: argparse.Namespace, device: torch.device, env: d
                 payload["auto_rows"].append(measure.auto(budget, payload["fixed_rows"]))
                 save(payload)
             floor = planner_floor(payload["auto_rows"], payload["high_bytes"])
-            if floor is not None:  # auto at its own smallest reachable peak, between the refused budgets and the rest
-                payload["auto_rows"].append({**measure.auto(floor, payload["fixed_rows"]), "planner_floor": True})
+            if (
+                floor is not None
+            ):  # auto at its own smallest reachable peak, between the refused budgets and the rest
+                payload["auto_rows"].append(
+                    {**measure.auto(floor, payload["fixed_rows"]), "planner_floor": True}
+                )
                 payload["auto_rows"].sort(key=lambda r: r["budget_bytes"])
         payload["complete"] = True
-        payload["checks"] = [{"label": label, "ok": ok, "detail": detail}
-                             for label, ok, detail in auto_checks(payload["auto_rows"])]
+        payload["checks"] = [
+            {"label": label, "ok": ok, "detail": detail}
+            for label, ok, detail in auto_checks(payload["auto_rows"])
+        ]
     except Exception as exc:  # one broken target must not cost the others their GPU time
         payload["error"] = f"{type(exc).__name__}: {exc}"
         payload["traceback"] = traceback.format_exc()
@@ -312,36 +397,63 @@ def run_target(name: str, args: argparse.Namespace, device: torch.device, env: d
 
 
 def _parse(argv: list[str] | None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", required=True)
-    parser.add_argument("--targets", default=",".join(DEFAULT_TARGETS),
-                        help=f"comma-separated: {', '.join(SYNTHETIC_TARGETS)} or installed family names")
+    parser.add_argument(
+        "--targets",
+        default=",".join(DEFAULT_TARGETS),
+        help=f"comma-separated: {', '.join(SYNTHETIC_TARGETS)} or installed family names",
+    )
     parser.add_argument("--budgets", type=int, default=6, help="evenly spaced budgets per target")
-    parser.add_argument("--no-gaps", dest="gaps", action="store_false",
-                        help="skip the budgets just below each step of the fixed modes' frontier")
-    parser.add_argument("--gap-range", default=None, metavar="LOW:HIGH",
-                        help="only the frontier-gap budgets from LOW up to (not including) HIGH, either may be left "
-                             "out (40GiB: or :40GiB): a target whose gaps take longer than one run may have is split "
-                             "over runs by size (the gaps' order depends on measured times, their sizes do not)")
+    parser.add_argument(
+        "--no-gaps",
+        dest="gaps",
+        action="store_false",
+        help="skip the budgets just below each step of the fixed modes' frontier",
+    )
+    parser.add_argument(
+        "--gap-range",
+        default=None,
+        metavar="LOW:HIGH",
+        help="only the frontier-gap budgets from LOW up to (not including) HIGH, either may be left "
+        "out (40GiB: or :40GiB): a target whose gaps take longer than one run may have is split "
+        "over runs by size (the gaps' order depends on measured times, their sizes do not)",
+    )
     parser.add_argument("--steps", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=2,
-                        help="warm-up steps per row (with auto, the first one includes the profiling forward)")
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=2,
+        help="warm-up steps per row (with auto, the first one includes the profiling forward)",
+    )
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"))
     parser.add_argument("--preset", default="full", choices=("full", "tiny"))
     parser.add_argument("--rank", type=int, default=16, help="LoRA rank of the family targets")
     parser.add_argument("--no-render", action="store_true", help="write JSON only")
-    parser.add_argument("--pairs", type=int, default=1,
-                        help="alternate auto and the fastest fitting fixed mode this many times per budget and "
-                             "compare medians (default 1: auto, then the fixed mode once)")
-    parser.add_argument("--no-adjacent", dest="adjacent", action="store_false",
-                        help="compare auto with the fixed modes' first measurement only (default: the fastest "
-                             "fitting fixed mode is measured again right after each auto row)")
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=1,
+        help="alternate auto and the fastest fitting fixed mode this many times per budget and "
+        "compare medians (default 1: auto, then the fixed mode once)",
+    )
+    parser.add_argument(
+        "--no-adjacent",
+        dest="adjacent",
+        action="store_false",
+        help="compare auto with the fixed modes' first measurement only (default: the fastest "
+        "fitting fixed mode is measured again right after each auto row)",
+    )
     args = parser.parse_args(argv)
     args.targets = [t.strip() for t in args.targets.split(",") if t.strip()]
     installed = memfit.available_adapters()
     unknown = [t for t in args.targets if t not in SYNTHETIC_TARGETS and t not in installed]
     if unknown:
-        parser.error(f"unknown target(s) {unknown}: {sorted(SYNTHETIC_TARGETS)} or one of {sorted(installed)}")
+        parser.error(
+            f"unknown target(s) {unknown}: {sorted(SYNTHETIC_TARGETS)} or one of {sorted(installed)}"
+        )
     if args.gap_range is not None:
         if not args.gaps:
             parser.error("--gap-range selects among the frontier-gap budgets: drop --no-gaps")
@@ -352,14 +464,18 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         except ValueError:
             sep = ""
         if not sep or args.gap_range[0] >= args.gap_range[1]:
-            parser.error(f"--gap-range takes LOW:HIGH sizes, LOW below HIGH (e.g. 40GiB: or :40GiB), not {text!r}")
+            parser.error(
+                f"--gap-range takes LOW:HIGH sizes, LOW below HIGH (e.g. 40GiB: or :40GiB), not {text!r}"
+            )
     if args.budgets < 0 or (args.budgets == 0 and not args.gaps):
         parser.error("--budgets must be at least 1 (or 0 with the frontier-gap budgets)")
     if args.pairs < 1:
         parser.error("--pairs must be at least 1")
     if args.pairs > 1 and not args.adjacent:
-        parser.error("--pairs alternates auto with the fixed mode measured again: it needs the adjacent runs "
-                     "(drop --no-adjacent)")
+        parser.error(
+            "--pairs alternates auto with the fixed mode measured again: it needs the adjacent runs "
+            "(drop --no-adjacent)"
+        )
     if args.warmup < 1:
         parser.error("--warmup must be at least 1 (auto plans during the first warm-up step)")
     return args
@@ -399,13 +515,22 @@ def main(argv: list[str] | None = None) -> list[Path]:
     return written
 
 
-def write_family_rows(payload: dict[str, Any], args: argparse.Namespace, env: dict[str, Any], out: Path) -> Path:
+def write_family_rows(
+    payload: dict[str, Any], args: argparse.Namespace, env: dict[str, Any], out: Path
+) -> Path:
     """A family target's fixed rows are the family sweep's rows (same builder, inputs, modes and timing):
     write them as that family's results too, so one run serves both tables."""
     name = payload["target"]
-    family = family_payload(name, args.preset, {k: v for k, v in env.items() if k != "noise_tolerance"},
-                            dtype=getattr(torch, payload["dtype"]), tokens=payload["tokens"], rank=args.rank,
-                            steps=args.steps, warmup=args.warmup)
+    family = family_payload(
+        name,
+        args.preset,
+        {k: v for k, v in env.items() if k != "noise_tolerance"},
+        dtype=getattr(torch, payload["dtype"]),
+        tokens=payload["tokens"],
+        rank=args.rank,
+        steps=args.steps,
+        warmup=args.warmup,
+    )
     for key in ("lora_targets_count", "trainable_params", "total_params", "input_shapes"):
         if key in payload:
             family[key] = payload[key]

@@ -42,12 +42,16 @@ from memfit_benchmarks.runner import MODES, Mode, is_offload
 
 VARIANTS = {
     # name: (mode name, apply() keyword arguments built from the parsed config)
-    "unsloth[no-timing]": ("unsloth", lambda cfg: {"copy_engine": CopyEngine(PinnedBucketPool.from_config(cfg),
-                                                                             timing=False)}),
+    "unsloth[no-timing]": (
+        "unsloth",
+        lambda cfg: {"copy_engine": CopyEngine(PinnedBucketPool.from_config(cfg), timing=False)},
+    ),
     "unsloth[min 16MiB]": ("unsloth", lambda cfg: {"min_offload_bytes": 16 << 20}),
     # every tensor copied on its own, as before batches were packed (copy.py, "Coalescing")
-    "offload_attention[one-by-one]": ("offload_attention", lambda cfg: {"copy_engine": CopyEngine(
-        PinnedBucketPool.from_config(cfg), coalesce_max_bytes=0)}),
+    "offload_attention[one-by-one]": (
+        "offload_attention",
+        lambda cfg: {"copy_engine": CopyEngine(PinnedBucketPool.from_config(cfg), coalesce_max_bytes=0)},
+    ),
 }
 
 
@@ -73,8 +77,19 @@ def _host_profile(step: Any, model: Any, cuda: bool, *, rows: int = 30) -> str:
     return out.getvalue()
 
 
-def measure(model, batch, loss_fn, config, apply_kwargs, *, adapter, cuda: bool, steps: int, warmup: int,
-            trace: Path | None) -> dict[str, Any]:
+def measure(
+    model,
+    batch,
+    loss_fn,
+    config,
+    apply_kwargs,
+    *,
+    adapter,
+    cuda: bool,
+    steps: int,
+    warmup: int,
+    trace: Path | None,
+) -> dict[str, Any]:
     handle = memfit.apply(model, config, adapter=adapter, **apply_kwargs) if config else None
     fwd, bwd, gpu = [], [], []
     try:
@@ -83,10 +98,15 @@ def measure(model, batch, loss_fn, config, apply_kwargs, *, adapter, cuda: bool,
             _sync(cuda)
             profiling = i == warmup + steps
             # with_stack: the trace shows the Python frames (memfit's own among them) around every op
-            prof = torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                          + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []),
-                                          with_stack=trace is not None) \
-                if profiling else None
+            prof = (
+                torch.profiler.profile(
+                    activities=[torch.profiler.ProfilerActivity.CPU]
+                    + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []),
+                    with_stack=trace is not None,
+                )
+                if profiling
+                else None
+            )
             if prof is not None:
                 prof.__enter__()
             start = torch.cuda.Event(enable_timing=True) if cuda else None
@@ -104,7 +124,9 @@ def measure(model, batch, loss_fn, config, apply_kwargs, *, adapter, cuda: bool,
             t3 = time.perf_counter()
             if prof is not None:
                 prof.__exit__(None, None, None)
-                table = prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60)
+                table = prof.key_averages().table(
+                    sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60
+                )
                 if trace is not None:
                     raw = trace.with_suffix("")
                     prof.export_chrome_trace(str(raw))
@@ -122,10 +144,15 @@ def measure(model, batch, loss_fn, config, apply_kwargs, *, adapter, cuda: bool,
         model.zero_grad(set_to_none=True)
         if handle is not None:
             handle.remove()
-    return {"host_forward_ms": statistics.median(fwd), "host_backward_ms": statistics.median(bwd),
-            "step_ms": statistics.median(gpu), "profile_table": table, "host_profile": host_profile,
-            "stats": {k: v for k, v in stats.items() if isinstance(v, int | float)},
-            "plan": plan.counts() if plan is not None else None}
+    return {
+        "host_forward_ms": statistics.median(fwd),
+        "host_backward_ms": statistics.median(bwd),
+        "step_ms": statistics.median(gpu),
+        "profile_table": table,
+        "host_profile": host_profile,
+        "stats": {k: v for k, v in stats.items() if isinstance(v, int | float)},
+        "plan": plan.counts() if plan is not None else None,
+    }
 
 
 def _resolve_modes(names: list[str], parser: argparse.ArgumentParser) -> list[tuple[str, str, Mode, Any]]:
@@ -138,48 +165,69 @@ def _resolve_modes(names: list[str], parser: argparse.ArgumentParser) -> list[tu
             try:
                 mode = Mode(name, auto_config(parse_bytes(base.removeprefix("auto@"))))
             except ValueError:
-                parser.error(f"mode {name!r}: the budget after 'auto@' is not a size; write e.g. auto@103.8GiB")
+                parser.error(
+                    f"mode {name!r}: the budget after 'auto@' is not a size; write e.g. auto@103.8GiB"
+                )
         elif base in modes:
             mode = modes[base]
         else:
-            parser.error(f"unknown mode {name!r}: one of {sorted(modes)}, a variant {sorted(VARIANTS)}, "
-                         f"or auto@<budget>")
+            parser.error(
+                f"unknown mode {name!r}: one of {sorted(modes)}, a variant {sorted(VARIANTS)}, "
+                f"or auto@<budget>"
+            )
         out.append((name, base, mode, make_kwargs))
     return out
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--family", default="flux")
     parser.add_argument("--preset", default="full")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--tokens", type=int, default=None)
-    parser.add_argument("--modes", default="none,torch,unsloth,torch-ffn,unsloth-ffn,offload_attention,"
-                                            "torch-ffn + offload_attention")
+    parser.add_argument(
+        "--modes",
+        default="none,torch,unsloth,torch-ffn,unsloth-ffn,offload_attention,torch-ffn + offload_attention",
+    )
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
     args = parser.parse_args(argv)
     if args.family in SYNTHETIC_TARGETS and args.tokens is not None:
-        parser.error(f"--tokens does not apply to {args.family!r}: a synthetic target names its shape; pick another "
-                     f"({', '.join(SYNTHETIC_TARGETS)})")
+        parser.error(
+            f"--tokens does not apply to {args.family!r}: a synthetic target names its shape; pick another "
+            f"({', '.join(SYNTHETIC_TARGETS)})"
+        )
     chosen = _resolve_modes([m.strip() for m in args.modes.split(",")], parser)  # before a model is built
     device = torch.device(args.device)
     cuda = device.type == "cuda"
     if cuda:
         torch.backends.cuda.enable_cudnn_sdp(False)
     dtype = torch.bfloat16 if cuda else torch.float32
-    if args.family in SYNTHETIC_TARGETS:  # the synthetic stack at one of the sweep's shapes (flash SDPA there)
+    if (
+        args.family in SYNTHETIC_TARGETS
+    ):  # the synthetic stack at one of the sweep's shapes (flash SDPA there)
         model, batch, adapter, _ = build_target(args.family, args.preset, device, dtype, 16)
     else:
         adapter = memfit.available_adapters()[args.family]
-        model, batch, _ = build_lora_model(adapter, args.preset, dtype=dtype, device=device, rank=16,
-                                           tokens=args.tokens or adapter.presets[args.preset].default_tokens)
+        model, batch, _ = build_lora_model(
+            adapter,
+            args.preset,
+            dtype=dtype,
+            device=device,
+            rank=16,
+            tokens=args.tokens or adapter.presets[args.preset].default_tokens,
+        )
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
-    lines = [f"# diagnose {args.family} ({args.preset}) on {torch.cuda.get_device_name() if cuda else 'cpu'}, "
-             f"torch {torch.__version__}\n", "| mode | step ms | host forward ms | host backward ms |",
-             "|---|---|---|---|"]
+    lines = [
+        f"# diagnose {args.family} ({args.preset}) on {torch.cuda.get_device_name() if cuda else 'cpu'}, "
+        f"torch {torch.__version__}\n",
+        "| mode | step ms | host forward ms | host backward ms |",
+        "|---|---|---|---|",
+    ]
     for name, base, mode, make_kwargs in chosen:
         if is_offload(mode) and not cuda:
             continue
@@ -187,15 +235,42 @@ def main(argv: list[str] | None = None) -> None:
         slug = name.replace(" ", "_").replace("[", "-").replace("]", "").replace("@", "-")
         traced = base != "none"  # every mode that runs memfit's code, to compare side by side
         trace = args.out / f"trace-{args.family}-{slug}.json.gz" if traced else None
-        r = measure(model, batch, adapter.loss, mode.config, kwargs, adapter=adapter, cuda=cuda, steps=args.steps,
-                    warmup=args.warmup, trace=trace)
+        r = measure(
+            model,
+            batch,
+            adapter.loss,
+            mode.config,
+            kwargs,
+            adapter=adapter,
+            cuda=cuda,
+            steps=args.steps,
+            warmup=args.warmup,
+            trace=trace,
+        )
         results[name] = r
-        lines.append(f"| {name} | {r['step_ms']:.1f} | {r['host_forward_ms']:.1f} | {r['host_backward_ms']:.1f} |")
+        lines.append(
+            f"| {name} | {r['step_ms']:.1f} | {r['host_forward_ms']:.1f} | {r['host_backward_ms']:.1f} |"
+        )
         print(lines[-1], flush=True)
     for name, r in results.items():
         plan = [f"plan: `{json.dumps(r['plan'])}`", ""] if r["plan"] is not None else []
-        lines += ["", f"## {name}", "", *plan, f"stats: `{json.dumps(r['stats'])}`", "", "```", r["profile_table"], "```",
-                  "", "Host (cProfile, one step):", "", "```", r["host_profile"], "```"]
+        lines += [
+            "",
+            f"## {name}",
+            "",
+            *plan,
+            f"stats: `{json.dumps(r['stats'])}`",
+            "",
+            "```",
+            r["profile_table"],
+            "```",
+            "",
+            "Host (cProfile, one step):",
+            "",
+            "```",
+            r["host_profile"],
+            "```",
+        ]
     (args.out / f"diagnose-{args.family}.md").write_text("\n".join(lines) + "\n")
 
 

@@ -74,8 +74,9 @@ def lora_targets(model: nn.Module, adapter: FamilyAdapter) -> list[str]:
     return targets
 
 
-def add_lora(model: nn.Module, adapter: FamilyAdapter, rank: int,
-             dtype: torch.dtype) -> tuple[nn.Module, list[str]]:
+def add_lora(
+    model: nn.Module, adapter: FamilyAdapter, rank: int, dtype: torch.dtype
+) -> tuple[nn.Module, list[str]]:
     from peft import LoraConfig, inject_adapter_in_model
 
     model.requires_grad_(False)
@@ -91,8 +92,15 @@ def add_lora(model: nn.Module, adapter: FamilyAdapter, rank: int,
     return model, targets
 
 
-def build_lora_model(adapter: FamilyAdapter, preset_name: str, *, dtype: torch.dtype, device: torch.device,
-                     rank: int, tokens: int) -> tuple[nn.Module, dict[str, Any], dict[str, Any]]:
+def build_lora_model(
+    adapter: FamilyAdapter,
+    preset_name: str,
+    *,
+    dtype: torch.dtype,
+    device: torch.device,
+    rank: int,
+    tokens: int,
+) -> tuple[nn.Module, dict[str, Any], dict[str, Any]]:
     """The preset's model (random weights) with LoRA, its inputs on ``device`` (seed 0), and what to record:
     ``lora_targets_count``, ``trainable_params``, ``total_params``, ``input_shapes``."""
     preset = adapter.presets[preset_name]
@@ -111,8 +119,10 @@ def build_lora_model(adapter: FamilyAdapter, preset_name: str, *, dtype: torch.d
 
 def lora_regime_description(dtype: torch.dtype, rank: int) -> str:
     """What a family row measures (also the auto sweep's family targets)."""
-    return (f"frozen {str(dtype).removeprefix('torch.')} base + PEFT LoRA r{rank} on every nn.Linear of the declared "
-            f"blocks, batch 1, adapter loss, forward+backward")
+    return (
+        f"frozen {str(dtype).removeprefix('torch.')} base + PEFT LoRA r{rank} on every nn.Linear of the declared "
+        f"blocks, batch 1, adapter loss, forward+backward"
+    )
 
 
 def _environment(device: torch.device) -> dict[str, Any]:
@@ -126,7 +136,9 @@ def _environment(device: torch.device) -> dict[str, Any]:
     return {
         "suite": "families",
         "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device) if cuda else f"cpu ({platform.processor() or platform.machine()})",
+        "device": torch.cuda.get_device_name(device)
+        if cuda
+        else f"cpu ({platform.processor() or platform.machine()})",
         "torch": torch.__version__,
         "cuda": torch.version.cuda,
         "diffusers": diffusers_version,
@@ -136,8 +148,17 @@ def _environment(device: torch.device) -> dict[str, Any]:
     }
 
 
-def family_payload(name: str, preset: str, env: dict[str, Any], *, dtype: torch.dtype, tokens: int, rank: int,
-                   steps: int, warmup: int) -> dict[str, Any]:
+def family_payload(
+    name: str,
+    preset: str,
+    env: dict[str, Any],
+    *,
+    dtype: torch.dtype,
+    tokens: int,
+    rank: int,
+    steps: int,
+    warmup: int,
+) -> dict[str, Any]:
     """The header of one family's results (rows and skipped modes still empty); the auto sweep, whose fixed
     rows are measured the same way, writes its family targets' rows under this header too."""
     return {
@@ -159,18 +180,29 @@ def family_payload(name: str, preset: str, env: dict[str, Any], *, dtype: torch.
     }
 
 
-def run_family(name: str, args: argparse.Namespace, device: torch.device, env: dict[str, Any]) -> dict[str, Any]:
+def run_family(
+    name: str, args: argparse.Namespace, device: torch.device, env: dict[str, Any]
+) -> dict[str, Any]:
     adapter = memfit.available_adapters()[name]
     preset = adapter.presets[args.preset]
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     tokens = args.tokens or preset.default_tokens
-    payload = family_payload(name, args.preset, env, dtype=dtype, tokens=tokens, rank=args.rank, steps=args.steps,
-                             warmup=args.warmup)
+    payload = family_payload(
+        name,
+        args.preset,
+        env,
+        dtype=dtype,
+        tokens=tokens,
+        rank=args.rank,
+        steps=args.steps,
+        warmup=args.warmup,
+    )
     payload["rounds"] = args.rounds
     model = batch = None
     try:
-        model, batch, info = build_lora_model(adapter, args.preset, dtype=dtype, device=device, rank=args.rank,
-                                              tokens=tokens)
+        model, batch, info = build_lora_model(
+            adapter, args.preset, dtype=dtype, device=device, rank=args.rank, tokens=tokens
+        )
         payload.update(info)
         modes = [m for m in MODES if args.modes is None or m.name in args.modes]
         for mode in modes:
@@ -178,9 +210,18 @@ def run_family(name: str, args: argparse.Namespace, device: torch.device, env: d
             if reason is not None:
                 payload["skipped"][mode.name] = reason
         modes = [m for m in modes if m.name not in payload["skipped"]]
-        payload["rows"] = measure_modes(model, batch, adapter.loss, modes, adapter=adapter, rounds=args.rounds,
-                                        warmup=args.warmup, steps=args.steps, tag=f"[{name}]",
-                                        progress=lambda it: _progress(it, desc=name, unit="row"))
+        payload["rows"] = measure_modes(
+            model,
+            batch,
+            adapter.loss,
+            modes,
+            adapter=adapter,
+            rounds=args.rounds,
+            warmup=args.warmup,
+            steps=args.steps,
+            tag=f"[{name}]",
+            progress=lambda it: _progress(it, desc=name, unit="row"),
+        )
     except torch.OutOfMemoryError as exc:  # the model or its inputs do not fit at all
         payload["error"] = f"OOM before the modes ran: {str(exc).splitlines()[0]}"
     except Exception as exc:  # one broken family must not cost the others their GPU time
@@ -196,7 +237,9 @@ def run_family(name: str, args: argparse.Namespace, device: torch.device, env: d
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--family", default="all", help="comma-separated family names, or 'all'")
     parser.add_argument("--out", default="benchmarks/results")
     parser.add_argument("--tokens", type=int, default=None, help="default: each preset's default_tokens")
@@ -206,7 +249,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     add_rounds_option(parser)
-    parser.add_argument("--modes", default=None, help="comma-separated mode names (default: all of runner.MODES)")
+    parser.add_argument(
+        "--modes", default=None, help="comma-separated mode names (default: all of runner.MODES)"
+    )
     parser.add_argument("--no-render", action="store_true", help="write JSON only")
     args = parser.parse_args(argv)
     args.modes = None if args.modes is None else [m.strip() for m in args.modes.split(",")]

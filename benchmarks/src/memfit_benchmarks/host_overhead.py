@@ -34,10 +34,25 @@ from memfit_benchmarks.runner import MODES, Mode, is_offload
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
 
 NOOP_HOOKS = "none + no-op hooks"
-BASELINES = {"unsloth": "torch", "unsloth-ffn": "torch-ffn", "offload_attention": "none",
-             "torch-ffn + offload_attention": "torch-ffn", "torch": "none", "torch-ffn": "none", NOOP_HOOKS: "none"}
-NAMES = ["none", NOOP_HOOKS, "torch", "unsloth", "torch-ffn", "unsloth-ffn", "offload_attention",
-         "torch-ffn + offload_attention"]
+BASELINES = {
+    "unsloth": "torch",
+    "unsloth-ffn": "torch-ffn",
+    "offload_attention": "none",
+    "torch-ffn + offload_attention": "torch-ffn",
+    "torch": "none",
+    "torch-ffn": "none",
+    NOOP_HOOKS: "none",
+}
+NAMES = [
+    "none",
+    NOOP_HOOKS,
+    "torch",
+    "unsloth",
+    "torch-ffn",
+    "unsloth-ffn",
+    "offload_attention",
+    "torch-ffn + offload_attention",
+]
 
 
 class _NullEvent:
@@ -87,8 +102,11 @@ class _CpuCopyEngine(CopyEngine):
 
 def null_copy_engine() -> CopyEngine:
     """The CUDA copy engine over :class:`NullStreams`, parking into pageable CPU buffers."""
-    pool = PinnedBucketPool(allocate=lambda n, pinned: torch.empty(n, dtype=torch.uint8),
-                            available_host_bytes=lambda: 1 << 40, host_reserve_bytes=0)
+    pool = PinnedBucketPool(
+        allocate=lambda n, pinned: torch.empty(n, dtype=torch.uint8),
+        available_host_bytes=lambda: 1 << 40,
+        host_reserve_bytes=0,
+    )
     return _CpuCopyEngine(pool, streams=NullStreams())
 
 
@@ -110,6 +128,7 @@ def _measure(model, batch, name: str, steps: int) -> dict[str, Any]:
     kwargs = offload_on_cpu(Mode(name, config))
     handle = memfit.apply(model, config, adapter=SYNTHETIC, **kwargs) if config else None
     try:
+
         def step() -> None:
             model.zero_grad(set_to_none=True)
             with hooks if hooks is not None else contextlib.nullcontext():
@@ -131,7 +150,11 @@ def _measure(model, batch, name: str, steps: int) -> dict[str, Any]:
         if handle is not None:
             handle.remove()
     tensors = stats.get("attention_tensors_parked", 0) + stats.get("saved_tensors_replaced", 0) + parked[0]
-    return {"mode": name, "step_ms": statistics.median(times) * 1e3, "hooked_tensors_per_step": tensors / steps}
+    return {
+        "mode": name,
+        "step_ms": statistics.median(times) * 1e3,
+        "hooked_tensors_per_step": tensors / steps,
+    }
 
 
 def run(*, rounds: int, steps: int, depth: int = 15, width: int = 64, tokens: int = 64) -> dict[str, Any]:
@@ -148,35 +171,54 @@ def run(*, rounds: int, steps: int, depth: int = 15, width: int = 64, tokens: in
     rows = []
     for name in NAMES:
         ms = [r["step_ms"] for r in per_round[name]]
-        row = {"mode": name, "step_ms": statistics.median(ms), "step_ms_rounds": ms,
-               "hooked_tensors_per_step": per_round[name][-1]["hooked_tensors_per_step"]}
+        row = {
+            "mode": name,
+            "step_ms": statistics.median(ms),
+            "step_ms_rounds": ms,
+            "hooked_tensors_per_step": per_round[name][-1]["hooked_tensors_per_step"],
+        }
         base = BASELINES.get(name)
         if base is not None:
-            extra = statistics.median(a - b for a, b in zip(ms, (r["step_ms"] for r in per_round[base]), strict=True))
+            extra = statistics.median(
+                a - b for a, b in zip(ms, (r["step_ms"] for r in per_round[base]), strict=True)
+            )
             row["baseline"], row["extra_ms"] = base, extra
         rows.append(row)
-    return {"shape": {"width": width, "depth": depth, "tokens": tokens}, "rounds": rounds, "steps": steps,
-            "rows": rows}
+    return {
+        "shape": {"width": width, "depth": depth, "tokens": tokens},
+        "rounds": rounds,
+        "steps": steps,
+        "rows": rows,
+    }
 
 
 def render(payload: dict[str, Any]) -> str:
     shape = payload["shape"]
-    lines = [f"# memfit host time per step — {payload['device']}, torch {payload['torch']}, {payload['date']}", "",
-             f"Synthetic stack {shape['width']}w x{shape['depth']}, {shape['tokens']} tokens, fp32 + LoRA r16, one "
-             f"CPU thread: kernels nearly free, a step is host time. Offload modes: the CUDA copy engine over "
-             f"streams and events that do nothing, every saved tensor parked. Median of {payload['steps']} steps, "
-             f"{payload['rounds']} round-robin rounds; extra = median of per-round differences to the baseline. "
-             f"Commit: {payload.get('git_commit') or 'n/a'}.", "",
-             "| mode | step ms | baseline | extra ms | hooked tensors / step |", "|---|---|---|---|---|"]
+    lines = [
+        f"# memfit host time per step — {payload['device']}, torch {payload['torch']}, {payload['date']}",
+        "",
+        f"Synthetic stack {shape['width']}w x{shape['depth']}, {shape['tokens']} tokens, fp32 + LoRA r16, one "
+        f"CPU thread: kernels nearly free, a step is host time. Offload modes: the CUDA copy engine over "
+        f"streams and events that do nothing, every saved tensor parked. Median of {payload['steps']} steps, "
+        f"{payload['rounds']} round-robin rounds; extra = median of per-round differences to the baseline. "
+        f"Commit: {payload.get('git_commit') or 'n/a'}.",
+        "",
+        "| mode | step ms | baseline | extra ms | hooked tensors / step |",
+        "|---|---|---|---|---|",
+    ]
     for r in payload["rows"]:
         extra = f"{r['extra_ms']:+.2f}" if "extra_ms" in r else ""
-        lines.append(f"| {r['mode']} | {r['step_ms']:.2f} | {r.get('baseline', '')} | {extra} | "
-                     f"{r['hooked_tensors_per_step']:.0f} |")
+        lines.append(
+            f"| {r['mode']} | {r['step_ms']:.2f} | {r.get('baseline', '')} | {extra} | "
+            f"{r['hooked_tensors_per_step']:.0f} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> Path:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
@@ -184,8 +226,11 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1 or args.depth < 1:
         parser.error("--rounds, --steps and --depth must be at least 1")
-    payload = {**run_stamp("host-overhead", f"cpu ({platform.machine()}, {platform.processor() or 'unknown'})"),
-               "python": platform.python_version(), **run(rounds=args.rounds, steps=args.steps, depth=args.depth)}
+    payload = {
+        **run_stamp("host-overhead", f"cpu ({platform.machine()}, {platform.processor() or 'unknown'})"),
+        "python": platform.python_version(),
+        **run(rounds=args.rounds, steps=args.steps, depth=args.depth),
+    }
     return write_results(args.out, payload, render)
 
 

@@ -77,8 +77,17 @@ def _cpu_offload(mode: Mode, cuda: bool) -> dict[str, Any]:
     return {} if cuda else offload_on_cpu(mode)
 
 
-def measure_pair(models: tuple[Any, Any], batch: dict, a: Mode, b: Mode, *, steps: int, warmup: int,
-                 cuda: bool, compiled: bool = False) -> dict[str, Any]:
+def measure_pair(
+    models: tuple[Any, Any],
+    batch: dict,
+    a: Mode,
+    b: Mode,
+    *,
+    steps: int,
+    warmup: int,
+    cuda: bool,
+    compiled: bool = False,
+) -> dict[str, Any]:
     """``a`` and ``b`` stepped in turn on the two copies (``steps`` each), swapping copies halfway.
 
     ``compiled``: the blocks are compiled; after memfit goes on, Dynamo's caches are reset so that the blocks are
@@ -88,8 +97,12 @@ def measure_pair(models: tuple[Any, Any], batch: dict, a: Mode, b: Mode, *, step
     ratios: list[float] = []
     for half, (model_a, model_b) in enumerate((models, models[::-1])):
         n = steps // 2 if half == 0 else steps - steps // 2
-        handles = [memfit.apply(m, mode.config, adapter=SYNTHETIC, **_cpu_offload(mode, cuda)) if mode.config else None
-                   for m, mode in ((model_a, a), (model_b, b))]
+        handles = [
+            memfit.apply(m, mode.config, adapter=SYNTHETIC, **_cpu_offload(mode, cuda))
+            if mode.config
+            else None
+            for m, mode in ((model_a, a), (model_b, b))
+        ]
         if compiled:
             torch._dynamo.reset()  # the warm-up steps compile again
         try:
@@ -114,14 +127,30 @@ def measure_pair(models: tuple[Any, Any], batch: dict, a: Mode, b: Mode, *, step
         times[b.name] += tb
         ratios += per_step_ratios(ta, tb)
     q1, median, q3 = statistics.quantiles(ratios, n=4) if len(ratios) > 1 else (ratios[0],) * 3
-    return {"a": a.name, "b": b.name, "steps": steps, "ratio_median": median, "ratio_q1": q1, "ratio_q3": q3,
-            "a_step_s": statistics.median(times[a.name]), "b_step_s": statistics.median(times[b.name]),
-            "a_step_times_s": times[a.name], "b_step_times_s": times[b.name], "stats_per_step": per_step}
+    return {
+        "a": a.name,
+        "b": b.name,
+        "steps": steps,
+        "ratio_median": median,
+        "ratio_q1": q1,
+        "ratio_q3": q3,
+        "a_step_s": statistics.median(times[a.name]),
+        "b_step_s": statistics.median(times[b.name]),
+        "a_step_times_s": times[a.name],
+        "b_step_times_s": times[b.name],
+        "stats_per_step": per_step,
+    }
 
 
 # what each mode did per timed step (so a ratio near 1 can be told from a mode that did nothing)
-PER_STEP_STATS = ("recomputes", "bytes_offloaded", "bytes_reloaded", "attention_tensors_parked", "stall_ms",
-                  "pinned_allocations")
+PER_STEP_STATS = (
+    "recomputes",
+    "bytes_offloaded",
+    "bytes_reloaded",
+    "attention_tensors_parked",
+    "stall_ms",
+    "pinned_allocations",
+)
 
 
 def _add_per_step(into: dict[str, float], stats: dict[str, Any], steps: int) -> None:
@@ -145,35 +174,52 @@ def _describe_per_step(stats: dict[str, float]) -> str:
 
 
 def render(payload: dict[str, Any]) -> str:
-    lines = [f"# Interleaved step-time ratios — {payload['device']}, torch {payload['torch']}, {payload['date']}", "",
-             f"Synthetic stack {payload['shape']}, {payload['regime']}; SDPA: {payload['sdpa_backend']}. Two copies of "
-             f"the model, one per mode, stepped in turn ({payload['steps']} steps each after {payload['warmup']} "
-             f"warm-up steps, the copies swapping modes halfway); each A step over the mean of its neighbouring B "
-             f"steps. Commit: {payload.get('git_commit') or 'n/a'}.", "",
-             "| A / B | median ratio | interquartile | A step ms | B step ms | A per step | target |",
-             "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# Interleaved step-time ratios — {payload['device']}, torch {payload['torch']}, {payload['date']}",
+        "",
+        f"Synthetic stack {payload['shape']}, {payload['regime']}; SDPA: {payload['sdpa_backend']}. Two copies of "
+        f"the model, one per mode, stepped in turn ({payload['steps']} steps each after {payload['warmup']} "
+        f"warm-up steps, the copies swapping modes halfway); each A step over the mean of its neighbouring B "
+        f"steps. Commit: {payload.get('git_commit') or 'n/a'}.",
+        "",
+        "| A / B | median ratio | interquartile | A step ms | B step ms | A per step | target |",
+        "|---|---|---|---|---|---|---|",
+    ]
     for r in payload["pairs"]:
-        target = f"≤ {r['target']:.2f}× ({'PASS' if r['ratio_median'] <= r['target'] else 'FAIL'})" \
-            if r.get("target") else "see the sweep (needs D/B)"
-        lines.append(f"| {r['a']} / {r['b']} | {r['ratio_median']:.3f} | {r['ratio_q1']:.3f}–{r['ratio_q3']:.3f} | "
-                     f"{r['a_step_s'] * 1e3:.1f} | {r['b_step_s'] * 1e3:.1f} | "
-                     f"{_describe_per_step(r.get('stats_per_step', {}).get(r['a'], {}))} | {target} |")
+        target = (
+            f"≤ {r['target']:.2f}× ({'PASS' if r['ratio_median'] <= r['target'] else 'FAIL'})"
+            if r.get("target")
+            else "see the sweep (needs D/B)"
+        )
+        lines.append(
+            f"| {r['a']} / {r['b']} | {r['ratio_median']:.3f} | {r['ratio_q1']:.3f}–{r['ratio_q3']:.3f} | "
+            f"{r['a_step_s'] * 1e3:.1f} | {r['b_step_s'] * 1e3:.1f} | "
+            f"{_describe_per_step(r.get('stats_per_step', {}).get(r['a'], {}))} | {target} |"
+        )
     return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> Path:
     from memfit_benchmarks.__main__ import SHAPES, TINY_SHAPE, add_lora
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, required=True)
-    parser.add_argument("--shape", default="0", help="index into the sweep's shapes (0: 1024 tokens), or 'tiny'")
+    parser.add_argument(
+        "--shape", default="0", help="index into the sweep's shapes (0: 1024 tokens), or 'tiny'"
+    )
     parser.add_argument("--steps", type=int, default=200, help="timed steps per mode and pair")
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda")
-    parser.add_argument("--compile", default=None, metavar="BACKEND",
-                        help="compile every block with torch.compile (regional, as diffusers' compile_repeated_blocks "
-                             "does), e.g. 'inductor'; Dynamo is reset after each apply, so the blocks are traced with "
-                             "memfit's hooks")
+    parser.add_argument(
+        "--compile",
+        default=None,
+        metavar="BACKEND",
+        help="compile every block with torch.compile (regional, as diffusers' compile_repeated_blocks "
+        "does), e.g. 'inductor'; Dynamo is reset after each apply, so the blocks are traced with "
+        "memfit's hooks",
+    )
     args = parser.parse_args(argv)
     if args.steps < 2 or args.warmup < 1:
         parser.error("--steps must be at least 2 and --warmup at least 1")
@@ -197,17 +243,36 @@ def main(argv: list[str] | None = None) -> Path:
     pairs = []
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if cuda else contextlib.nullcontext():
         for a, b, target in PAIRS:
-            row = measure_pair(models, batch, modes[a], modes[b], steps=args.steps, warmup=args.warmup, cuda=cuda,
-                               compiled=bool(args.compile))
+            row = measure_pair(
+                models,
+                batch,
+                modes[a],
+                modes[b],
+                steps=args.steps,
+                warmup=args.warmup,
+                cuda=cuda,
+                compiled=bool(args.compile),
+            )
             row["target"] = target
             pairs.append(row)
-            print(f"{a} / {b}: {row['ratio_median']:.3f} ({row['ratio_q1']:.3f}-{row['ratio_q3']:.3f})", flush=True)
+            print(
+                f"{a} / {b}: {row['ratio_median']:.3f} ({row['ratio_q1']:.3f}-{row['ratio_q3']:.3f})",
+                flush=True,
+            )
             gc.collect()
-    suite = "interleaved-compiled" if args.compile else "interleaved"  # a file of its own next to the eager run
-    payload = {**run_stamp(suite, torch.cuda.get_device_name() if cuda else "cpu"), "shape": label,
-               "regime": "lora" + (f", blocks compiled ({args.compile})" if args.compile else ", eager"),
-               "compile": args.compile, "sdpa_backend": "flash (cuDNN SDPA disabled)" if cuda else "default (CPU)",
-               "steps": args.steps, "warmup": args.warmup, "pairs": pairs}
+    suite = (
+        "interleaved-compiled" if args.compile else "interleaved"
+    )  # a file of its own next to the eager run
+    payload = {
+        **run_stamp(suite, torch.cuda.get_device_name() if cuda else "cpu"),
+        "shape": label,
+        "regime": "lora" + (f", blocks compiled ({args.compile})" if args.compile else ", eager"),
+        "compile": args.compile,
+        "sdpa_backend": "flash (cuDNN SDPA disabled)" if cuda else "default (CPU)",
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "pairs": pairs,
+    }
     return write_results(args.out, payload, render)
 
 

@@ -83,29 +83,82 @@ def job_command(job: str, out: Path) -> list[str]:
         return [*nox, f"gpu(adapter='{job.removeprefix('gpu-')}')"]
     if job.startswith("bench-"):
         regimes, opts = _split_options(job.removeprefix("bench-"), "rounds", "shapes", "steps")
-        return [*nox, "bench", "--", "--regime", ",".join(regimes), "--out", str(out / "synthetic"),
-                *_flag("--rounds", opts["rounds"]), *_flag("--shapes", (opts["shapes"] or "").replace("+", ",")),
-                *_flag("--steps", opts["steps"])]
+        return [
+            *nox,
+            "bench",
+            "--",
+            "--regime",
+            ",".join(regimes),
+            "--out",
+            str(out / "synthetic"),
+            *_flag("--rounds", opts["rounds"]),
+            *_flag("--shapes", (opts["shapes"] or "").replace("+", ",")),
+            *_flag("--steps", opts["steps"]),
+        ]
     if job == "families" or job.startswith("families="):
         families, opts = _split_options(job.partition("=")[2], "rounds")
-        return [*nox, "bench", "--", "--suite", "families", "--family", ",".join(families) or "all", "--out",
-                str(out / "families"), *_flag("--rounds", opts["rounds"])]
+        return [
+            *nox,
+            "bench",
+            "--",
+            "--suite",
+            "families",
+            "--family",
+            ",".join(families) or "all",
+            "--out",
+            str(out / "families"),
+            *_flag("--rounds", opts["rounds"]),
+        ]
     if job == "fsdp2":
-        return [py, "-m", "memfit_benchmarks.fsdp2", "--nproc", "2", "--preset", "full", "--out", str(out / "fsdp2")]
+        return [
+            py,
+            "-m",
+            "memfit_benchmarks.fsdp2",
+            "--nproc",
+            "2",
+            "--preset",
+            "full",
+            "--out",
+            str(out / "fsdp2"),
+        ]
     if job == "diagnose" or job.startswith("diagnose="):
         items, opts = _split_options(job.partition("=")[2], "modes", "steps", "warmup")
-        return [py, "-m", "memfit_benchmarks.diagnose", "--family", items[0] if items else "flux",
-                *_flag("--modes", (opts["modes"] or "").replace("+", ",")), *_flag("--steps", opts["steps"]),
-                *_flag("--warmup", opts["warmup"]), "--out", str(out / "diagnose" / job_slug(job))]
+        return [
+            py,
+            "-m",
+            "memfit_benchmarks.diagnose",
+            "--family",
+            items[0] if items else "flux",
+            *_flag("--modes", (opts["modes"] or "").replace("+", ",")),
+            *_flag("--steps", opts["steps"]),
+            *_flag("--warmup", opts["warmup"]),
+            "--out",
+            str(out / "diagnose" / job_slug(job)),
+        ]
     if job == "interleaved" or job.startswith("interleaved="):
         items, opts = _split_options(job.partition("=")[2], "steps", "compile")
-        return [py, "-m", "memfit_benchmarks.interleaved", "--shape", items[0] if items else "0",
-                *_flag("--steps", opts["steps"]), *_flag("--compile", opts["compile"]), "--out",
-                str(out / "interleaved")]
+        return [
+            py,
+            "-m",
+            "memfit_benchmarks.interleaved",
+            "--shape",
+            items[0] if items else "0",
+            *_flag("--steps", opts["steps"]),
+            *_flag("--compile", opts["compile"]),
+            "--out",
+            str(out / "interleaved"),
+        ]
     if job == "memtimeline" or job.startswith("memtimeline="):
         items, opts = _split_options(job.partition("=")[2], "shape")
-        return [py, "-m", "memfit_benchmarks.memtimeline", *_flag("--modes", "+".join(items).replace("+", ",")),
-                *_flag("--shape", opts["shape"]), "--out", str(out / "memtimeline")]
+        return [
+            py,
+            "-m",
+            "memfit_benchmarks.memtimeline",
+            *_flag("--modes", "+".join(items).replace("+", ",")),
+            *_flag("--shape", opts["shape"]),
+            "--out",
+            str(out / "memtimeline"),
+        ]
     if job == "auto" or job.startswith("auto="):
         items, opts = _split_options(job.partition("=")[2], "pairs", "steps", "warmup", "gaps")
         opts["gap-range"] = opts.pop("gaps")
@@ -114,8 +167,12 @@ def job_command(job: str, out: Path) -> list[str]:
         items = [i for i in items if i not in flags]
         targets = [i for i in items if not i.isdigit()]
         budgets = [i for i in items if i.isdigit()]
-        args = [*_flag("--targets", ",".join(targets)), *_flag("--budgets", budgets[-1] if budgets else None),
-                *(flag for key in opts for flag in _flag(f"--{key}", opts[key])), *chosen]
+        args = [
+            *_flag("--targets", ",".join(targets)),
+            *_flag("--budgets", budgets[-1] if budgets else None),
+            *(flag for key in opts for flag in _flag(f"--{key}", opts[key])),
+            *chosen,
+        ]
         # a folder per job: two lanes sharing one target's budgets would otherwise write the same file
         return [py, "-m", "memfit_benchmarks.auto_sweep", *args, "--out", str(out / "auto" / job_slug(job))]
     raise SystemExit(f"unknown job {job!r} (see python -m memfit_benchmarks.lease --help)")
@@ -163,7 +220,9 @@ class Lease:
                 proc.wait()
                 rc = "timeout"
         tail = log.read_text(errors="replace").strip().splitlines()[-3:]
-        self._note(f"{job} (gpu {gpu or 'all'}): rc={rc} in {time.monotonic() - start:.0f} s | " + " / ".join(tail))
+        self._note(
+            f"{job} (gpu {gpu or 'all'}): rc={rc} in {time.monotonic() - start:.0f} s | " + " / ".join(tail)
+        )
 
     def _note(self, line: str) -> None:
         with self._lock:
@@ -194,7 +253,9 @@ class Lease:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--budget", type=float, required=True, help="seconds until every job is cut")
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("phases", nargs="+")

@@ -47,7 +47,9 @@ def _frame_label(frames: list[dict[str, Any]]) -> str:
     return "(autograd engine)"
 
 
-def replay(trace: list[dict[str, Any]], *, baseline: int, free_action: str = "free_requested") -> dict[str, Any]:
+def replay(
+    trace: list[dict[str, Any]], *, baseline: int, free_action: str = "free_requested"
+) -> dict[str, Any]:
     """Replay one step's allocator trace: its peak, where it falls, and what the step allocated is alive there.
 
     Args:
@@ -76,21 +78,32 @@ def replay(trace: list[dict[str, Any]], *, baseline: int, free_action: str = "fr
     for size, index in peak_alive.values():
         when = "backward" if marker_index is not None and index > marker_index else "forward"
         groups[(size, when, _frame_label(trace[index].get("frames", [])))] += 1
-    held_by_memfit = sum(size for size, index in peak_alive.values()
-                         if any("/memfit/" in f.get("filename", "") for f in trace[index].get("frames", [])))
+    held_by_memfit = sum(
+        size
+        for size, index in peak_alive.values()
+        if any("/memfit/" in f.get("filename", "") for f in trace[index].get("frames", []))
+    )
     phase = "n/a" if marker_index is None else ("forward" if peak_index < marker_index else "backward")
     return {
-        "peak": peak, "baseline": baseline, "events": len(trace), "peak_event": peak_index, "phase": phase,
+        "peak": peak,
+        "baseline": baseline,
+        "events": len(trace),
+        "peak_event": peak_index,
+        "phase": phase,
         "forward_end_event": marker_index,
         "peak_allocation": _frame_label(trace[peak_index].get("frames", [])) if peak_index >= 0 else None,
         "held_by_memfit_at_peak": held_by_memfit,  # allocated from memfit's own code (reloads, packed buffers)
-        "alive_at_peak": [{"size": size, "count": n, "bytes": size * n, "when": when, "where": where}
-                          for (size, when, where), n in sorted(groups.items(), key=lambda kv: -kv[0][0] * kv[1])],
+        "alive_at_peak": [
+            {"size": size, "count": n, "bytes": size * n, "when": when, "where": where}
+            for (size, when, where), n in sorted(groups.items(), key=lambda kv: -kv[0][0] * kv[1])
+        ],
         "end": current,
     }
 
 
-def record_step(model, batch, loss_fn, *, max_entries: int = 500_000) -> tuple[list[dict[str, Any]], int, int]:
+def record_step(
+    model, batch, loss_fn, *, max_entries: int = 500_000
+) -> tuple[list[dict[str, Any]], int, int]:
     """One forward+backward under the allocator's history: (trace, bytes allocated before, max allocated)."""
     device = next(model.parameters()).device
     model.zero_grad(set_to_none=True)
@@ -112,23 +125,34 @@ def record_step(model, batch, loss_fn, *, max_entries: int = 500_000) -> tuple[l
 
 
 def render(payload: dict[str, Any], *, rows: int = 14) -> str:
-    lines = [f"# Memory timeline of one step — {payload['device']}, torch {payload['torch']}, {payload['date']}", "",
-             f"Synthetic stack {payload['shape']}, LoRA; SDPA: {payload['sdpa_backend']}; after {payload['warmup']} "
-             f"warm-up steps. Commit: {payload.get('git_commit') or 'n/a'}. Peak by replay of the allocator's "
-             "trace (bytes given back at `free_requested`), checked against `max_memory_allocated`.", ""]
+    lines = [
+        f"# Memory timeline of one step — {payload['device']}, torch {payload['torch']}, {payload['date']}",
+        "",
+        f"Synthetic stack {payload['shape']}, LoRA; SDPA: {payload['sdpa_backend']}; after {payload['warmup']} "
+        f"warm-up steps. Commit: {payload.get('git_commit') or 'n/a'}. Peak by replay of the allocator's "
+        "trace (bytes given back at `free_requested`), checked against `max_memory_allocated`.",
+        "",
+    ]
     for r in payload["modes"]:
-        lines += [f"## {r['mode']}", "",
-                  f"- peak {r['peak'] / MiB:.1f} MiB by replay (max_memory_allocated {r['max_allocated'] / MiB:.1f}; "
-                  f"`free_completed` replay {r['peak_free_completed'] / MiB:.1f}), in **{r['phase']}** (event "
-                  f"{r['peak_event']} of {r['events']}, forward ends at {r['forward_end_event']}); before the step "
-                  f"{r['baseline'] / MiB:.1f} MiB",
-                  f"- the allocation that made the peak: `{r['peak_allocation']}`",
-                  f"- allocated by the step and alive at the peak: {sum(g['bytes'] for g in r['alive_at_peak']) / MiB:.1f} "
-                  f"MiB, of which memfit's own allocations (reloads, packed buffers) "
-                  f"{r.get('held_by_memfit_at_peak', 0) / MiB:.1f} MiB",
-                  "", "| size MiB | count | MiB | allocated in | at |", "|---|---|---|---|---|"]
-        lines += [f"| {g['size'] / MiB:.2f} | {g['count']} | {g['bytes'] / MiB:.1f} | {g['when']} | `{g['where']}` |"
-                  for g in r["alive_at_peak"][:rows]]
+        lines += [
+            f"## {r['mode']}",
+            "",
+            f"- peak {r['peak'] / MiB:.1f} MiB by replay (max_memory_allocated {r['max_allocated'] / MiB:.1f}; "
+            f"`free_completed` replay {r['peak_free_completed'] / MiB:.1f}), in **{r['phase']}** (event "
+            f"{r['peak_event']} of {r['events']}, forward ends at {r['forward_end_event']}); before the step "
+            f"{r['baseline'] / MiB:.1f} MiB",
+            f"- the allocation that made the peak: `{r['peak_allocation']}`",
+            f"- allocated by the step and alive at the peak: {sum(g['bytes'] for g in r['alive_at_peak']) / MiB:.1f} "
+            f"MiB, of which memfit's own allocations (reloads, packed buffers) "
+            f"{r.get('held_by_memfit_at_peak', 0) / MiB:.1f} MiB",
+            "",
+            "| size MiB | count | MiB | allocated in | at |",
+            "|---|---|---|---|---|",
+        ]
+        lines += [
+            f"| {g['size'] / MiB:.2f} | {g['count']} | {g['bytes'] / MiB:.1f} | {g['when']} | `{g['where']}` |"
+            for g in r["alive_at_peak"][:rows]
+        ]
         lines.append("")
     return "\n".join(lines)
 
@@ -136,7 +160,9 @@ def render(payload: dict[str, Any], *, rows: int = 14) -> str:
 def main(argv: list[str] | None = None) -> Path:
     from memfit_benchmarks.__main__ import SHAPES, add_lora
 
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shape", type=int, default=0, help="index into the sweep's shapes (0: 1024 tokens)")
     parser.add_argument("--modes", default="torch,unsloth", help="comma-separated mode names (runner.MODES)")
@@ -171,13 +197,24 @@ def main(argv: list[str] | None = None) -> Path:
                 model.zero_grad(set_to_none=True)
                 gc.collect()
             row = replay(trace, baseline=baseline)
-            row.update(mode=name, max_allocated=max_allocated,
-                       peak_free_completed=replay(trace, baseline=baseline, free_action="free_completed")["peak"])
+            row.update(
+                mode=name,
+                max_allocated=max_allocated,
+                peak_free_completed=replay(trace, baseline=baseline, free_action="free_completed")["peak"],
+            )
             results.append(row)
-            print(f"{name}: peak {row['peak'] / MiB:.1f} MiB ({row['phase']}), max_allocated "
-                  f"{max_allocated / MiB:.1f} MiB", flush=True)
-    payload = {**run_stamp("memtimeline", torch.cuda.get_device_name()), "shape": label, "warmup": args.warmup,
-               "sdpa_backend": "flash (cuDNN SDPA disabled)", "modes": results}
+            print(
+                f"{name}: peak {row['peak'] / MiB:.1f} MiB ({row['phase']}), max_allocated "
+                f"{max_allocated / MiB:.1f} MiB",
+                flush=True,
+            )
+    payload = {
+        **run_stamp("memtimeline", torch.cuda.get_device_name()),
+        "shape": label,
+        "warmup": args.warmup,
+        "sdpa_backend": "flash (cuDNN SDPA disabled)",
+        "modes": results,
+    }
     return write_results(args.out, payload, render)
 
 

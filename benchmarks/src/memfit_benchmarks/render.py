@@ -64,9 +64,17 @@ def plot_rows(rows: list[dict[str, Any]], title: str, path: Path) -> Path:
         if none is not None:
             ax.axhline(none["peak_allocated"] / GIB, color="tab:red", linestyle=":", linewidth=0.8)
         if no_peak:
-            ax.text(0.5, 0.5, "peak memory not measured on this device:\n" + ", ".join(
-                f"{r['mode']} {r['step_s'] * 1e3:.1f} ms" for r in no_peak),
-                transform=ax.transAxes, ha="center", va="center", fontsize=8, wrap=True)
+            ax.text(
+                0.5,
+                0.5,
+                "peak memory not measured on this device:\n"
+                + ", ".join(f"{r['mode']} {r['step_s'] * 1e3:.1f} ms" for r in no_peak),
+                transform=ax.transAxes,
+                ha="center",
+                va="center",
+                fontsize=8,
+                wrap=True,
+            )
         ax.set_xlabel("step time (ms, median of timed steps)")
         ax.set_ylabel("peak allocated (GiB)")
         ax.grid(True, alpha=0.3)
@@ -87,20 +95,49 @@ def plot_auto(payload: dict[str, Any], path: Path) -> Path:
                 continue
             x, y = memory / scale, r["step_s"] * 1e3
             ax.scatter([x], [y], s=22, color="tab:red" if r["mode"] == "none" else "tab:gray", zorder=2)
-            ax.annotate(r["mode"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color="dimgray")
+            ax.annotate(
+                r["mode"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7, color="dimgray"
+            )
         fixed = [r for r in rows if r.get("best_fixed")]
-        ax.step([r["budget_bytes"] / scale for r in fixed], [r["best_fixed"]["step_s"] * 1e3 for r in fixed],
-                where="post", color="tab:blue", marker="s", label="fastest fixed mode that fits", zorder=3)
+        ax.step(
+            [r["budget_bytes"] / scale for r in fixed],
+            [r["best_fixed"]["step_s"] * 1e3 for r in fixed],
+            where="post",
+            color="tab:blue",
+            marker="s",
+            label="fastest fixed mode that fits",
+            zorder=3,
+        )
         timed = [r for r in rows if "step_s" in r and not r.get("unreachable")]
-        ax.plot([r["budget_bytes"] / scale for r in timed], [r["step_s"] * 1e3 for r in timed], color="tab:green",
-                marker="o", label="auto at the budget", zorder=4)
+        ax.plot(
+            [r["budget_bytes"] / scale for r in timed],
+            [r["step_s"] * 1e3 for r in timed],
+            color="tab:green",
+            marker="o",
+            label="auto at the budget",
+            zorder=4,
+        )
         measured = [r for r in timed if r.get("memory_bytes") is not None]
-        ax.scatter([r["memory_bytes"] / scale for r in measured], [r["step_s"] * 1e3 for r in measured], s=30,
-                   facecolors="none", edgecolors="tab:green", label="auto at its measured peak", zorder=4)
+        ax.scatter(
+            [r["memory_bytes"] / scale for r in measured],
+            [r["step_s"] * 1e3 for r in measured],
+            s=30,
+            facecolors="none",
+            edgecolors="tab:green",
+            label="auto at its measured peak",
+            zorder=4,
+        )
         for r in timed:
             if "speedup" in r:
-                ax.annotate(f"{r['speedup']:.2f}×", (r["budget_bytes"] / scale, r["step_s"] * 1e3),
-                            textcoords="offset points", xytext=(0, -12), fontsize=7, ha="center", color="tab:green")
+                ax.annotate(
+                    f"{r['speedup']:.2f}×",
+                    (r["budget_bytes"] / scale, r["step_s"] * 1e3),
+                    textcoords="offset points",
+                    xytext=(0, -12),
+                    fontsize=7,
+                    ha="center",
+                    color="tab:green",
+                )
         for r in rows:
             if r.get("unreachable") or r.get("oom"):
                 ax.axvline(r["budget_bytes"] / scale, color="tab:orange", linestyle=":", linewidth=0.8)
@@ -114,7 +151,9 @@ def plot_auto(payload: dict[str, Any], path: Path) -> Path:
         title = f"auto vs fixed modes: {payload['target']} ({payload['preset']}) — {payload['device']}"
         if bad:
             title += "\nno auto step at: " + ", ".join(
-                f"{r['budget_bytes'] / scale:.2f} ({'unreachable' if r.get('unreachable') else 'OOM'})" for r in bad)
+                f"{r['budget_bytes'] / scale:.2f} ({'unreachable' if r.get('unreachable') else 'OOM'})"
+                for r in bad
+            )
         ax.set_title(title, fontsize=10)
     return path
 
@@ -130,14 +169,17 @@ def render_payload(payload: dict[str, Any], stem: str, out: Path) -> tuple[Path,
     elif payload.get("suite") == "families":
         text = render_family_markdown(payload)
         if payload.get("rows"):
-            title = (f"{payload['family']} ({payload['preset']}, {payload['tokens']} tokens) — "
-                     f"{payload['device']}")
+            title = (
+                f"{payload['family']} ({payload['preset']}, {payload['tokens']} tokens) — {payload['device']}"
+            )
             pngs.append(plot_rows(payload["rows"], title, out / f"{stem}.png"))
     else:
         text = render_markdown(payload)
         regime = payload.get("regime") if payload.get("regime") in ("lora", "frozen", "full") else None
         for shape in payload["results"]:
-            title = f"synthetic {shape['shape']}" + (f" ({regime})" if regime else "") + f" — {payload['device']}"
+            title = (
+                f"synthetic {shape['shape']}" + (f" ({regime})" if regime else "") + f" — {payload['device']}"
+            )
             pngs.append(plot_rows(shape["rows"], title, out / f"{stem}-{_slug(shape['shape'])}.png"))
     if pngs:
         text += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
@@ -158,7 +200,9 @@ def render_files(paths: list[Path | str], out: Path | str | None = None) -> list
 
 
 def main(argv: list[str] | None = None) -> list[Path]:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("files", nargs="+", help="results JSON files")
     parser.add_argument("--out", default=None, help="output folder (default: next to each JSON)")
     args = parser.parse_args(argv)

@@ -28,9 +28,13 @@ def _at_least_one(text: str) -> int:
 
 def add_rounds_option(parser: argparse.ArgumentParser) -> None:
     """``--rounds N`` (default 1), as the synthetic and the family sweeps take it."""
-    parser.add_argument("--rounds", type=_at_least_one, default=1,
-                        help="measure every mode this many times, round-robin; a row reports the median round's "
-                             "step (each round's in step_s_rounds) and target ratios are paired round by round")
+    parser.add_argument(
+        "--rounds",
+        type=_at_least_one,
+        default=1,
+        help="measure every mode this many times, round-robin; a row reports the median round's "
+        "step (each round's in step_s_rounds) and target ratios are paired round by round",
+    )
 
 
 def merge_rounds(rows: list[Row]) -> Row:
@@ -52,8 +56,12 @@ def merge_rounds(rows: list[Row]) -> Row:
     return merged
 
 
-def round_robin(modes: list[Mode], rounds: int, measure: Callable[[Mode], Row],
-                progress: Callable[[Iterable[int]], Iterable[int]] = iter) -> list[Row]:
+def round_robin(
+    modes: list[Mode],
+    rounds: int,
+    measure: Callable[[Mode], Row],
+    progress: Callable[[Iterable[int]], Iterable[int]] = iter,
+) -> list[Row]:
     """``measure`` every mode ``rounds`` times, round-robin (every mode once per round, in ``modes`` order), and
     merge each mode's rounds (``merge_rounds``): one row per mode, in ``modes`` order. A mode out of memory once
     is not measured again. ``progress`` wraps the iteration over all measurements (e.g. a progress bar)."""
@@ -92,4 +100,7 @@ def step_ratio(row: Row, ref: Row) -> tuple[float, str]:
         return medians, f"{medians:.3f}×"
     paired = statistics.median(ratios)
     listed = ", ".join(f"{r:.3f}" for r in ratios)
-    return paired, f"{paired:.3f}× (median of per-round ratios {listed}; ratio of median rounds {medians:.3f})"
+    return (
+        paired,
+        f"{paired:.3f}× (median of per-round ratios {listed}; ratio of median rounds {medians:.3f})",
+    )

@@ -94,7 +94,8 @@ def is_offload(mode: Mode) -> bool:
     """Whether a mode parks tensors in pinned host memory (needs CUDA)."""
     cfg = mode.config or {}
     return str(cfg.get("gradient_checkpointing_backend", "")).startswith("unsloth") or bool(
-        cfg.get("gradient_checkpointing_offload_attention"))
+        cfg.get("gradient_checkpointing_offload_attention")
+    )
 
 
 def _device_of(model: nn.Module, inputs: dict[str, Any]) -> torch.device:
@@ -119,10 +120,18 @@ def _segments_allocated() -> int:
     return int(torch.cuda.memory_stats().get("segment.all.allocated", 0))
 
 
-def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], mode: Mode, *,
-                 adapter: FamilyAdapter | None, warmup: int = 2, steps: int = 5,
-                 optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None,
-                 inspect: Callable[[Any], dict[str, Any]] | None = None) -> dict[str, Any]:
+def measure_mode(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    mode: Mode,
+    *,
+    adapter: FamilyAdapter | None,
+    warmup: int = 2,
+    steps: int = 5,
+    optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None,
+    inspect: Callable[[Any], dict[str, Any]] | None = None,
+) -> dict[str, Any]:
     """One row: median step time, peaks, offload telemetry. OOM is recorded, not raised (GPU memory, or host RAM
     for the offload pool: ``oom_where: "host"``).
 
@@ -224,7 +233,9 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
         return row
     except torch.OutOfMemoryError:
         oom = True  # the traceback (and the activations its frames hold) is released when this clause ends
-    except memfit.HostMemoryError as exc:  # the offload pool ran out of host RAM: this mode does not fit either
+    except (
+        memfit.HostMemoryError
+    ) as exc:  # the offload pool ran out of host RAM: this mode does not fit either
         oom, host_error = True, str(exc)
     finally:
         model.zero_grad(set_to_none=True)
@@ -241,7 +252,13 @@ def measure_mode(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[An
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     if host_error is not None:
-        return {"mode": mode.name, "config": mode.config, "oom": True, "oom_where": "host", "error": host_error}
+        return {
+            "mode": mode.name,
+            "config": mode.config,
+            "oom": True,
+            "oom_where": "host",
+            "error": host_error,
+        }
     return {"mode": mode.name, "config": mode.config, "oom": True}
 
 
@@ -253,17 +270,35 @@ def _row_summary(row: dict[str, Any]) -> str:
     return f"{row['step_s']:.4f} s, peak " + ("n/a" if peak is None else f"{peak / 2**30:.2f} GiB")
 
 
-def measure_modes(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], modes: list[Mode],
-                  *, adapter: FamilyAdapter | None, rounds: int = 1, warmup: int = 2, steps: int = 5,
-                  optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None, tag: str = "",
-                  progress: Callable[[Iterable[int]], Iterable[int]] = iter) -> list[dict[str, Any]]:
+def measure_modes(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    modes: list[Mode],
+    *,
+    adapter: FamilyAdapter | None,
+    rounds: int = 1,
+    warmup: int = 2,
+    steps: int = 5,
+    optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None,
+    tag: str = "",
+    progress: Callable[[Iterable[int]], Iterable[int]] = iter,
+) -> list[dict[str, Any]]:
     """Every mode of ``modes`` (``measure_mode``) in ``rounds`` round-robin rounds (``rounds.round_robin``), each
     measurement printed as it ends (after ``tag``): one row per mode, in ``modes`` order, with its ratios
     (``add_ratios``). ``progress`` wraps the iteration over all measurements (e.g. a progress bar)."""
 
     def measure(mode: Mode) -> dict[str, Any]:
-        row = measure_mode(model, inputs, loss_fn, mode, adapter=adapter, warmup=warmup, steps=steps,
-                           optimizer_factory=optimizer_factory)
+        row = measure_mode(
+            model,
+            inputs,
+            loss_fn,
+            mode,
+            adapter=adapter,
+            warmup=warmup,
+            steps=steps,
+            optimizer_factory=optimizer_factory,
+        )
         print(f"{tag} {mode.name}: {_row_summary(row)}", flush=True)
         return row
 

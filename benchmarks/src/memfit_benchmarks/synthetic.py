@@ -55,7 +55,9 @@ class SynthBlock(nn.Module):
 
 
 class SynthStack(nn.Module):
-    def __init__(self, dim: int = 3072, depth: int = 15, heads: int | None = None, in_channels: int = 64) -> None:
+    def __init__(
+        self, dim: int = 3072, depth: int = 15, heads: int | None = None, in_channels: int = 64
+    ) -> None:
         super().__init__()
         heads = heads or max(1, dim // 128 if dim >= 128 else dim // 16)
         self.proj_in = nn.Linear(in_channels, dim)
@@ -71,8 +73,14 @@ class SynthStack(nn.Module):
         return self.proj_out(x)
 
 
-def build(*, dim: int = 3072, depth: int = 15, dtype: torch.dtype = torch.bfloat16, device: str = "cuda",
-          seed: int = 0) -> SynthStack:
+def build(
+    *,
+    dim: int = 3072,
+    depth: int = 15,
+    dtype: torch.dtype = torch.bfloat16,
+    device: str = "cuda",
+    seed: int = 0,
+) -> SynthStack:
     torch.manual_seed(seed)
     previous = torch.get_default_dtype()
     torch.set_default_dtype(dtype)
@@ -97,7 +105,9 @@ SYNTHETIC = FamilyAdapter(
     block_lists=("blocks",),
     blocks={"SynthBlock": BlockSpec(ffn=(("ff",),), attention=(("attn",),))},
     supports_interval=True,
-    presets={"tiny": Preset(build=lambda **kw: build(dim=64, depth=4, **kw), inputs=inputs, default_tokens=64)},
+    presets={
+        "tiny": Preset(build=lambda **kw: build(dim=64, depth=4, **kw), inputs=inputs, default_tokens=64)
+    },
     loss=lambda out: out.float().pow(2).mean(),
     notes="benchmark stack (not an installed family)",
 )

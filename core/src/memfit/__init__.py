@@ -13,13 +13,13 @@ from memfit.adapters import BlockSpec, FamilyAdapter, Preset, available_adapters
 from memfit.apply import apply
 from memfit.config import Backend, MemfitConfig
 from memfit.errors import (
-                           BudgetError,
-                           ConfigError,
-                           HostMemoryError,
-                           MemfitError,
-                           MemfitWarning,
-                           NotAvailableError,
-                           UnsupportedBoundaryError,
+    BudgetError,
+    ConfigError,
+    HostMemoryError,
+    MemfitError,
+    MemfitWarning,
+    NotAvailableError,
+    UnsupportedBoundaryError,
 )
 from memfit.handle import MemfitHandle
 

@@ -40,8 +40,9 @@ class SavedBytesMeter:
         state.add_held_listener(self.note)
         return self
 
-    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
-                 tb: TracebackType | None) -> None:
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
         state.remove_held_listener(self.note)
         self._hooks.__exit__(exc_type, exc, tb)
 

@@ -28,9 +28,17 @@ from memfit.offload.session import AttentionOffloader, OffloadSession, OffloadSt
 _applied: weakref.WeakSet[nn.Module] = weakref.WeakSet()
 
 
-def apply(model: nn.Module, config: MemfitConfig | Mapping[str, Any] | str | None = None, /, *,
-          adapter: FamilyAdapter | None = None, strict: bool = True, copy_engine: CopyEngine | None = None,
-          min_offload_bytes: int = 1 << 20, **overrides: Any) -> MemfitHandle:
+def apply(
+    model: nn.Module,
+    config: MemfitConfig | Mapping[str, Any] | str | None = None,
+    /,
+    *,
+    adapter: FamilyAdapter | None = None,
+    strict: bool = True,
+    copy_engine: CopyEngine | None = None,
+    min_offload_bytes: int = 1 << 20,
+    **overrides: Any,
+) -> MemfitHandle:
     """Install checkpointing/offload on ``model`` as ``config`` asks.
 
     Args:
@@ -93,14 +101,26 @@ def apply(model: nn.Module, config: MemfitConfig | Mapping[str, Any] | str | Non
         engine._handles.append(ShardOrderGuard(model, _watched_blocks(model, adapter)).install())
     if offloader is not None:
         offloader.install()
-    handle = MemfitHandle(model, cfg, family, engine, on_remove=lambda: _applied.discard(model),
-                          session=session, offloader=offloader)
+    handle = MemfitHandle(
+        model,
+        cfg,
+        family,
+        engine,
+        on_remove=lambda: _applied.discard(model),
+        session=session,
+        offloader=offloader,
+    )
     _applied.add(model)
     return handle
 
 
-def _apply_auto(model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapter | None, copy_engine: CopyEngine | None,
-                min_offload_bytes: int) -> MemfitHandle:
+def _apply_auto(
+    model: nn.Module,
+    cfg: MemfitConfig,
+    adapter: FamilyAdapter | None,
+    copy_engine: CopyEngine | None,
+    min_offload_bytes: int,
+) -> MemfitHandle:
     """The ``auto`` backend: a controller that plans per block at the first forward of each input shape."""
     if adapter is None:
         raise UnsupportedBoundaryError(
@@ -124,8 +144,15 @@ def _apply_auto(model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapter | No
     controller = AutoController(model, adapter, budget, session=session, min_offload_bytes=min_offload_bytes)
     controller.install()
     controller.keep_until_removed(ShardOrderGuard(model, _watched_blocks(model, adapter)).install())
-    handle = MemfitHandle(model, cfg, adapter.name, None, on_remove=lambda: _applied.discard(model),
-                          session=session, auto=controller)
+    handle = MemfitHandle(
+        model,
+        cfg,
+        adapter.name,
+        None,
+        on_remove=lambda: _applied.discard(model),
+        session=session,
+        auto=controller,
+    )
     _applied.add(model)
     return handle
 
@@ -143,11 +170,15 @@ def _free_device_memory(model: nn.Module, on_cuda: bool) -> int:
     return free + torch.cuda.memory_reserved(device)
 
 
-def _offload_session(model: nn.Module, cfg: MemfitConfig, copy_engine: CopyEngine | None,
-                     min_offload_bytes: int) -> OffloadSession:
+def _offload_session(
+    model: nn.Module, cfg: MemfitConfig, copy_engine: CopyEngine | None, min_offload_bytes: int
+) -> OffloadSession:
     if copy_engine is None:
-        what = (f"gradient_checkpointing_backend={cfg.backend.value!r}" if cfg.backend.offloads_inputs
-                and cfg.enabled else "gradient_checkpointing_offload_attention")
+        what = (
+            f"gradient_checkpointing_backend={cfg.backend.value!r}"
+            if cfg.backend.offloads_inputs and cfg.enabled
+            else "gradient_checkpointing_offload_attention"
+        )
         param = next(model.parameters(), None)
         if not torch.cuda.is_available() or param is None or not param.is_cuda:
             raise NotAvailableError(
@@ -229,7 +260,9 @@ def _plan(engine: RegionEngine, model: nn.Module, cfg: MemfitConfig, adapter: Fa
         lists = _discover_block_lists(model)
     else:
         lists = adapter.resolve_block_lists(model)
-    plan = plan_blocks({p: len(m) for p, m in lists.items()}, interval=cfg.interval, stride=cfg.segment_stride)
+    plan = plan_blocks(
+        {p: len(m) for p, m in lists.items()}, interval=cfg.interval, stride=cfg.segment_stride
+    )
     if cfg.backend.ffn_only:
         assert adapter is not None
         ffn_adapter = adapter
@@ -250,7 +283,9 @@ def _plan(engine: RegionEngine, model: nn.Module, cfg: MemfitConfig, adapter: Fa
     engine.known_blocks = {block for blocks in lists.values() for block in blocks}
     for (path, index), slot in plan.items():
         chunk = tuple(lists[path][slot.chunk_start + i] for i in range(slot.length))
-        _add_site(engine.block_sites, lists[path][index], RegionSite(slot.chunk_key, chunk, slot.position, "block"))
+        _add_site(
+            engine.block_sites, lists[path][index], RegionSite(slot.chunk_key, chunk, slot.position, "block")
+        )
     engine.block_entry = "diffusers" if diffusers_entry else "hooks"
     # Hooks on blocks only where an adapter declared them; the generic path trusts diffusers' routing.
     engine.hook_blocks = adapter is not None

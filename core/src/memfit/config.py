@@ -99,7 +99,9 @@ class MemfitConfig:
     def __post_init__(self) -> None:
         object.__setattr__(self, "enabled", _as_bool("gradient_checkpointing", self.enabled))
         object.__setattr__(self, "backend", _as_backend(self.backend))
-        object.__setattr__(self, "interval", _as_int("gradient_checkpointing_interval", self.interval, minimum=1))
+        object.__setattr__(
+            self, "interval", _as_int("gradient_checkpointing_interval", self.interval, minimum=1)
+        )
         if self.segment_stride is not None:
             stride = _as_int("gradient_checkpointing_segment_stride", self.segment_stride, minimum=1)
             if stride < self.interval:
@@ -126,9 +128,11 @@ class MemfitConfig:
         )
 
         if self.backend is Backend.AUTO:
-            fixed = {"gradient_checkpointing_interval": self.interval != 1,
-                     "gradient_checkpointing_segment_stride": self.segment_stride is not None,
-                     "gradient_checkpointing_offload_attention": self.offload_attention}
+            fixed = {
+                "gradient_checkpointing_interval": self.interval != 1,
+                "gradient_checkpointing_segment_stride": self.segment_stride is not None,
+                "gradient_checkpointing_offload_attention": self.offload_attention,
+            }
             clash = [k for k, set_ in fixed.items() if set_]
             if clash:
                 raise ConfigError(
@@ -137,8 +141,9 @@ class MemfitConfig:
                     f"{'it' if len(clash) == 1 else 'them'}, or pick a fixed backend."
                 )
         if self.memory_budget is not None:
-            object.__setattr__(self, "memory_budget", _as_bytes("gradient_checkpointing_memory_budget",
-                                                                self.memory_budget))
+            object.__setattr__(
+                self, "memory_budget", _as_bytes("gradient_checkpointing_memory_budget", self.memory_budget)
+            )
 
     # -- views -------------------------------------------------------------------------------------------------
 
@@ -198,10 +203,13 @@ def _as_bytes(key: str, value: Any) -> int:
         try:
             value = parse_bytes(value)
         except ValueError:
-            raise ConfigError(f"{key} must be a size such as 24GiB, 512MiB or a number of bytes, got {value!r}") \
-                from None
+            raise ConfigError(
+                f"{key} must be a size such as 24GiB, 512MiB or a number of bytes, got {value!r}"
+            ) from None
     if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-        raise ConfigError(f"{key} must be a positive number of bytes (or a size such as 24GiB), got {value!r}")
+        raise ConfigError(
+            f"{key} must be a positive number of bytes (or a size such as 24GiB), got {value!r}"
+        )
     return value
 
 
@@ -217,8 +225,13 @@ def _as_backend(value: Any) -> Backend:
         ) from None
 
 
-def as_config(config: MemfitConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None, /,
-              *, strict: bool = True, **overrides: Any) -> MemfitConfig:
+def as_config(
+    config: MemfitConfig | Mapping[str, Any] | str | os.PathLike[str] | None = None,
+    /,
+    *,
+    strict: bool = True,
+    **overrides: Any,
+) -> MemfitConfig:
     """Normalise whatever the user passed (config object, dict, JSON path, keywords) into a MemfitConfig."""
     if config is None:
         base: dict[str, Any] = {}

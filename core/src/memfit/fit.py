@@ -43,7 +43,10 @@ class Rung:
     def of(cls, backend: Backend | None, interval: int = 1) -> Rung:
         if backend is None:
             return cls("none", None)
-        cfg: dict[str, Any] = {"gradient_checkpointing": True, "gradient_checkpointing_backend": backend.value}
+        cfg: dict[str, Any] = {
+            "gradient_checkpointing": True,
+            "gradient_checkpointing_backend": backend.value,
+        }
         name = backend.value
         if interval > 1:
             cfg["gradient_checkpointing_interval"] = interval
@@ -83,8 +86,13 @@ class FitReport:
             "budget_bytes": self.budget_bytes,
             "metric": self.metric,
             "rows": [
-                {"name": r.rung.name, "config": r.rung.config, **asdict(r.measurement), "fits": r.fits,
-                 "time_ratio_to_none": r.ratio_to_none}
+                {
+                    "name": r.rung.name,
+                    "config": r.rung.config,
+                    **asdict(r.measurement),
+                    "fits": r.fits,
+                    "time_ratio_to_none": r.ratio_to_none,
+                }
                 for r in self.results
             ],
             "recommended": self.recommended.rung.name if self.recommended else None,
@@ -110,9 +118,17 @@ def ladder(adapter: FamilyAdapter | None, *, offload: bool = False) -> list[Rung
     return rungs
 
 
-def find_fit(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], *,
-             adapter: FamilyAdapter | None, budget_bytes: int | None, steps: int = 3,
-             max_interval: int = 4, on_rung: Callable[[RungResult], None] | None = None) -> FitReport:
+def find_fit(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    adapter: FamilyAdapter | None,
+    budget_bytes: int | None,
+    steps: int = 3,
+    max_interval: int = 4,
+    on_rung: Callable[[RungResult], None] | None = None,
+) -> FitReport:
     """Measure the ladder and pick the fastest configuration within ``budget_bytes``.
 
     Args:
@@ -121,7 +137,9 @@ def find_fit(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], 
         on_rung: called after each measured rung (progress display).
     """
     device = next(model.parameters()).device
-    report = FitReport(str(device), budget_bytes, "peak allocated" if device.type == "cuda" else "held activations")
+    report = FitReport(
+        str(device), budget_bytes, "peak allocated" if device.type == "cuda" else "held activations"
+    )
 
     def run(rung: Rung) -> RungResult:
         m = measure_step(model, inputs, loss_fn, config=rung.config, adapter=adapter, steps=steps)
@@ -143,8 +161,14 @@ def find_fit(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], 
     candidates = [first_fit] if first_fit is not None else []
     if budget_bytes is not None and adapter is not None and (first_fit is None or first_fit.rung.config):
         # the per-block planner at the same budget: one more candidate, measured like the others
-        auto = Rung("auto", {"gradient_checkpointing": True, "gradient_checkpointing_backend": Backend.AUTO.value,
-                             "gradient_checkpointing_memory_budget": budget_bytes})
+        auto = Rung(
+            "auto",
+            {
+                "gradient_checkpointing": True,
+                "gradient_checkpointing_backend": Backend.AUTO.value,
+                "gradient_checkpointing_memory_budget": budget_bytes,
+            },
+        )
         try:
             result = run(auto)
         except BudgetError:
@@ -155,8 +179,12 @@ def find_fit(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], 
         if candidates:
             report.recommended = candidates[0]
         return report
-    if (first_fit.rung.config is not None and adapter is not None and adapter.supports_interval
-            and first_fit.rung.name == Backend.TORCH.value):
+    if (
+        first_fit.rung.config is not None
+        and adapter is not None
+        and adapter.supports_interval
+        and first_fit.rung.name == Backend.TORCH.value
+    ):
         for interval in range(2, max_interval + 1):
             result = run(Rung.of(Backend.TORCH, interval))
             if result.fits:
@@ -173,5 +201,6 @@ def recommend(candidates: list[RungResult]) -> RungResult:
         tie = max(MIN_TIE, r.measurement.step_spread, fastest.measurement.step_spread)
         return r.measurement.step_seconds <= fastest.measurement.step_seconds * (1 + tie)
 
-    return min((r for r in candidates if as_fast(r)),
-               key=lambda r: (r.budget_bytes_used, r.measurement.step_seconds))
+    return min(
+        (r for r in candidates if as_fast(r)), key=lambda r: (r.budget_bytes_used, r.measurement.step_seconds)
+    )

@@ -20,9 +20,17 @@ class MemfitHandle:
     Use :meth:`remove` (or a ``with`` block) to restore the model exactly as it was.
     """
 
-    def __init__(self, model: nn.Module, config: MemfitConfig, family: str | None, engine: RegionEngine | None,
-                 on_remove: Callable[[], None], session: Any = None, offloader: Any = None,
-                 auto: AutoController | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: MemfitConfig,
+        family: str | None,
+        engine: RegionEngine | None,
+        on_remove: Callable[[], None],
+        session: Any = None,
+        offloader: Any = None,
+        auto: AutoController | None = None,
+    ) -> None:
         self.model = model
         self._session = session
         self._fixed_offloader = offloader
@@ -119,8 +127,10 @@ class MemfitHandle:
         who = self.family or f"{type(self.model).__name__} (generic diffusers path)"
         parts = [f"family: {who}", f"config: {self.config.to_dict()}"]
         if e.block_sites:
-            parts.append(f"whole-block regions: {len(chunks)} chunk(s) over {len(e.block_sites)} block(s), "
-                         f"entered through {e.block_entry}")
+            parts.append(
+                f"whole-block regions: {len(chunks)} chunk(s) over {len(e.block_sites)} block(s), "
+                f"entered through {e.block_entry}"
+            )
         elif e.block_entry == "diffusers":
             parts.append("whole-block regions: every block the model checkpoints (diffusers path)")
         if ffn:
@@ -153,4 +163,6 @@ class MemfitHandle:
 
     def __repr__(self) -> str:
         state = "removed" if self.removed else "active"
-        return f"<MemfitHandle {self.family or type(self.model).__name__} {self.config.backend.value} {state}>"
+        return (
+            f"<MemfitHandle {self.family or type(self.model).__name__} {self.config.backend.value} {state}>"
+        )

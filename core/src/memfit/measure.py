@@ -46,9 +46,16 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def measure_step(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], *,
-                 config: dict[str, Any] | None, adapter: FamilyAdapter | None = None, warmup: int = 1,
-                 steps: int = 3) -> StepMeasurement:
+def measure_step(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    config: dict[str, Any] | None,
+    adapter: FamilyAdapter | None = None,
+    warmup: int = 1,
+    steps: int = 3,
+) -> StepMeasurement:
     """Run ``warmup + steps`` forward/backward steps with ``config`` applied (None: unmodified model)."""
     import memfit
 

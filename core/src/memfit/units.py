@@ -2,8 +2,17 @@
 
 from __future__ import annotations
 
-_BYTE_UNITS = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
-               "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+_BYTE_UNITS = {
+    "": 1,
+    "k": 10**3,
+    "m": 10**6,
+    "g": 10**9,
+    "t": 10**12,
+    "ki": 2**10,
+    "mi": 2**20,
+    "gi": 2**30,
+    "ti": 2**40,
+}
 
 
 def parse_bytes(text: str) -> int:

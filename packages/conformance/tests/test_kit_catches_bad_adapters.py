@@ -43,7 +43,9 @@ def test_a_region_path_that_does_not_exist_fails(model):
 
 def test_a_chain_that_is_not_consecutive_fails(model, inputs):
     # proj_mlp's output goes to act_mlp, not to proj_out: proj_out runs after the attention and a concat.
-    bad = with_blocks(FluxSingleTransformerBlock=BlockSpec(ffn=(("proj_mlp", "proj_out"),), attention=(("attn",),)))
+    bad = with_blocks(
+        FluxSingleTransformerBlock=BlockSpec(ffn=(("proj_mlp", "proj_out"),), attention=(("attn",),))
+    )
     kit = kit_for(bad)()
     with pytest.raises(AssertionError, match="is not a chain"):
         kit.test_every_region_recomputed(model, inputs, Combination(Backend.TORCH_FFN))
@@ -52,7 +54,9 @@ def test_a_chain_that_is_not_consecutive_fails(model, inputs):
 def test_an_undeclared_block_class_fails(model):
     blocks = {k: v for k, v in FLUX.blocks.items() if k != "FluxSingleTransformerBlock"}
     kit = kit_for(dataclasses.replace(FLUX, blocks=blocks))()
-    with pytest.raises(AssertionError, match="FluxSingleTransformerBlock, which the adapter does not declare"):
+    with pytest.raises(
+        AssertionError, match="FluxSingleTransformerBlock, which the adapter does not declare"
+    ):
         kit.test_every_block_class_declared(model)
 
 
@@ -65,6 +69,8 @@ def test_a_wrong_block_list_fails(model):
 def test_ffn_scope_on_a_family_without_ffn_is_refused_at_run_time(model):
     import memfit
 
-    no_ffn = dataclasses.replace(FLUX, blocks={k: dataclasses.replace(v, ffn=()) for k, v in FLUX.blocks.items()})
+    no_ffn = dataclasses.replace(
+        FLUX, blocks={k: dataclasses.replace(v, ffn=()) for k, v in FLUX.blocks.items()}
+    )
     with pytest.raises(UnsupportedBoundaryError, match="family 'flux' declares no safe FFN boundary"):
         memfit.apply(model, Combination(Backend.TORCH_FFN).config(), adapter=no_ffn)

@@ -40,11 +40,19 @@ ADAPTER = FamilyAdapter(
     presets={
         # Required: tiny enough that the whole kit runs in well under a minute on a 2-core CPU. At least
         # 3 blocks per list (the kit checks intervals 1-3 and strides up to 6).
-        "tiny": Preset(build=build_tiny, inputs=make_inputs, default_tokens=64,
-                       description="<n> blocks, width <w> (tests, CPU)"),
+        "tiny": Preset(
+            build=build_tiny,
+            inputs=make_inputs,
+            default_tokens=64,
+            description="<n> blocks, width <w> (tests, CPU)",
+        ),
         # The published size, random weights (nothing downloaded), at a token count users train at.
-        "full": Preset(build=build_full, inputs=make_inputs, default_tokens=4096,
-                       description="<Published model name>, <size> (random weights)"),
+        "full": Preset(
+            build=build_full,
+            inputs=make_inputs,
+            default_tokens=4096,
+            description="<Published model name>, <size> (random weights)",
+        ),
     },
     # Free text for `memfit list`: what was verified, what is missing and why.
     notes="",

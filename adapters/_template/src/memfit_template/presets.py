@@ -30,20 +30,23 @@ def _build(config: dict[str, Any], dtype: torch.dtype, device: str | torch.devic
     # return model.to(dtype=dtype)
 
 
-def build_tiny(*, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
-               seed: int = 0) -> nn.Module:
+def build_tiny(
+    *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0
+) -> nn.Module:
     torch.manual_seed(seed)
     return _build(TINY, dtype, device)
 
 
-def build_full(*, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda",
-               seed: int = 0) -> nn.Module:
+def build_full(
+    *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda", seed: int = 0
+) -> nn.Module:
     torch.manual_seed(seed)
     return _build(FULL, dtype, device)
 
 
-def make_inputs(model: nn.Module, *, tokens: int | None = None, batch: int = 1,
-                generator: torch.Generator | None = None) -> dict[str, Any]:
+def make_inputs(
+    model: nn.Module, *, tokens: int | None = None, batch: int = 1, generator: torch.Generator | None = None
+) -> dict[str, Any]:
     """Forward kwargs for one training step: ``tokens`` image tokens (round to a valid latent shape).
 
     Build every random tensor from ``generator`` on the CPU, then move it to the model's device and

@@ -37,10 +37,18 @@ ADAPTER = FamilyAdapter(
     verified_diffusers=("0.42.1",),
     block_count_config={"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"},
     presets={
-        "tiny": Preset(build=build_tiny, inputs=make_inputs, default_tokens=64,
-                       description="3 double + 4 single blocks, width 32 (tests, CPU)"),
-        "full": Preset(build=build_full, inputs=make_inputs, default_tokens=4096,
-                       description="Chroma1-HD size, 8.9B: 19 double + 38 single blocks, width 3072 (random weights)"),
+        "tiny": Preset(
+            build=build_tiny,
+            inputs=make_inputs,
+            default_tokens=64,
+            description="3 double + 4 single blocks, width 32 (tests, CPU)",
+        ),
+        "full": Preset(
+            build=build_full,
+            inputs=make_inputs,
+            default_tokens=4096,
+            description="Chroma1-HD size, 8.9B: 19 double + 38 single blocks, width 3072 (random weights)",
+        ),
     },
     # diffusers 0.42.1's checkpointing branch of ChromaTransformer2DModel.forward calls the single-stream
     # blocks without `attention_mask` (and no block with `joint_attention_kwargs`): entering blocks through

@@ -14,18 +14,34 @@ from memfit.adapters.building import near_square_grid, packed_image_ids, preset_
 # in both block lists. attention_head_dim must equal sum(axes_dims_rope); approximator_num_channels
 # must be a multiple of 4 (the model splits it into 4 quarter-width time/guidance embeddings).
 TINY = dict(
-    patch_size=1, in_channels=8, num_layers=3, num_single_layers=4, attention_head_dim=8,
-    num_attention_heads=4, joint_attention_dim=16, axes_dims_rope=(2, 2, 4),
-    approximator_num_channels=16, approximator_hidden_dim=32, approximator_layers=2,
+    patch_size=1,
+    in_channels=8,
+    num_layers=3,
+    num_single_layers=4,
+    attention_head_dim=8,
+    num_attention_heads=4,
+    joint_attention_dim=16,
+    axes_dims_rope=(2, 2, 4),
+    approximator_num_channels=16,
+    approximator_hidden_dim=32,
+    approximator_layers=2,
 )
 # Chroma1-HD as published: lodestones/Chroma1-HD, transformer/config.json (the same numbers as
 # lodestones/Chroma1-Base and as diffusers' ChromaTransformer2DModel defaults). About 8.9B parameters:
 # FLUX.1-schnell's 19 double + 38 single blocks at width 3072 (24 heads x 128) with the per-block
 # modulation MLPs replaced by one shared 5-layer "distilled guidance" approximator of width 5120.
 FULL = dict(
-    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-    num_attention_heads=24, joint_attention_dim=4096, axes_dims_rope=(16, 56, 56),
-    approximator_num_channels=64, approximator_hidden_dim=5120, approximator_layers=5,
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    axes_dims_rope=(16, 56, 56),
+    approximator_num_channels=64,
+    approximator_hidden_dim=5120,
+    approximator_layers=5,
 )
 # T5-XXL prompt length Chroma trains and samples with (ChromaPipeline / SimpleTuner max_sequence_length).
 FULL_TEXT_TOKENS = 512
@@ -35,9 +51,15 @@ build_tiny, build_full = preset_builders(ChromaTransformer2DModel, TINY, FULL)
 latent_grid = near_square_grid
 
 
-def make_inputs(model: ChromaTransformer2DModel, *, tokens: int | None = None, batch: int = 1,
-                text_tokens: int | None = None, generator: torch.Generator | None = None,
-                attention_mask: bool = True) -> dict[str, Any]:
+def make_inputs(
+    model: ChromaTransformer2DModel,
+    *,
+    tokens: int | None = None,
+    batch: int = 1,
+    text_tokens: int | None = None,
+    generator: torch.Generator | None = None,
+    attention_mask: bool = True,
+) -> dict[str, Any]:
     """Forward kwargs: packed image latents of ``tokens`` tokens, T5 text context, timestep.
 
     Chroma has no pooled text embedding and no guidance input (both are replaced by the

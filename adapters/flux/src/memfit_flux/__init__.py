@@ -19,10 +19,18 @@ ADAPTER = FamilyAdapter(
     verified_diffusers=("0.42.1",),
     block_count_config={"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"},
     presets={
-        "tiny": Preset(build=build_tiny, inputs=make_inputs, default_tokens=64,
-                       description="3 double + 4 single blocks, width 32 (tests, CPU)"),
-        "full": Preset(build=build_full, inputs=make_inputs, default_tokens=4096,
-                       description="FLUX.1-dev size: 19 double + 38 single blocks, width 3072 (random weights)"),
+        "tiny": Preset(
+            build=build_tiny,
+            inputs=make_inputs,
+            default_tokens=64,
+            description="3 double + 4 single blocks, width 32 (tests, CPU)",
+        ),
+        "full": Preset(
+            build=build_full,
+            inputs=make_inputs,
+            default_tokens=4096,
+            description="FLUX.1-dev size: 19 double + 38 single blocks, width 3072 (random weights)",
+        ),
     },
     notes="Both block lists; controlnet residuals between blocks are handled (they become chunk entries).",
 )

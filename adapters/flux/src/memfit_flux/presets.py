@@ -11,14 +11,28 @@ from memfit.adapters.building import near_square_grid, packed_image_ids, preset_
 # diffusers is imported inside the builders: adapter discovery (entry points) must stay cheap.
 
 TINY = dict(
-    patch_size=1, in_channels=8, num_layers=3, num_single_layers=4, attention_head_dim=8,
-    num_attention_heads=4, joint_attention_dim=16, pooled_projection_dim=16, guidance_embeds=True,
+    patch_size=1,
+    in_channels=8,
+    num_layers=3,
+    num_single_layers=4,
+    attention_head_dim=8,
+    num_attention_heads=4,
+    joint_attention_dim=16,
+    pooled_projection_dim=16,
+    guidance_embeds=True,
     axes_dims_rope=(2, 2, 4),
 )
 # FLUX.1-dev as published (black-forest-labs/FLUX.1-dev transformer/config.json).
 FULL = dict(
-    patch_size=1, in_channels=64, num_layers=19, num_single_layers=38, attention_head_dim=128,
-    num_attention_heads=24, joint_attention_dim=4096, pooled_projection_dim=768, guidance_embeds=True,
+    patch_size=1,
+    in_channels=64,
+    num_layers=19,
+    num_single_layers=38,
+    attention_head_dim=128,
+    num_attention_heads=24,
+    joint_attention_dim=4096,
+    pooled_projection_dim=768,
+    guidance_embeds=True,
     axes_dims_rope=(16, 56, 56),
 )
 
@@ -27,8 +41,14 @@ build_tiny, build_full = preset_builders("diffusers:FluxTransformer2DModel", TIN
 latent_grid = near_square_grid
 
 
-def make_inputs(model, *, tokens: int | None = None, batch: int = 1,
-                text_tokens: int | None = None, generator: torch.Generator | None = None) -> dict[str, Any]:
+def make_inputs(
+    model,
+    *,
+    tokens: int | None = None,
+    batch: int = 1,
+    text_tokens: int | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, Any]:
     """Forward kwargs: packed image latents of ``tokens`` tokens, text context, timestep, guidance."""
     cfg = model.config
     p = next(model.parameters())

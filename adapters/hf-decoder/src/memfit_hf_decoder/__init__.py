@@ -76,16 +76,30 @@ ADAPTER = FamilyAdapter(
     verified_diffusers=("transformers 5.24.0",),
     block_count_config={"layers": "num_hidden_layers"},
     presets={
-        "tiny": Preset(build=build_tiny, inputs=make_inputs, default_tokens=16,
-                       description="Qwen3Model, 5 layers, width 32, GQA 4/2 heads (tests, CPU)"),
-        "tiny-llama": Preset(build=build_tiny_llama, inputs=make_inputs, default_tokens=16,
-                             description="LlamaModel, 5 layers, width 32, GQA 4/2 heads (tests, CPU)"),
-        "full": Preset(build=build_full, inputs=make_inputs, default_tokens=512,
-                       description="Qwen3-4B (Z-Image's text encoder): 36 layers, width 2560 (random weights)"),
+        "tiny": Preset(
+            build=build_tiny,
+            inputs=make_inputs,
+            default_tokens=16,
+            description="Qwen3Model, 5 layers, width 32, GQA 4/2 heads (tests, CPU)",
+        ),
+        "tiny-llama": Preset(
+            build=build_tiny_llama,
+            inputs=make_inputs,
+            default_tokens=16,
+            description="LlamaModel, 5 layers, width 32, GQA 4/2 heads (tests, CPU)",
+        ),
+        "full": Preset(
+            build=build_full,
+            inputs=make_inputs,
+            default_tokens=512,
+            description="Qwen3-4B (Z-Image's text encoder): 36 layers, width 2560 (random weights)",
+        ),
     },
     loss=decoder_loss,
-    notes=("HF transformers decoder; blocks entered through forward hooks (HF's gradient_checkpointing flags "
-           "are never switched on). Verified with transformers 5.24.0."),
+    notes=(
+        "HF transformers decoder; blocks entered through forward hooks (HF's gradient_checkpointing flags "
+        "are never switched on). Verified with transformers 5.24.0."
+    ),
     block_entry="hooks",
 )
 
@@ -97,12 +111,24 @@ CAUSAL_LM_ADAPTER = dataclasses.replace(
     block_lists=("model.layers",),
     block_count_config={"model.layers": "num_hidden_layers"},
     presets={
-        "tiny": Preset(build=build_tiny_lm, inputs=make_inputs, default_tokens=16,
-                       description="Qwen3ForCausalLM, 5 layers, width 32, vocab 64 (tests, CPU)"),
-        "tiny-llama": Preset(build=build_tiny_llama_lm, inputs=make_inputs, default_tokens=16,
-                             description="LlamaForCausalLM, 5 layers, width 32, vocab 64 (tests, CPU)"),
-        "full": Preset(build=build_full_lm, inputs=make_inputs, default_tokens=512,
-                       description="Qwen3-4B causal LM: 36 layers, width 2560 (random weights)"),
+        "tiny": Preset(
+            build=build_tiny_lm,
+            inputs=make_inputs,
+            default_tokens=16,
+            description="Qwen3ForCausalLM, 5 layers, width 32, vocab 64 (tests, CPU)",
+        ),
+        "tiny-llama": Preset(
+            build=build_tiny_llama_lm,
+            inputs=make_inputs,
+            default_tokens=16,
+            description="LlamaForCausalLM, 5 layers, width 32, vocab 64 (tests, CPU)",
+        ),
+        "full": Preset(
+            build=build_full_lm,
+            inputs=make_inputs,
+            default_tokens=512,
+            description="Qwen3-4B causal LM: 36 layers, width 2560 (random weights)",
+        ),
     },
 )
 

@@ -15,27 +15,57 @@ import torch
 # models have one block list, and the kit's `unsloth` interval-2 stride-4 case needs a second region in it
 # (memfit never parks the last region's entries: backward needs them first), i.e. at least 5 blocks.
 TINY_QWEN3 = dict(
-    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-6,
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
     tie_word_embeddings=True,
 )
 TINY_LLAMA = dict(
-    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=5, num_attention_heads=4,
-    num_key_value_heads=2, head_dim=8, max_position_embeddings=256, rms_norm_eps=1e-6,
+    vocab_size=64,
+    hidden_size=32,
+    intermediate_size=64,
+    num_hidden_layers=5,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=8,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
     tie_word_embeddings=False,
 )
 # Qwen3-4B as published (Qwen/Qwen3-4B config.json); Z-Image's text encoder is this model
 # (Tongyi-MAI/Z-Image-Turbo text_encoder/config.json, read through `hidden_states[-2]` by diffusers'
 # ZImagePipeline). Cross-checked with the Qwen3-VL-4B text tower's numbers in adapters/krea2 (width 2560).
 FULL_QWEN3 = dict(
-    vocab_size=151936, hidden_size=2560, intermediate_size=9728, num_hidden_layers=36, num_attention_heads=32,
-    num_key_value_heads=8, head_dim=128, max_position_embeddings=40960, rms_norm_eps=1e-6,
-    rope_theta=1_000_000.0, hidden_act="silu", attention_bias=False, tie_word_embeddings=True,
+    vocab_size=151936,
+    hidden_size=2560,
+    intermediate_size=9728,
+    num_hidden_layers=36,
+    num_attention_heads=32,
+    num_key_value_heads=8,
+    head_dim=128,
+    max_position_embeddings=40960,
+    rms_norm_eps=1e-6,
+    rope_theta=1_000_000.0,
+    hidden_act="silu",
+    attention_bias=False,
+    tie_word_embeddings=True,
 )
 
 
-def _build(family: str, causal_lm: bool, config: dict[str, Any], dtype: torch.dtype,
-           device: str | torch.device, seed: int):
+def _build(
+    family: str,
+    causal_lm: bool,
+    config: dict[str, Any],
+    dtype: torch.dtype,
+    device: str | torch.device,
+    seed: int,
+):
     import transformers
 
     config = dict(config)
@@ -64,10 +94,12 @@ def _build(family: str, causal_lm: bool, config: dict[str, Any], dtype: torch.dt
     return model.train()
 
 
-def _builder(family: str, causal_lm: bool, config: dict[str, Any], default_dtype: torch.dtype,
-             default_device: str):
-    def build(*, dtype: torch.dtype = default_dtype, device: str | torch.device = default_device,
-              seed: int = 0):
+def _builder(
+    family: str, causal_lm: bool, config: dict[str, Any], default_dtype: torch.dtype, default_device: str
+):
+    def build(
+        *, dtype: torch.dtype = default_dtype, device: str | torch.device = default_device, seed: int = 0
+    ):
         return _build(family, causal_lm, config, dtype, device, seed)
 
     build.__name__ = f"build_{family.lower()}{'_lm' if causal_lm else ''}"
@@ -82,8 +114,14 @@ build_tiny_llama_lm = _builder("Llama", True, TINY_LLAMA, torch.float32, "cpu")
 build_full_lm = _builder("Qwen3", True, FULL_QWEN3, torch.bfloat16, "cuda")
 
 
-def make_inputs(model, *, tokens: int | None = None, batch: int = 1, generator: torch.Generator | None = None,
-                input_ids: bool = False) -> dict[str, Any]:
+def make_inputs(
+    model,
+    *,
+    tokens: int | None = None,
+    batch: int = 1,
+    generator: torch.Generator | None = None,
+    input_ids: bool = False,
+) -> dict[str, Any]:
     """Forward kwargs of a text-encoder training step: a right-padded prompt batch with its attention mask.
 
     The token embeddings come in as ``inputs_embeds`` (a float tensor, so the kit compares an input gradient);
@@ -96,10 +134,12 @@ def make_inputs(model, *, tokens: int | None = None, batch: int = 1, generator: 
     device, dtype = p.device, p.dtype
     tokens = tokens or 16
     mask = torch.ones(batch, tokens, dtype=torch.long)
-    mask[-1, tokens - max(1, tokens // 4):] = 0
+    mask[-1, tokens - max(1, tokens // 4) :] = 0
     inputs: dict[str, Any] = dict(attention_mask=mask.to(device), use_cache=False)
     if input_ids:
-        inputs["input_ids"] = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=generator).to(device)
+        inputs["input_ids"] = torch.randint(0, cfg.vocab_size, (batch, tokens), generator=generator).to(
+            device
+        )
     else:
         embeds = torch.randn(batch, tokens, cfg.hidden_size, generator=generator)
         inputs["inputs_embeds"] = embeds.to(device=device, dtype=dtype)

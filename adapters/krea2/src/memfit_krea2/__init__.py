@@ -37,15 +37,25 @@ ADAPTER = FamilyAdapter(
         "transformer_blocks": "num_layers",
     },
     presets={
-        "tiny": Preset(build=build_tiny, inputs=make_inputs, default_tokens=64,
-                       description="4 main + 2 layerwise + 2 refiner text blocks, width 32 (tests, CPU)"),
-        "full": Preset(build=build_full, inputs=make_inputs, default_tokens=4096,
-                       description="Krea 2 size: 28 blocks at width 6144 + text fusion, 12.8B (random weights); "
-                                   "4096 tokens = 1024x1024 px, 512 text tokens"),
+        "tiny": Preset(
+            build=build_tiny,
+            inputs=make_inputs,
+            default_tokens=64,
+            description="4 main + 2 layerwise + 2 refiner text blocks, width 32 (tests, CPU)",
+        ),
+        "full": Preset(
+            build=build_full,
+            inputs=make_inputs,
+            default_tokens=4096,
+            description="Krea 2 size: 28 blocks at width 6144 + text fusion, 12.8B (random weights); "
+            "4096 tokens = 1024x1024 px, 512 text tokens",
+        ),
     },
-    notes=("All three block lists: text_fusion.layerwise_blocks and text_fusion.refiner_blocks (not routed through "
-           "diffusers' checkpointing function; covered by hooks) and transformer_blocks. Note the layerwise blocks "
-           "run over batch*text_tokens sequences of num_text_layers (12) each."),
+    notes=(
+        "All three block lists: text_fusion.layerwise_blocks and text_fusion.refiner_blocks (not routed through "
+        "diffusers' checkpointing function; covered by hooks) and transformer_blocks. Note the layerwise blocks "
+        "run over batch*text_tokens sequences of num_text_layers (12) each."
+    ),
 )
 
 __all__ = ["ADAPTER"]

@@ -35,10 +35,21 @@ TEMPLATE_SUFFIX_TOKENS = 5
 # text-fusion blocks (as in the release, 20/20), 3 tapped text layers, 2 layerwise + 2 refiner
 # text-fusion blocks, 4 main blocks (so interval 2/3 and stride leave partial chunks and gaps).
 TINY = dict(
-    in_channels=16, num_layers=4, attention_head_dim=8, num_attention_heads=4, num_key_value_heads=2,
-    intermediate_size=48, timestep_embed_dim=16, text_hidden_dim=16, num_text_layers=3,
-    text_num_attention_heads=2, text_num_key_value_heads=2, text_intermediate_size=24,
-    num_layerwise_text_blocks=2, num_refiner_text_blocks=2, axes_dims_rope=(2, 2, 4),
+    in_channels=16,
+    num_layers=4,
+    attention_head_dim=8,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    intermediate_size=48,
+    timestep_embed_dim=16,
+    text_hidden_dim=16,
+    num_text_layers=3,
+    text_num_attention_heads=2,
+    text_num_key_value_heads=2,
+    text_intermediate_size=24,
+    num_layerwise_text_blocks=2,
+    num_refiner_text_blocks=2,
+    axes_dims_rope=(2, 2, 4),
 )
 TINY_TEXT_TOKENS = 8
 
@@ -52,11 +63,23 @@ TINY_TEXT_TOKENS = 8
 # "12.9B parameters, 28 blocks at width 6144". Spelled out here so a change of diffusers' defaults
 # cannot silently change the preset.
 FULL = dict(
-    in_channels=64, num_layers=28, attention_head_dim=128, num_attention_heads=48, num_key_value_heads=12,
-    intermediate_size=16384, timestep_embed_dim=256, text_hidden_dim=2560, num_text_layers=12,
-    text_num_attention_heads=20, text_num_key_value_heads=20, text_intermediate_size=6912,
-    num_layerwise_text_blocks=2, num_refiner_text_blocks=2, axes_dims_rope=(32, 48, 48),
-    rope_theta=1000.0, norm_eps=1e-5,
+    in_channels=64,
+    num_layers=28,
+    attention_head_dim=128,
+    num_attention_heads=48,
+    num_key_value_heads=12,
+    intermediate_size=16384,
+    timestep_embed_dim=256,
+    text_hidden_dim=2560,
+    num_text_layers=12,
+    text_num_attention_heads=20,
+    text_num_key_value_heads=20,
+    text_intermediate_size=6912,
+    num_layerwise_text_blocks=2,
+    num_refiner_text_blocks=2,
+    axes_dims_rope=(32, 48, 48),
+    rope_theta=1000.0,
+    norm_eps=1e-5,
 )
 
 
@@ -80,12 +103,18 @@ def text_mask(batch: int, text_tokens: int, *, prompt_tokens: int | None = None)
     mask = torch.zeros(batch, text_tokens, dtype=torch.bool)
     mask[:, :prompt_tokens] = True
     if suffix:
-        mask[:, text_tokens - suffix:] = True
+        mask[:, text_tokens - suffix :] = True
     return mask
 
 
-def make_inputs(model: Krea2Transformer2DModel, *, tokens: int | None = None, batch: int = 1,
-                text_tokens: int | None = None, generator: torch.Generator | None = None) -> dict[str, Any]:
+def make_inputs(
+    model: Krea2Transformer2DModel,
+    *,
+    tokens: int | None = None,
+    batch: int = 1,
+    text_tokens: int | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, Any]:
     """Forward kwargs for one training step.
 
     Args:

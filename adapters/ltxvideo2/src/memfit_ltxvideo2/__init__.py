@@ -49,9 +49,12 @@ ADAPTER = FamilyAdapter(
         "LTX2VideoTransformerBlock": BlockSpec(
             ffn=(("ff",), ("audio_ff",)),
             attention=(
-                ("attn1",), ("audio_attn1",),
-                ("attn2",), ("audio_attn2",),
-                ("audio_to_video_attn",), ("video_to_audio_attn",),
+                ("attn1",),
+                ("audio_attn1",),
+                ("attn2",),
+                ("audio_attn2",),
+                ("audio_to_video_attn",),
+                ("video_to_audio_attn",),
             ),
         ),
     },
@@ -62,16 +65,26 @@ ADAPTER = FamilyAdapter(
     verified_diffusers=("0.42.1",),
     block_count_config={"transformer_blocks": "num_layers"},
     presets={
-        "tiny": Preset(build=build_tiny, inputs=make_inputs, default_tokens=32,
-                       description="3 blocks, video width 16 / audio width 8 (tests, CPU)"),
-        "full": Preset(build=build_full, inputs=make_inputs, default_tokens=6144,
-                       description="LTX-2 size: 48 blocks, video width 4096 / audio width 2048 (random weights); "
-                                   "6144 tokens = 121 frames at 512x768"),
+        "tiny": Preset(
+            build=build_tiny,
+            inputs=make_inputs,
+            default_tokens=32,
+            description="3 blocks, video width 16 / audio width 8 (tests, CPU)",
+        ),
+        "full": Preset(
+            build=build_full,
+            inputs=make_inputs,
+            default_tokens=6144,
+            description="LTX-2 size: 48 blocks, video width 4096 / audio width 2048 (random weights); "
+            "6144 tokens = 121 frames at 512x768",
+        ),
     },
     loss=audio_video_loss,
-    notes=("Blocks return a (video, audio) pair; both streams are chained across interval chunks. "
-           "FFN scope checkpoints `ff` and `audio_ff`. The loss sums both outputs. Video tokens map to "
-           "latent frames x height x width (see memfit_ltxvideo2.presets)."),
+    notes=(
+        "Blocks return a (video, audio) pair; both streams are chained across interval chunks. "
+        "FFN scope checkpoints `ff` and `audio_ff`. The loss sums both outputs. Video tokens map to "
+        "latent frames x height x width (see memfit_ltxvideo2.presets)."
+    ),
 )
 
 __all__ = ["ADAPTER", "audio_video_loss"]

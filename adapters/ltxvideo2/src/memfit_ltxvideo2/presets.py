@@ -42,11 +42,24 @@ FPS = 24.0
 #   RoPE, reshaped by the *video* head count while applied inside audio-head attention -> equal
 #   head counts for video and audio.
 TINY = dict(
-    in_channels=8, out_channels=8, patch_size=1, patch_size_t=1,
-    num_attention_heads=2, attention_head_dim=8, cross_attention_dim=16,
-    audio_in_channels=8, audio_out_channels=8, audio_patch_size=1, audio_patch_size_t=1,
-    audio_num_attention_heads=2, audio_attention_head_dim=4, audio_cross_attention_dim=8,
-    num_layers=3, caption_channels=16, rope_type="split", rope_double_precision=True,
+    in_channels=8,
+    out_channels=8,
+    patch_size=1,
+    patch_size_t=1,
+    num_attention_heads=2,
+    attention_head_dim=8,
+    cross_attention_dim=16,
+    audio_in_channels=8,
+    audio_out_channels=8,
+    audio_patch_size=1,
+    audio_patch_size_t=1,
+    audio_num_attention_heads=2,
+    audio_attention_head_dim=4,
+    audio_cross_attention_dim=8,
+    num_layers=3,
+    caption_channels=16,
+    rope_type="split",
+    rope_double_precision=True,
 )
 
 # LTX-2 (19B: 14B video stream + 5B audio stream) as published in Lightricks/LTX-2
@@ -56,16 +69,41 @@ TINY = dict(
 # base_height/width 2048, audio_scale_factor 4, 16 kHz / hop 160, norm_eps 1e-6, ...) equal the
 # class defaults of diffusers 0.42.1 and are spelled out so a default change cannot alter the preset.
 FULL = dict(
-    in_channels=128, out_channels=128, patch_size=1, patch_size_t=1,
-    num_attention_heads=32, attention_head_dim=128, cross_attention_dim=4096,
-    vae_scale_factors=(8, 32, 32), pos_embed_max_pos=20, base_height=2048, base_width=2048,
-    audio_in_channels=128, audio_out_channels=128, audio_patch_size=1, audio_patch_size_t=1,
-    audio_num_attention_heads=32, audio_attention_head_dim=64, audio_cross_attention_dim=2048,
-    audio_scale_factor=4, audio_pos_embed_max_pos=20, audio_sampling_rate=16000, audio_hop_length=160,
-    num_layers=48, activation_fn="gelu-approximate", qk_norm="rms_norm_across_heads",
-    norm_elementwise_affine=False, norm_eps=1e-6, caption_channels=3840,
-    attention_bias=True, attention_out_bias=True, rope_theta=10000.0, rope_double_precision=True,
-    causal_offset=1, timestep_scale_multiplier=1000, cross_attn_timestep_scale_multiplier=1000,
+    in_channels=128,
+    out_channels=128,
+    patch_size=1,
+    patch_size_t=1,
+    num_attention_heads=32,
+    attention_head_dim=128,
+    cross_attention_dim=4096,
+    vae_scale_factors=(8, 32, 32),
+    pos_embed_max_pos=20,
+    base_height=2048,
+    base_width=2048,
+    audio_in_channels=128,
+    audio_out_channels=128,
+    audio_patch_size=1,
+    audio_patch_size_t=1,
+    audio_num_attention_heads=32,
+    audio_attention_head_dim=64,
+    audio_cross_attention_dim=2048,
+    audio_scale_factor=4,
+    audio_pos_embed_max_pos=20,
+    audio_sampling_rate=16000,
+    audio_hop_length=160,
+    num_layers=48,
+    activation_fn="gelu-approximate",
+    qk_norm="rms_norm_across_heads",
+    norm_elementwise_affine=False,
+    norm_eps=1e-6,
+    caption_channels=3840,
+    attention_bias=True,
+    attention_out_bias=True,
+    rope_theta=10000.0,
+    rope_double_precision=True,
+    causal_offset=1,
+    timestep_scale_multiplier=1000,
+    cross_attn_timestep_scale_multiplier=1000,
     rope_type="split",
 )
 
@@ -101,8 +139,14 @@ def audio_latent_frames(model: LTX2VideoTransformer3DModel, latent_frames: int, 
     return max(1, round(pixel_frames / fps * per_second))
 
 
-def make_inputs(model: LTX2VideoTransformer3DModel, *, tokens: int | None = None, batch: int = 1,
-                text_tokens: int | None = None, generator: torch.Generator | None = None) -> dict[str, Any]:
+def make_inputs(
+    model: LTX2VideoTransformer3DModel,
+    *,
+    tokens: int | None = None,
+    batch: int = 1,
+    text_tokens: int | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, Any]:
     """Forward kwargs: packed video latents of ``tokens`` tokens, the matching audio latents, text for
     both streams (before the model's caption projections), timestep, and the grid sizes RoPE needs."""
     cfg = model.config

@@ -27,11 +27,19 @@ ADAPTER = FamilyAdapter(
     verified_diffusers=("0.42.1",),
     block_count_config={"transformer_blocks": "depth"},
     presets={
-        "tiny": Preset(build=build_tiny, inputs=make_inputs, default_tokens=64,
-                       description="4 double-stream blocks, width 32; 2 packed samples (tests, CPU)"),
-        "full": Preset(build=build_full, inputs=make_inputs, default_tokens=4096,
-                       description="Mage-Flow 4B as released: 12 double-stream blocks, width 3072 "
-                                   "(random weights); 2 packed samples"),
+        "tiny": Preset(
+            build=build_tiny,
+            inputs=make_inputs,
+            default_tokens=64,
+            description="4 double-stream blocks, width 32; 2 packed samples (tests, CPU)",
+        ),
+        "full": Preset(
+            build=build_full,
+            inputs=make_inputs,
+            default_tokens=4096,
+            description="Mage-Flow 4B as released: 12 double-stream blocks, width 3072 "
+            "(random weights); 2 packed samples",
+        ),
     },
     notes=(
         "Not in diffusers: memfit_mageflow.model.MageFlowTransformer2DModel is a reference implementation "

@@ -78,7 +78,9 @@ def _per_token(values: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> to
     return values.repeat_interleave(lengths, dim=0, output_size=total)
 
 
-def _modulate(x: torch.Tensor, params: torch.Tensor, cu_seqlens: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _modulate(
+    x: torch.Tensor, params: torch.Tensor, cu_seqlens: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """adaLN on a packed stream: ``x * (1 + scale) + shift`` with each sample's own shift/scale.
 
     ``params`` is ``[n_samples, 3 * dim]`` (shift, scale, gate); returns the modulated ``x`` and the
@@ -124,7 +126,9 @@ class MageFlowEmbedRope(nn.Module):
         self._cache: dict[tuple, torch.Tensor] = {}
 
     def _axis(self, positions: torch.Tensor, dim: int) -> torch.Tensor:
-        inv_freq = 1.0 / torch.pow(self.theta, torch.arange(0, dim, 2, device=positions.device).float().div(dim))
+        inv_freq = 1.0 / torch.pow(
+            self.theta, torch.arange(0, dim, 2, device=positions.device).float().div(dim)
+        )
         angles = torch.outer(positions.float(), inv_freq)
         return torch.polar(torch.ones_like(angles), angles)
 
@@ -163,8 +167,9 @@ class MageFlowEmbedRope(nn.Module):
 # -- timestep embedding ----------------------------------------------------------------------------------------------
 
 
-def _timestep_sinusoids(timesteps: torch.Tensor, channels: int = 256, scale: float = 1000.0,
-                        max_period: float = 10000.0) -> torch.Tensor:
+def _timestep_sinusoids(
+    timesteps: torch.Tensor, channels: int = 256, scale: float = 1000.0, max_period: float = 10000.0
+) -> torch.Tensor:
     """``[cos | sin]`` of ``scale * t * exp(-ln(max_period) * i / half)``.
 
     The frequency table is rounded to ``timesteps.dtype`` before use, as upstream does: the released
@@ -196,9 +201,14 @@ class MageFlowTimestepProjEmbeddings(nn.Module):
 
 
 def varlen_joint_attention(
-    txt_q: torch.Tensor, txt_k: torch.Tensor, txt_v: torch.Tensor,
-    img_q: torch.Tensor, img_k: torch.Tensor, img_v: torch.Tensor,
-    txt_cu_seqlens: torch.Tensor, img_cu_seqlens: torch.Tensor,
+    txt_q: torch.Tensor,
+    txt_k: torch.Tensor,
+    txt_v: torch.Tensor,
+    img_q: torch.Tensor,
+    img_k: torch.Tensor,
+    img_v: torch.Tensor,
+    txt_cu_seqlens: torch.Tensor,
+    img_cu_seqlens: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Joint ``[text, image]`` attention per packed sample, never across samples.
 
@@ -221,7 +231,7 @@ def varlen_joint_attention(
         v = torch.cat([txt_v[t0:t1], img_v[i0:i1]]).transpose(0, 1)
         o = F.scaled_dot_product_attention(q, k, v).transpose(0, 1)
         txt_out.append(o[: t1 - t0])
-        img_out.append(o[t1 - t0:])
+        img_out.append(o[t1 - t0 :])
     return torch.cat(txt_out), torch.cat(img_out)
 
 
@@ -265,7 +275,9 @@ class MageFlowAttention(nn.Module):
         txt_q = self.norm_added_q(self._heads(self.add_q_proj(encoder_hidden_states)))
         txt_k = self.norm_added_k(self._heads(self.add_k_proj(encoder_hidden_states)))
         txt_v = self._heads(self.add_v_proj(encoder_hidden_states))
-        txt_o, img_o = varlen_joint_attention(txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_cu_lens, img_cu_lens)
+        txt_o, img_o = varlen_joint_attention(
+            txt_q, txt_k, txt_v, img_q, img_k, img_v, txt_cu_lens, img_cu_lens
+        )
         img_o = self.to_out[1](self.to_out[0](img_o.flatten(1).to(hidden_states.dtype)))
         txt_o = self.to_add_out(txt_o.flatten(1).to(encoder_hidden_states.dtype))
         return img_o.reshape(hidden_states.shape), txt_o.reshape(encoder_hidden_states.shape)
@@ -278,19 +290,29 @@ class MageFlowTransformerBlock(nn.Module):
     """One double-stream block. Call order: ``img_mod``, ``txt_mod``, norms, ``attn``, gated residuals,
     ``img_mlp`` (gated residual), ``txt_mlp`` (gated residual). Returns ``(text, image)`` like upstream."""
 
-    def __init__(self, dim: int, num_attention_heads: int, attention_head_dim: int, mlp_ratio: float = 4.0,
-                 eps: float = 1e-6) -> None:
+    def __init__(
+        self,
+        dim: int,
+        num_attention_heads: int,
+        attention_head_dim: int,
+        mlp_ratio: float = 4.0,
+        eps: float = 1e-6,
+    ) -> None:
         super().__init__()
         self.dim = dim
         self.img_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim, bias=True))
         self.img_norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.attn = MageFlowAttention(dim, num_attention_heads, attention_head_dim, eps=eps)
         self.img_norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
-        self.img_mlp = FeedForward(dim=dim, dim_out=dim, inner_dim=int(dim * mlp_ratio), activation_fn="gelu-approximate")
+        self.img_mlp = FeedForward(
+            dim=dim, dim_out=dim, inner_dim=int(dim * mlp_ratio), activation_fn="gelu-approximate"
+        )
         self.txt_mod = nn.Sequential(nn.SiLU(), nn.Linear(dim, 6 * dim, bias=True))
         self.txt_norm1 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
         self.txt_norm2 = nn.LayerNorm(dim, elementwise_affine=False, eps=eps)
-        self.txt_mlp = FeedForward(dim=dim, dim_out=dim, inner_dim=int(dim * mlp_ratio), activation_fn="gelu-approximate")
+        self.txt_mlp = FeedForward(
+            dim=dim, dim_out=dim, inner_dim=int(dim * mlp_ratio), activation_fn="gelu-approximate"
+        )
 
     def forward(
         self,
@@ -343,7 +365,9 @@ class MageFlowAdaLayerNormContinuous(nn.Module):
         scale, shift = self.linear(self.silu(temb).to(x.dtype)).chunk(2, dim=-1)
         flat = x.reshape(-1, x.shape[-1])
         total = flat.shape[0]
-        out = self.norm(flat) * (1 + _per_token(scale, cu_seqlens, total)) + _per_token(shift, cu_seqlens, total)
+        out = self.norm(flat) * (1 + _per_token(scale, cu_seqlens, total)) + _per_token(
+            shift, cu_seqlens, total
+        )
         return out.reshape(x.shape)
 
 
@@ -366,15 +390,23 @@ def _normalise_shapes(img_shapes: Any) -> list[Shape3]:
 def _pack(x: torch.Tensor, cu_seqlens: torch.Tensor | None, what: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A packed ``[1, total, C]`` stream and its cu_seqlens; an unpacked ``[B, L, C]`` batch becomes B samples of L."""
     if x.ndim != 3:
-        raise ValueError(f"{what} must be [batch, tokens, channels] (packed: batch 1), got shape {tuple(x.shape)}")
+        raise ValueError(
+            f"{what} must be [batch, tokens, channels] (packed: batch 1), got shape {tuple(x.shape)}"
+        )
     if cu_seqlens is None:
         batch, length = x.shape[:2]
         cu_seqlens = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=x.device)
         return x.reshape(1, batch * length, x.shape[-1]), cu_seqlens
     if x.shape[0] != 1:
-        raise ValueError(f"{what} with cu_seqlens must be packed as [1, total_tokens, channels], got {tuple(x.shape)}")
+        raise ValueError(
+            f"{what} with cu_seqlens must be packed as [1, total_tokens, channels], got {tuple(x.shape)}"
+        )
     bounds = cu_seqlens.tolist()
-    if bounds[0] != 0 or bounds[-1] != x.shape[1] or any(b <= a for a, b in zip(bounds, bounds[1:], strict=False)):
+    if (
+        bounds[0] != 0
+        or bounds[-1] != x.shape[1]
+        or any(b <= a for a, b in zip(bounds, bounds[1:], strict=False))
+    ):
         raise ValueError(
             f"{what}: cu_seqlens {bounds} must start at 0, increase strictly and end at the token count {x.shape[1]}"
         )
@@ -423,7 +455,9 @@ class MageFlowTransformer2DModel(ModelMixin, ConfigMixin):
             raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}")
         head_dim = hidden_size // num_heads
         if len(axes_dim) != 3 or sum(axes_dim) != head_dim or any(d % 2 for d in axes_dim):
-            raise ValueError(f"axes_dim {tuple(axes_dim)} must be 3 even sizes summing to the head dim {head_dim}")
+            raise ValueError(
+                f"axes_dim {tuple(axes_dim)} must be 3 even sizes summing to the head dim {head_dim}"
+            )
         self.inner_dim = hidden_size
         self.out_channels = out_channels
 
@@ -433,7 +467,10 @@ class MageFlowTransformer2DModel(ModelMixin, ConfigMixin):
         self.txt_in = nn.Linear(context_in_dim, hidden_size)
         self.time_text_embed = MageFlowTimestepProjEmbeddings(hidden_size)
         self.transformer_blocks = nn.ModuleList(
-            [MageFlowTransformerBlock(hidden_size, num_heads, head_dim, mlp_ratio=mlp_ratio) for _ in range(depth)]
+            [
+                MageFlowTransformerBlock(hidden_size, num_heads, head_dim, mlp_ratio=mlp_ratio)
+                for _ in range(depth)
+            ]
         )
         self.norm_out = MageFlowAdaLayerNormContinuous(hidden_size, hidden_size, eps=1e-6)
         self.proj_out = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
@@ -457,8 +494,10 @@ class MageFlowTransformer2DModel(ModelMixin, ConfigMixin):
             raise ValueError(f"{samples} image samples but {txt_cu.numel() - 1} text samples in the pack")
         shapes = _normalise_shapes(img_shapes)
         if sum(f * h * w for f, h, w in shapes) != img.shape[1]:
-            raise ValueError(f"img_shapes {shapes} cover {sum(f * h * w for f, h, w in shapes)} tokens, "
-                             f"hidden_states has {img.shape[1]}")
+            raise ValueError(
+                f"img_shapes {shapes} cover {sum(f * h * w for f, h, w in shapes)} tokens, "
+                f"hidden_states has {img.shape[1]}"
+            )
         timestep = torch.as_tensor(timestep, device=img.device).reshape(-1)
         if timestep.numel() == 1 and samples > 1:
             timestep = timestep.expand(samples)

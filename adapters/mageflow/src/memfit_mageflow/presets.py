@@ -10,14 +10,30 @@ from memfit.adapters.building import near_square_grid, preset_builders
 from memfit_mageflow.model import MageFlowTransformer2DModel, lengths_to_cu_seqlens
 
 TINY = dict(
-    in_channels=8, out_channels=8, context_in_dim=16, hidden_size=32, num_heads=2, depth=4,
-    axes_dim=(4, 6, 6), patch_size=1, mlp_ratio=4.0, theta=10000,
+    in_channels=8,
+    out_channels=8,
+    context_in_dim=16,
+    hidden_size=32,
+    num_heads=2,
+    depth=4,
+    axes_dim=(4, 6, 6),
+    patch_size=1,
+    mlp_ratio=4.0,
+    theta=10000,
 )
 # As released: microsoft/Mage-Flow transformer/config.json (in/out 128 = Mage-VAE latent channels,
 # context 2560 = Qwen3-VL-4B hidden size, 12 double-stream blocks of width 3072, 24 heads of 128).
 FULL = dict(
-    in_channels=128, out_channels=128, context_in_dim=2560, hidden_size=3072, num_heads=24, depth=12,
-    axes_dim=(16, 56, 56), patch_size=1, mlp_ratio=4.0, theta=10000,
+    in_channels=128,
+    out_channels=128,
+    context_in_dim=2560,
+    hidden_size=3072,
+    num_heads=24,
+    depth=12,
+    axes_dim=(16, 56, 56),
+    patch_size=1,
+    mlp_ratio=4.0,
+    theta=10000,
 )
 
 
@@ -42,8 +58,14 @@ def text_lengths(text_tokens: int, batch: int) -> list[int]:
     return [max(1, text_tokens - i * step) for i in range(batch)]
 
 
-def make_inputs(model: MageFlowTransformer2DModel, *, tokens: int | None = None, batch: int = 2,
-                text_tokens: int | None = None, generator: torch.Generator | None = None) -> dict[str, Any]:
+def make_inputs(
+    model: MageFlowTransformer2DModel,
+    *,
+    tokens: int | None = None,
+    batch: int = 2,
+    text_tokens: int | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, Any]:
     """Forward kwargs for one packed step: ``batch`` samples of different resolutions and prompt lengths.
 
     ``tokens`` is the image-token count of the first (largest) sample; the others are somewhat smaller,

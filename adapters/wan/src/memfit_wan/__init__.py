@@ -23,14 +23,22 @@ ADAPTER = FamilyAdapter(
     verified_diffusers=("0.42.1",),
     block_count_config={"blocks": "num_layers"},
     presets={
-        "tiny": Preset(build=build_tiny, inputs=make_inputs, default_tokens=72,
-                       description="7 blocks, width 24, 3 latent frames of 4x6 patches (tests, CPU)"),
-        "full": Preset(build=build_full, inputs=make_inputs, default_tokens=9 * TOKENS_PER_480P_FRAME,
-                       description="Wan2.1-T2V-14B / one Wan2.2-T2V-A14B expert: 40 blocks, width 5120 "
-                                   "(random weights); 480x832, 33 frames = 14040 tokens"),
+        "tiny": Preset(
+            build=build_tiny,
+            inputs=make_inputs,
+            default_tokens=72,
+            description="7 blocks, width 24, 3 latent frames of 4x6 patches (tests, CPU)",
+        ),
+        "full": Preset(
+            build=build_full,
+            inputs=make_inputs,
+            default_tokens=9 * TOKENS_PER_480P_FRAME,
+            description="Wan2.1-T2V-14B / one Wan2.2-T2V-A14B expert: 40 blocks, width 5120 "
+            "(random weights); 480x832, 33 frames = 14040 tokens",
+        ),
     },
     notes="One block list; FFN `ffn`, attention `attn1` (self) and `attn2` (cross). The Wan 2.2 TI2V-5B "
-          "per-token timestep path (4-D temb) runs through the same block calls.",
+    "per-token timestep path (4-D temb) runs through the same block calls.",
 )
 
 __all__ = ["ADAPTER"]

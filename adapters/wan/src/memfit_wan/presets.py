@@ -30,18 +30,39 @@ from diffusers import WanTransformer3DModel
 from memfit.adapters.building import preset_builders
 
 TINY = dict(
-    patch_size=(1, 2, 2), num_attention_heads=2, attention_head_dim=12, in_channels=4, out_channels=4,
-    text_dim=16, freq_dim=16, ffn_dim=48, num_layers=7, cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads", eps=1e-6,
+    patch_size=(1, 2, 2),
+    num_attention_heads=2,
+    attention_head_dim=12,
+    in_channels=4,
+    out_channels=4,
+    text_dim=16,
+    freq_dim=16,
+    ffn_dim=48,
+    num_layers=7,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
 )
 # Wan2.1-T2V-14B as published (Wan-AI/Wan2.1-T2V-14B-Diffusers, transformer/config.json; the same numbers
 # are dim 5120 / ffn_dim 13824 / 40 heads / 40 layers in the Wan2.1 README "Model" table). Wan2.2-T2V-A14B
 # uses this very config for each of its two experts (transformer/ and transformer_2/ of
 # Wan-AI/Wan2.2-T2V-A14B-Diffusers); a LoRA run trains one expert at a time, so one expert is what has to fit.
 FULL = dict(
-    patch_size=(1, 2, 2), num_attention_heads=40, attention_head_dim=128, in_channels=16, out_channels=16,
-    text_dim=4096, freq_dim=256, ffn_dim=13824, num_layers=40, cross_attn_norm=True,
-    qk_norm="rms_norm_across_heads", eps=1e-6, image_dim=None, added_kv_proj_dim=None, rope_max_seq_len=1024,
+    patch_size=(1, 2, 2),
+    num_attention_heads=40,
+    attention_head_dim=128,
+    in_channels=16,
+    out_channels=16,
+    text_dim=4096,
+    freq_dim=256,
+    ffn_dim=13824,
+    num_layers=40,
+    cross_attn_norm=True,
+    qk_norm="rms_norm_across_heads",
+    eps=1e-6,
+    image_dim=None,
+    added_kv_proj_dim=None,
+    rope_max_seq_len=1024,
 )
 
 # 480x832 pixels -> 60x104 latent (VAE /8) -> 30x52 patches (patch 2x2) per latent frame.
@@ -70,8 +91,14 @@ def video_frames(latent_frames: int) -> int:
     return 4 * (latent_frames - 1) + 1
 
 
-def make_inputs(model: WanTransformer3DModel, *, tokens: int | None = None, batch: int = 1,
-                text_tokens: int | None = None, generator: torch.Generator | None = None) -> dict[str, Any]:
+def make_inputs(
+    model: WanTransformer3DModel,
+    *,
+    tokens: int | None = None,
+    batch: int = 1,
+    text_tokens: int | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, Any]:
     """Forward kwargs: a 5-D video latent of about ``tokens`` patch tokens, text context, timestep."""
     cfg = model.config
     # the patch embedding's weight, not the first parameter: the model's own `scale_shift_table` comes

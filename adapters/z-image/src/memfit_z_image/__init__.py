@@ -50,16 +50,23 @@ ADAPTER = FamilyAdapter(
         "layers": "n_layers",
     },
     presets={
-        "tiny": Preset(build=build_tiny, inputs=make_tiny_inputs, default_tokens=24,
-                       description="Omni-shaped: 2+2+2 refiner + 3 main blocks, width 32, SigLIP branch "
-                                   "(tests, CPU)"),
-        "full": Preset(build=build_full, inputs=make_inputs, default_tokens=4096,
-                       description="Z-Image-Turbo size (6B): 2+2 refiner + 30 main blocks, width 3840, "
-                                   "1024x1024 px (random weights)"),
+        "tiny": Preset(
+            build=build_tiny,
+            inputs=make_tiny_inputs,
+            default_tokens=24,
+            description="Omni-shaped: 2+2+2 refiner + 3 main blocks, width 32, SigLIP branch (tests, CPU)",
+        ),
+        "full": Preset(
+            build=build_full,
+            inputs=make_inputs,
+            default_tokens=4096,
+            description="Z-Image-Turbo size (6B): 2+2 refiner + 30 main blocks, width 3840, "
+            "1024x1024 px (random weights)",
+        ),
     },
     loss=loss,
     notes="All four block lists (siglip_refiner: Omni configs only). Inputs are per-sample lists "
-          "(variable-length packing); the loss averages over every sample.",
+    "(variable-length packing); the loss averages over every sample.",
 )
 
 __all__ = ["ADAPTER", "loss"]

@@ -31,16 +31,42 @@ SEQ_MULTI_OF = 32
 # Tiny: every block list present and non-empty, SigLIP branch configured so that `siglip_refiner`
 # exists and runs (the tiny inputs are Omni-mode inputs).  head_dim = dim / n_heads = 16 = sum(axes_dims).
 TINY = dict(
-    all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=32, n_layers=3, n_refiner_layers=2,
-    n_heads=2, n_kv_heads=2, norm_eps=1e-5, qk_norm=True, cap_feat_dim=16, siglip_feat_dim=24,
-    rope_theta=256.0, t_scale=1000.0, axes_dims=(8, 4, 4), axes_lens=(512, 256, 256),
+    all_patch_size=(2,),
+    all_f_patch_size=(1,),
+    in_channels=16,
+    dim=32,
+    n_layers=3,
+    n_refiner_layers=2,
+    n_heads=2,
+    n_kv_heads=2,
+    norm_eps=1e-5,
+    qk_norm=True,
+    cap_feat_dim=16,
+    siglip_feat_dim=24,
+    rope_theta=256.0,
+    t_scale=1000.0,
+    axes_dims=(8, 4, 4),
+    axes_lens=(512, 256, 256),
 )
 # Z-Image-Turbo (6B) as published: Tongyi-MAI/Z-Image-Turbo transformer/config.json.  It sets no
 # `siglip_feat_dim` (text-to-image only), so `siglip_refiner` is None on this model.
 FULL = dict(
-    all_patch_size=(2,), all_f_patch_size=(1,), in_channels=16, dim=3840, n_layers=30, n_refiner_layers=2,
-    n_heads=30, n_kv_heads=30, norm_eps=1e-5, qk_norm=True, cap_feat_dim=2560, siglip_feat_dim=None,
-    rope_theta=256.0, t_scale=1000.0, axes_dims=(32, 48, 48), axes_lens=(1536, 512, 512),
+    all_patch_size=(2,),
+    all_f_patch_size=(1,),
+    in_channels=16,
+    dim=3840,
+    n_layers=30,
+    n_refiner_layers=2,
+    n_heads=30,
+    n_kv_heads=30,
+    norm_eps=1e-5,
+    qk_norm=True,
+    cap_feat_dim=2560,
+    siglip_feat_dim=None,
+    rope_theta=256.0,
+    t_scale=1000.0,
+    axes_dims=(32, 48, 48),
+    axes_lens=(1536, 512, 512),
 )
 
 
@@ -77,8 +103,14 @@ def caption_lengths(text_tokens: int, batch: int) -> list[int]:
     return [max(1, text_tokens - SEQ_MULTI_OF * i) for i in range(batch)]
 
 
-def make_inputs(model: ZImageTransformer2DModel, *, tokens: int | None = None, batch: int = 1,
-                text_tokens: int | None = None, generator: torch.Generator | None = None) -> dict[str, Any]:
+def make_inputs(
+    model: ZImageTransformer2DModel,
+    *,
+    tokens: int | None = None,
+    batch: int = 1,
+    text_tokens: int | None = None,
+    generator: torch.Generator | None = None,
+) -> dict[str, Any]:
     """Forward kwargs for one training step: ``tokens`` image tokens per sample (see the module docstring).
 
     Text-to-image mode (Turbo / base config): ``x`` = [latent_i], ``cap_feats`` = [caption_i].
@@ -114,8 +146,9 @@ def make_inputs(model: ZImageTransformer2DModel, *, tokens: int | None = None, b
         return inputs
 
     inputs["x"] = [[latent(w, h), latent(h, w)] for _ in range(batch)]
-    inputs["cap_feats"] = [[randn(4, cfg.cap_feat_dim), randn(n, cfg.cap_feat_dim), randn(3, cfg.cap_feat_dim)]
-                           for n in lengths]
+    inputs["cap_feats"] = [
+        [randn(4, cfg.cap_feat_dim), randn(n, cfg.cap_feat_dim), randn(3, cfg.cap_feat_dim)] for n in lengths
+    ]
     inputs["siglip_feats"] = [[randn(w, h, cfg.siglip_feat_dim), None] for _ in range(batch)]
     inputs["image_noise_mask"] = [[0, 1] for _ in range(batch)]
     return inputs

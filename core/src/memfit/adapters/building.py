@@ -48,8 +48,14 @@ def cast_like_from_pretrained(model: nn.Module, dtype: torch.dtype) -> nn.Module
     return model
 
 
-def build_model(model_cls: str | type[nn.Module], config: Mapping[str, Any], *, dtype: torch.dtype,
-                device: str | torch.device, seed: int = 0) -> nn.Module:
+def build_model(
+    model_cls: str | type[nn.Module],
+    config: Mapping[str, Any],
+    *,
+    dtype: torch.dtype,
+    device: str | torch.device,
+    seed: int = 0,
+) -> nn.Module:
     """A ``model_cls(**config)`` with random weights (seeded), built on ``device``, cast like from_pretrained."""
     cls = _resolve(model_cls)
     torch.manual_seed(seed)
@@ -58,18 +64,25 @@ def build_model(model_cls: str | type[nn.Module], config: Mapping[str, Any], *, 
     return cast_like_from_pretrained(model, dtype)
 
 
-def preset_builders(model_cls: str | type[nn.Module], tiny: Mapping[str, Any], full: Mapping[str, Any], *,
-                    after_build: Callable[[nn.Module], None] | None = None
-                    ) -> tuple[Callable[..., nn.Module], Callable[..., nn.Module]]:
+def preset_builders(
+    model_cls: str | type[nn.Module],
+    tiny: Mapping[str, Any],
+    full: Mapping[str, Any],
+    *,
+    after_build: Callable[[nn.Module], None] | None = None,
+) -> tuple[Callable[..., nn.Module], Callable[..., nn.Module]]:
     """``(build_tiny, build_full)``: tiny defaults to float32 on CPU (tests), full to bfloat16 on CUDA.
 
     Args:
         after_build: called on every freshly built model (e.g. to give zero-initialised pad tokens values).
     """
 
-    def make(config: Mapping[str, Any], default_dtype: torch.dtype, default_device: str) -> Callable[..., nn.Module]:
-        def build(*, dtype: torch.dtype = default_dtype, device: str | torch.device = default_device,
-                  seed: int = 0) -> nn.Module:
+    def make(
+        config: Mapping[str, Any], default_dtype: torch.dtype, default_device: str
+    ) -> Callable[..., nn.Module]:
+        def build(
+            *, dtype: torch.dtype = default_dtype, device: str | torch.device = default_device, seed: int = 0
+        ) -> nn.Module:
             model = build_model(model_cls, config, dtype=dtype, device=device, seed=seed)
             if after_build is not None:
                 after_build(model)

@@ -29,7 +29,9 @@ def available_adapters() -> dict[str, FamilyAdapter]:
                 f"memfit.adapters.FamilyAdapter instance, got {type(adapter).__name__}"
             )
         if adapter.name in found:
-            raise MemfitError(f"two installed distributions both register the memfit adapter {adapter.name!r}")
+            raise MemfitError(
+                f"two installed distributions both register the memfit adapter {adapter.name!r}"
+            )
         found[adapter.name] = adapter
     return found
 

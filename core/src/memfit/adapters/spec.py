@@ -164,8 +164,10 @@ class FamilyAdapter:
             parent_path, _, name = path.rpartition(".")
             parent = model.get_submodule(parent_path) if parent_path else model
             if not hasattr(parent, name):
-                raise AttributeError(f"family {self.name!r} declares block list {path!r}, which "
-                                     f"{type(model).__name__} does not have")
+                raise AttributeError(
+                    f"family {self.name!r} declares block list {path!r}, which "
+                    f"{type(model).__name__} does not have"
+                )
             container = getattr(parent, name)
             if container is None:
                 continue

@@ -30,8 +30,10 @@ def block_kind(block: nn.Module, args: tuple, kwargs: dict) -> tuple:
     """Blocks of one kind have the same peak: the same class, parameter count, input shapes, and the same
     inputs requiring gradients (the first block's hidden states come from frozen layers; later ones' do not)."""
     leaves = tree_flatten((args, kwargs))[0]
-    shapes = tuple((tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else type(x).__name__
-                   for x in leaves)
+    shapes = tuple(
+        (tuple(x.shape), x.dtype, x.requires_grad) if isinstance(x, torch.Tensor) else type(x).__name__
+        for x in leaves
+    )
     return type(block), sum(p.numel() for p in block.parameters()), shapes
 
 
@@ -44,12 +46,15 @@ class BlockRun:
     forward_seconds: float
     backward_seconds: float
     attention_peak_bytes: int = 0
-    forward_peak_bytes: int = 0  # the forward half's own peak (``peak_bytes`` is the larger of the two halves)
+    forward_peak_bytes: int = (
+        0  # the forward half's own peak (``peak_bytes`` is the larger of the two halves)
+    )
     backward_peak_bytes: int = 0  # the backward half's own peak
 
 
-def measure_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device, *,
-                  attention: Sequence[nn.Module] = ()) -> BlockRun:
+def measure_block(
+    block: nn.Module, args: tuple, kwargs: dict, device: torch.device, *, attention: Sequence[nn.Module] = ()
+) -> BlockRun:
     """The block run twice: the second run is timed (the first loads the backward's kernels, which the
     profiling forward never ran). ``attention``: the block's attention modules (see "Attention phase")."""
     _run_block(block, args, kwargs, device, attention=attention, timed=False)
@@ -77,8 +82,15 @@ def measure_block_peak(block: nn.Module, args: tuple, kwargs: dict, device: torc
 # attention call of the forward.
 
 
-def _run_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device, *,
-               attention: Sequence[nn.Module], timed: bool) -> BlockRun:
+def _run_block(
+    block: nn.Module,
+    args: tuple,
+    kwargs: dict,
+    device: torch.device,
+    *,
+    attention: Sequence[nn.Module],
+    timed: bool,
+) -> BlockRun:
     flat, spec = tree_flatten((args, kwargs))
     leaves = [x.detach().requires_grad_(x.requires_grad) if _differentiable(x) else x for x in flat]
     # the block runs on copies: it may edit its inputs in place, which a leaf that requires grad forbids
@@ -91,8 +103,11 @@ def _run_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device
     torch.cuda.reset_peak_memory_stats(device)
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
     try:
-        with torch.enable_grad(), torch.random.fork_rng(devices=[device]), \
-                torch.autograd.graph.saved_tensors_hooks(phase.pack, phase.unpack):
+        with (
+            torch.enable_grad(),
+            torch.random.fork_rng(devices=[device]),
+            torch.autograd.graph.saved_tensors_hooks(phase.pack, phase.unpack),
+        ):
             marks[0].record()
             out = block(*call_args, **call_kwargs)
             marks[1].record()
@@ -116,9 +131,13 @@ def _run_block(block: nn.Module, args: tuple, kwargs: dict, device: torch.device
     if timed and backward_peak:
         marks[3].synchronize()
         times = (marks[0].elapsed_time(marks[1]) / 1e3, marks[2].elapsed_time(marks[3]) / 1e3)
-    return BlockRun(max(0, forward_peak - before, backward_peak - before), *times,
-                    attention_peak_bytes=max(0, attention_peak - before), forward_peak_bytes=max(0, forward_peak - before),
-                    backward_peak_bytes=max(0, backward_peak - before))
+    return BlockRun(
+        max(0, forward_peak - before, backward_peak - before),
+        *times,
+        attention_peak_bytes=max(0, attention_peak - before),
+        forward_peak_bytes=max(0, forward_peak - before),
+        backward_peak_bytes=max(0, backward_peak - before),
+    )
 
 
 # Output gradients.  In a step, a block's outputs are dead by the time its backward runs (the next block
@@ -154,9 +173,14 @@ class _AttentionPhase:
         self.inside = 0
         self.calls = 0  # attention calls entered so far (outermost ones)
         self.peak_before: int | None = None  # the backward's peak before its attention phase began
-        self.handles = [h for m in modules for h in (
-            m.register_forward_pre_hook(lambda *_: self._enter()),
-            m.register_forward_hook(lambda *_: self._leave(), always_call=True))]
+        self.handles = [
+            h
+            for m in modules
+            for h in (
+                m.register_forward_pre_hook(lambda *_: self._enter()),
+                m.register_forward_hook(lambda *_: self._leave(), always_call=True),
+            )
+        ]
 
     def _enter(self) -> None:
         self.calls += self.inside == 0
@@ -192,8 +216,9 @@ class ForwardMemory:
     :meth:`block_runs`, which runs after the forward.
     """
 
-    def __init__(self, device: torch.device, n_blocks: int, *,
-                 attention: Sequence[Sequence[nn.Module]] | None = None) -> None:
+    def __init__(
+        self, device: torch.device, n_blocks: int, *, attention: Sequence[Sequence[nn.Module]] | None = None
+    ) -> None:
         self.device = device
         self.kinds: list[tuple | None] = [None] * n_blocks
         self.attention = attention or [()] * n_blocks  # per block, its attention modules
@@ -216,6 +241,8 @@ class ForwardMemory:
     def block_runs(self) -> list[BlockRun | None]:
         """Per block, the measured run of its kind (None for a block the forward never called)."""
         samples, self.samples = self.samples, {}  # the sample arguments are not held past the measurement
-        runs = {kind: measure_block(block, args, kwargs, self.device, attention=attention)
-                for kind, (block, args, kwargs, attention) in samples.items()}
+        runs = {
+            kind: measure_block(block, args, kwargs, self.device, attention=attention)
+            for kind, (block, args, kwargs, attention) in samples.items()
+        }
         return [runs.get(kind) if kind is not None else None for kind in self.kinds]

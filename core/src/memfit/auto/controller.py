@@ -70,6 +70,7 @@ def device_capacity(device: torch.device) -> int | None:
 
 def input_signature(args: tuple, kwargs: dict) -> tuple:
     """What a plan depends on: tensor shapes/dtypes/devices and plain scalar arguments."""
+
     def sig(x: Any) -> Any:
         if isinstance(x, torch.Tensor):
             return ("tensor", tuple(x.shape), str(x.dtype), str(x.device))
@@ -80,6 +81,7 @@ def input_signature(args: tuple, kwargs: dict) -> tuple:
         if isinstance(x, dict):
             return tuple(sorted((k, sig(v)) for k, v in x.items()))
         return type(x).__name__
+
     return sig(args), sig(kwargs)
 
 
@@ -95,9 +97,16 @@ class AutoController:
         copy_bytes_per_second: pinned copy bandwidth for the cost model (None: measured once on CUDA).
     """
 
-    def __init__(self, model: nn.Module, adapter: FamilyAdapter, budget_bytes: int, *,
-                 session: OffloadSession | None, min_offload_bytes: int,
-                 copy_bytes_per_second: float | None = None) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        adapter: FamilyAdapter,
+        budget_bytes: int,
+        *,
+        session: OffloadSession | None,
+        min_offload_bytes: int,
+        copy_bytes_per_second: float | None = None,
+    ) -> None:
         self.model = model
         self.adapter = adapter
         self.budget_bytes = budget_bytes
@@ -150,9 +159,14 @@ class AutoController:
             # blocks that keep everything are regions of the step too: for the deferral of the parked regions
             # before them, and to reload those ahead of their backward
             kept = {b.name: b.saved_bytes for b in profile.blocks} if profile is not None else {}
-            self._region_marks = mark_keeping_blocks(self.session, [
-                (block, kept.get(f"{path}.{index}", 0)) for path, index, block in self.adapter.iter_blocks(self.model)
-                if plan.policy(f"{path}.{index}") is BlockPolicy.KEEP])
+            self._region_marks = mark_keeping_blocks(
+                self.session,
+                [
+                    (block, kept.get(f"{path}.{index}", 0))
+                    for path, index, block in self.adapter.iter_blocks(self.model)
+                    if plan.policy(f"{path}.{index}") is BlockPolicy.KEEP
+                ],
+            )
         attention = self._attention_modules(plan) if plan is not None else []
         if attention:
             assert self.session is not None
@@ -186,8 +200,14 @@ class AutoController:
         self.replans += 1
 
     def _make_plan(self, signature: tuple, args: tuple, kwargs: dict) -> Plan:
-        profile = profile_model(self.model, self.adapter, args, kwargs, min_offload_bytes=self.min_offload_bytes,
-                                copy_bytes_per_second=self._bandwidth())
+        profile = profile_model(
+            self.model,
+            self.adapter,
+            args,
+            kwargs,
+            min_offload_bytes=self.min_offload_bytes,
+            copy_bytes_per_second=self._bandwidth(),
+        )
         self.profiles[signature] = profile
         can_offload = self.session is not None
         capacity = device_capacity(next(self.model.parameters()).device)
@@ -199,9 +219,17 @@ class AutoController:
                 f"CUDA caching allocator too little room on this device ({format_bytes(capacity or 0)} usable by "
                 f"this process; its reserve runs up to 1.19x the allocated peak under offload): planning for "
                 f"{format_bytes(budget)}. Set gradient_checkpointing_memory_budget at or below that to silence "
-                f"this.", MemfitWarning, stacklevel=4)
-        plan = plan_policies(profile, budget, allowed=lambda b: allowed_policies(
-            has_ffn=b.has_ffn, has_attention=b.has_attention, can_offload=can_offload))
+                f"this.",
+                MemfitWarning,
+                stacklevel=4,
+            )
+        plan = plan_policies(
+            profile,
+            budget,
+            allowed=lambda b: allowed_policies(
+                has_ffn=b.has_ffn, has_attention=b.has_attention, can_offload=can_offload
+            ),
+        )
         self.plans[signature] = plan
         if not plan.needed and not self._warned_unneeded:
             self._warned_unneeded = True
@@ -209,7 +237,9 @@ class AutoController:
                 f"gradient_checkpointing_backend='auto': the budget of {format_bytes(plan.budget_bytes)} needs no "
                 f"checkpointing at this input shape (predicted {format_bytes(plan.predicted_peak_bytes)}); nothing "
                 f"is installed. memfit re-plans if the input shape changes.",
-                MemfitWarning, stacklevel=4)
+                MemfitWarning,
+                stacklevel=4,
+            )
         return plan
 
     def _bandwidth(self) -> float | None:
@@ -239,10 +269,16 @@ class AutoController:
             for index, block in enumerate(blocks):
                 policy = plan.policy(f"{path}.{index}")
                 if policy.recompute == "block":
-                    engine.block_sites[block] = RegionSite(("block", path, index), (block,), 0, "block",
-                                                           offload if policy.offloads_inputs else keep)
-        engine.block_entry = "diffusers" if engine.block_sites and diffusers_block_entry(
-            self.model, self.adapter) else "hooks"
+                    engine.block_sites[block] = RegionSite(
+                        ("block", path, index),
+                        (block,),
+                        0,
+                        "block",
+                        offload if policy.offloads_inputs else keep,
+                    )
+        engine.block_entry = (
+            "diffusers" if engine.block_sites and diffusers_block_entry(self.model, self.adapter) else "hooks"
+        )
 
         def locate() -> dict[nn.Module, RegionSite]:
             sites: dict[nn.Module, RegionSite] = {}
@@ -252,8 +288,14 @@ class AutoController:
                     if policy.recompute != "ffn":
                         continue
                     for r, chain in enumerate(self.adapter.ffn_chains(block)):
-                        sites.update(chain_sites(("ffn", path, index, r), chain, "ffn",
-                                                 stash_factory=offload if policy.offloads_inputs else keep))
+                        sites.update(
+                            chain_sites(
+                                ("ffn", path, index, r),
+                                chain,
+                                "ffn",
+                                stash_factory=offload if policy.offloads_inputs else keep,
+                            )
+                        )
             return sites
 
         engine.hook_sites = locate()
@@ -261,8 +303,12 @@ class AutoController:
         return engine
 
     def _attention_modules(self, plan: Plan) -> list[nn.Module]:
-        return [m for path, index, block in self.adapter.iter_blocks(self.model)
-                if plan.policy(f"{path}.{index}").offloads_attention for m in self.adapter.attention_modules(block)]
+        return [
+            m
+            for path, index, block in self.adapter.iter_blocks(self.model)
+            if plan.policy(f"{path}.{index}").offloads_attention
+            for m in self.adapter.attention_modules(block)
+        ]
 
     @property
     def profile(self) -> ModelProfile | None:
@@ -271,7 +317,9 @@ class AutoController:
 
     def describe(self) -> str:
         if self.plan is None:
-            return f"auto: budget {format_bytes(self.budget_bytes)}; planned at the first forward with gradients"
+            return (
+                f"auto: budget {format_bytes(self.budget_bytes)}; planned at the first forward with gradients"
+            )
         return self.plan.describe()
 
 
@@ -303,8 +351,13 @@ def _probe_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> float:
     return nbytes / fastest_of_spaced(one_copy)
 
 
-def fastest_of_spaced(sample: Callable[[], float], *, samples: int = PROBE_SAMPLES,
-                      spacing_s: float = PROBE_SPACING_S, sleep: Callable[[float], None] = time.sleep) -> float:
+def fastest_of_spaced(
+    sample: Callable[[], float],
+    *,
+    samples: int = PROBE_SAMPLES,
+    spacing_s: float = PROBE_SPACING_S,
+    sleep: Callable[[float], None] = time.sleep,
+) -> float:
     """The shortest of ``samples`` timings of ``sample()`` (seconds), ``spacing_s`` apart."""
     best = float("inf")
     for i in range(samples):

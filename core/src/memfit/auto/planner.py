@@ -96,8 +96,14 @@ class Choice:
         return self.own + ahead if self.own_late is None else max(self.own, self.own_late + ahead)
 
 
-def block_choices(block: BlockProfile, profile: ModelProfile, allowed: tuple[BlockPolicy, ...], *,
-                  grads_after: int = 0, saved_after: int = 0) -> list[Choice]:
+def block_choices(
+    block: BlockProfile,
+    profile: ModelProfile,
+    allowed: tuple[BlockPolicy, ...],
+    *,
+    grads_after: int = 0,
+    saved_after: int = 0,
+) -> list[Choice]:
     """One :class:`Choice` per allowed policy (offloads only with a measured copy bandwidth).
 
     ``grads_after``: gradient bytes of the trainable weights that backward reaches before this block.
@@ -107,7 +113,9 @@ def block_choices(block: BlockProfile, profile: ModelProfile, allowed: tuple[Blo
     ffn_rate = profile.ffn_flops_per_second or rate
     nominal = NOMINAL_FLOPS_PER_SECOND.get(profile.device.split(":")[0], NOMINAL_FLOPS_PER_SECOND["cpu"])
     bandwidth = profile.copy_bytes_per_second
-    forward_seconds = block.flops / rate * profile.forward_with_grad  # what a device-to-host copy hides behind
+    forward_seconds = (
+        block.flops / rate * profile.forward_with_grad
+    )  # what a device-to-host copy hides behind
     out = []
     for policy in allowed:
         kept, extra, copied, flops = _effect(policy, block)
@@ -125,8 +133,9 @@ def block_choices(block: BlockProfile, profile: ModelProfile, allowed: tuple[Blo
             if not bandwidth:
                 continue
             copy = copied / bandwidth
-            seconds += (max(0.0, copy - forward_seconds)
-                        + max(0.0, copy - profile.backward_to_forward * forward_seconds))
+            seconds += max(0.0, copy - forward_seconds) + max(
+                0.0, copy - profile.backward_to_forward * forward_seconds
+            )
         own, own_late = 0, None
         if profile.counts_transient:
             # measured with its inputs and everything it saves held; what the policy holds beyond that adds
@@ -154,12 +163,25 @@ def _effect(policy: BlockPolicy, b: BlockProfile) -> tuple[int, int, int, int]:
         BlockPolicy.KEEP: (b.saved_bytes, 0, 0, 0),
         BlockPolicy.ATTENTION_OFFLOAD: (b.saved_bytes - b.attention_bytes, views, b.attention_copy_bytes, 0),
         BlockPolicy.FFN: (after_ffn + b.ffn_input_bytes, b.ffn_input_unsaved_bytes, 0, b.ffn_flops),
-        BlockPolicy.FFN_ATTENTION_OFFLOAD: (after_ffn + b.ffn_input_bytes - b.attention_bytes,
-                                            b.ffn_input_unsaved_bytes + views, b.attention_copy_bytes, b.ffn_flops),
-        BlockPolicy.FFN_OFFLOAD: (after_ffn + b.ffn_input_bytes - b.ffn_input_parkable_bytes,
-                                  b.ffn_input_unsaved_bytes, b.ffn_input_parkable_bytes, b.ffn_flops),
+        BlockPolicy.FFN_ATTENTION_OFFLOAD: (
+            after_ffn + b.ffn_input_bytes - b.attention_bytes,
+            b.ffn_input_unsaved_bytes + views,
+            b.attention_copy_bytes,
+            b.ffn_flops,
+        ),
+        BlockPolicy.FFN_OFFLOAD: (
+            after_ffn + b.ffn_input_bytes - b.ffn_input_parkable_bytes,
+            b.ffn_input_unsaved_bytes,
+            b.ffn_input_parkable_bytes,
+            b.ffn_flops,
+        ),
         BlockPolicy.BLOCK: (b.input_bytes, 0, 0, b.flops),
-        BlockPolicy.BLOCK_OFFLOAD: (b.input_bytes - b.input_parkable_bytes, 0, b.input_parkable_bytes, b.flops),
+        BlockPolicy.BLOCK_OFFLOAD: (
+            b.input_bytes - b.input_parkable_bytes,
+            0,
+            b.input_parkable_bytes,
+            b.flops,
+        ),
     }[policy]
 
 
@@ -203,10 +225,12 @@ class Plan:
 
     def describe(self) -> str:
         """Runs of equal policies, e.g. ``transformer_blocks.0-12: ffn``."""
-        lines = [f"auto plan ({self.metric}): predicted {format_bytes(self.predicted_peak_bytes)} within "
-                 f"{format_bytes(self.budget_bytes)} (no checkpointing: {format_bytes(self.no_checkpoint_peak_bytes)}"
-                 f"), +{self.predicted_extra_seconds * 1e3:.1f} ms/step, {format_bytes(self.copied_bytes)} "
-                 f"copied/step"]
+        lines = [
+            f"auto plan ({self.metric}): predicted {format_bytes(self.predicted_peak_bytes)} within "
+            f"{format_bytes(self.budget_bytes)} (no checkpointing: {format_bytes(self.no_checkpoint_peak_bytes)}"
+            f"), +{self.predicted_extra_seconds * 1e3:.1f} ms/step, {format_bytes(self.copied_bytes)} "
+            f"copied/step"
+        ]
         run: list[Any] = []
         for name, policy in [*self.blocks, ("", None)]:
             path, _, index = name.rpartition(".")
@@ -219,8 +243,9 @@ class Plan:
         return "\n".join(lines)
 
 
-def plan_policies(profile: ModelProfile, budget_bytes: int, *,
-                  allowed: Callable[[BlockProfile], tuple[BlockPolicy, ...]]) -> Plan:
+def plan_policies(
+    profile: ModelProfile, budget_bytes: int, *, allowed: Callable[[BlockProfile], tuple[BlockPolicy, ...]]
+) -> Plan:
     """The fastest plan (by the cost model) whose predicted peak is within ``budget_bytes``.
 
     Raises:
@@ -228,8 +253,12 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
     """
     grads_after = _gradients_after(profile)
     last = len(profile.blocks) - 1
-    options = [block_choices(b, profile, allowed(b), grads_after=g, saved_after=b.saved_after_bytes if i < last else 0)
-               for i, (b, g) in enumerate(zip(profile.blocks, grads_after, strict=True))]
+    options = [
+        block_choices(
+            b, profile, allowed(b), grads_after=g, saved_after=b.saved_after_bytes if i < last else 0
+        )
+        for i, (b, g) in enumerate(zip(profile.blocks, grads_after, strict=True))
+    ]
     if options and profile.blocks[-1].attention_calls < 2:
         # the step's last two regions keep their tensors on the device: before a last block whose attention
         # is one region, the block before it is never reloaded, its tensors stay through the whole backward
@@ -243,7 +272,9 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
         prefix = worst = 0
         for b, c in enumerate(picks):
             if profile.counts_transient:
-                worst = max(worst, prefix + c.need(reloaded_ahead([p.copied for p in reversed(picks[:b])], depth)))
+                worst = max(
+                    worst, prefix + c.need(reloaded_ahead([p.copied for p in reversed(picks[:b])], depth))
+                )
             prefix += c.kept
         return base + max(worst, prefix + profile.workspace_bytes)
 
@@ -252,17 +283,22 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
     unit = max(1, -(-sum(b.saved_bytes for b in profile.blocks) // _UNITS))
     problem = search.Problem(options, unit, depth, own_counts=profile.counts_transient)
     # the least peak any plan reaches: exact under the model up to the units, recomputed in bytes
-    floor_picks = search.smallest(problem, sum(max(problem.units(c) for c in opts) for opts in options),
-                                  profile.workspace_bytes)
+    floor_picks = search.smallest(
+        problem, sum(max(problem.units(c) for c in opts) for opts in options), profile.workspace_bytes
+    )
     smallest = min(peak(floor_picks), no_checkpoint)
 
     def make(picks: list[Choice]) -> Plan:
         return Plan(
             blocks=tuple((b.name, c.policy) for b, c in zip(profile.blocks, picks, strict=True)),
-            budget_bytes=budget_bytes, predicted_peak_bytes=peak(picks),
+            budget_bytes=budget_bytes,
+            predicted_peak_bytes=peak(picks),
             predicted_extra_seconds=sum(c.seconds for c in picks),
-            no_checkpoint_peak_bytes=no_checkpoint, smallest_peak_bytes=smallest,
-            copied_bytes=sum(c.copied for c in picks), metric=metric)
+            no_checkpoint_peak_bytes=no_checkpoint,
+            smallest_peak_bytes=smallest,
+            copied_bytes=sum(c.copied for c in picks),
+            metric=metric,
+        )
 
     if no_checkpoint <= budget_bytes:
         return make(keep_all)
@@ -271,7 +307,8 @@ def plan_policies(profile: ModelProfile, budget_bytes: int, *,
             f"memory budget {format_bytes(budget_bytes)} is below what any plan reaches: the smallest predicted "
             f"{metric} is {format_bytes(smallest)} (no checkpointing: {format_bytes(no_checkpoint)}). Raise "
             f"gradient_checkpointing_memory_budget to at least that, or shrink the step (batch, resolution).",
-            smallest_peak_bytes=smallest)
+            smallest_peak_bytes=smallest,
+        )
     room = budget_bytes - base  # for kept bytes, and each block's own peak on top of those before it
     picks = search.cheapest(problem, (room - profile.workspace_bytes) // unit, room)
     if picks is None or peak(picks) > budget_bytes:  # only the units' rounding stood in the way

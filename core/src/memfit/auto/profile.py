@@ -78,7 +78,9 @@ class BlockProfile:
     # the FFN regions' inputs that the block does not save itself (an FFN whose first layer is frozen): a
     # region keeps them through its recompute, where the isolated run had freed them
     ffn_input_unsaved_bytes: int = 0
-    attention_calls: int = 0  # calls of its declared attention modules (one region each under attention offload)
+    attention_calls: int = (
+        0  # calls of its declared attention modules (one region each under attention offload)
+    )
     # saved outside every block after this block's call and before the next block's (a final norm or
     # projection saving the last block's output, a concatenation between two stacks): held from the forward
     # until backward reaches those layers, so under the backward of the blocks after this one only
@@ -96,7 +98,9 @@ class ModelProfile:
     blocks: tuple[BlockProfile, ...]
     device: str
     static_bytes: int  # allocated before the forward (CUDA; 0 elsewhere)
-    outside_bytes: int  # saved before the blocks, or shared between them (after a block: its saved_after_bytes)
+    outside_bytes: (
+        int  # saved before the blocks, or shared between them (after a block: its saved_after_bytes)
+    )
     workspace_bytes: int  # the forward's working memory outside the blocks, on top of what is held (CUDA)
     flops_per_second: float
     copy_bytes_per_second: float | None  # None: no copy engine, offload policies are not offered
@@ -166,8 +170,11 @@ class _Storage:
 
     def attention_saves(self, min_bytes: int) -> int:
         """How many saved tensors attention offload packs for those views (every save, repeated ones too)."""
-        return sum(self.attention_view_saves[v] for v, n in self.attention_views.items()
-                   if min_bytes <= n <= self.nbytes)
+        return sum(
+            self.attention_view_saves[v]
+            for v, n in self.attention_views.items()
+            if min_bytes <= n <= self.nbytes
+        )
 
 
 class _Recorder:
@@ -208,8 +215,14 @@ class _Recorder:
             if saved and self.storages[i].block == UNSAVED:
                 self.storages[i].block, self.storages[i].after = self.block, self.last_returned
             return i
-        self.storages.append(_Storage(storage.nbytes(), self.block if saved else UNSAVED, weakref.ref(storage),
-                                      after=self.last_returned))
+        self.storages.append(
+            _Storage(
+                storage.nbytes(),
+                self.block if saved else UNSAVED,
+                weakref.ref(storage),
+                after=self.last_returned,
+            )
+        )
         self.live[key] = len(self.storages) - 1
         return self.live[key]
 
@@ -279,18 +292,34 @@ class _Recorder:
     def saved_after(self, b: int) -> int:
         """Bytes saved outside every block between block ``b``'s call and the next block's, not shared
         (``b`` = -1: before the first block)."""
-        return sum(s.nbytes for i, s in enumerate(self.storages)
-                   if s.block is None and s.after == b and not self.shared(i))
+        return sum(
+            s.nbytes
+            for i, s in enumerate(self.storages)
+            if s.block is None and s.after == b and not self.shared(i)
+        )
 
-    def input_bytes(self, b: int, entries: list[int], *, only_scope: str | None = None, min_bytes: int = 0,
-                    unsaved: bool = False) -> int:
+    def input_bytes(
+        self,
+        b: int,
+        entries: list[int],
+        *,
+        only_scope: str | None = None,
+        min_bytes: int = 0,
+        unsaved: bool = False,
+    ) -> int:
         """Bytes of block ``b``'s inputs (or its FFN regions') that a region of ``b`` would be alone to keep:
         not shared, not saved outside the blocks or by an earlier block (those hold them anyway). ``unsaved``:
         only those block ``b`` does not save either."""
         total, seen = 0, set()
         for e in entries:
             s = self.storages[e]
-            if e in seen or self.shared(e) or s.block is None or 0 <= s.block < b or (unsaved and s.block == b):
+            if (
+                e in seen
+                or self.shared(e)
+                or s.block is None
+                or 0 <= s.block < b
+                or (unsaved and s.block == b)
+            ):
                 continue
             if only_scope is not None and s.block == b and s.scopes != {only_scope}:
                 continue  # also saved outside the region: held whatever the region does
@@ -301,11 +330,20 @@ class _Recorder:
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
     """The non-parameter tensors inside (nested) call arguments."""
-    return [t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)]
+    return [
+        t for t in tree_flatten(obj)[0] if isinstance(t, torch.Tensor) and not isinstance(t, nn.Parameter)
+    ]
 
 
-def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs: dict, *, min_offload_bytes: int,
-                  copy_bytes_per_second: float | None) -> ModelProfile:
+def profile_model(
+    model: nn.Module,
+    adapter: FamilyAdapter,
+    args: tuple,
+    kwargs: dict,
+    *,
+    min_offload_bytes: int,
+    copy_bytes_per_second: float | None,
+) -> ModelProfile:
     """Profile ``model(*args, **kwargs)`` (called as ``model.forward``: model hooks do not fire).
 
     Runs two forwards: one with gradients (bytes and FLOPs, nothing held), one without (time).
@@ -320,8 +358,11 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
     memory = ForwardMemory(device, len(blocks), attention=[a for _, a in regions]) if cuda else None
     handles = _profile_hooks(rec, blocks, regions, memory)
     try:
-        with torch.enable_grad(), FlopCounterMode(display=False) as rec.counter, \
-                torch.autograd.graph.saved_tensors_hooks(rec.pack, _never_unpacked):
+        with (
+            torch.enable_grad(),
+            FlopCounterMode(display=False) as rec.counter,
+            torch.autograd.graph.saved_tensors_hooks(rec.pack, _never_unpacked),
+        ):
             out = model.forward(*args, **kwargs)
         del out
     finally:
@@ -334,33 +375,46 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
     profiles = []
     for b, ((path, index, block), (ffn, attention)) in enumerate(zip(blocks, regions, strict=True)):
         own = [s for i, s in enumerate(rec.storages) if s.block == b and not rec.shared(i)]
-        profiles.append(BlockProfile(
-            path=path, index=index,
-            saved_bytes=sum(s.nbytes for s in own),
-            input_bytes=rec.input_bytes(b, rec.block_inputs[b]),
-            input_parkable_bytes=rec.input_bytes(b, rec.block_inputs[b], min_bytes=min_offload_bytes),
-            ffn_saved_bytes=sum(s.nbytes for s in own if s.scopes == {"ffn"}),
-            ffn_input_bytes=rec.input_bytes(b, rec.ffn_inputs[b], only_scope="ffn"),
-            ffn_input_parkable_bytes=rec.input_bytes(b, rec.ffn_inputs[b], only_scope="ffn",
-                                                     min_bytes=min_offload_bytes),
-            attention_bytes=sum(s.nbytes for s in own if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes),
-            attention_copy_bytes=sum(s.attention_copy_bytes(min_offload_bytes) for s in own
-                                     if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes),
-            flops=rec.block_flops[b],
-            ffn_flops=rec.ffn_flops[b],
-            has_ffn=bool(ffn), has_attention=bool(attention),
-            attention_saves=sum(s.attention_saves(min_offload_bytes) for s in own
-                                if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes),
-            attention_hook_calls=rec.attention_hook_calls[b],
-            backward_peak_bytes=runs[b].peak_bytes if runs[b] is not None else 0,
-            forward_peak_bytes=runs[b].forward_peak_bytes if runs[b] is not None else 0,
-            backward_only_peak_bytes=runs[b].backward_peak_bytes if runs[b] is not None else 0,
-            attention_backward_peak_bytes=runs[b].attention_peak_bytes if runs[b] is not None else 0,
-            ffn_input_unsaved_bytes=rec.input_bytes(b, rec.ffn_inputs[b], only_scope="ffn", unsaved=True),
-            attention_calls=rec.attention_calls[b],
-            saved_after_bytes=rec.saved_after(b),
-            trainable_bytes=_trainable_bytes(block.parameters()),
-        ))
+        profiles.append(
+            BlockProfile(
+                path=path,
+                index=index,
+                saved_bytes=sum(s.nbytes for s in own),
+                input_bytes=rec.input_bytes(b, rec.block_inputs[b]),
+                input_parkable_bytes=rec.input_bytes(b, rec.block_inputs[b], min_bytes=min_offload_bytes),
+                ffn_saved_bytes=sum(s.nbytes for s in own if s.scopes == {"ffn"}),
+                ffn_input_bytes=rec.input_bytes(b, rec.ffn_inputs[b], only_scope="ffn"),
+                ffn_input_parkable_bytes=rec.input_bytes(
+                    b, rec.ffn_inputs[b], only_scope="ffn", min_bytes=min_offload_bytes
+                ),
+                attention_bytes=sum(
+                    s.nbytes for s in own if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes
+                ),
+                attention_copy_bytes=sum(
+                    s.attention_copy_bytes(min_offload_bytes)
+                    for s in own
+                    if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes
+                ),
+                flops=rec.block_flops[b],
+                ffn_flops=rec.ffn_flops[b],
+                has_ffn=bool(ffn),
+                has_attention=bool(attention),
+                attention_saves=sum(
+                    s.attention_saves(min_offload_bytes)
+                    for s in own
+                    if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes
+                ),
+                attention_hook_calls=rec.attention_hook_calls[b],
+                backward_peak_bytes=runs[b].peak_bytes if runs[b] is not None else 0,
+                forward_peak_bytes=runs[b].forward_peak_bytes if runs[b] is not None else 0,
+                backward_only_peak_bytes=runs[b].backward_peak_bytes if runs[b] is not None else 0,
+                attention_backward_peak_bytes=runs[b].attention_peak_bytes if runs[b] is not None else 0,
+                ffn_input_unsaved_bytes=rec.input_bytes(b, rec.ffn_inputs[b], only_scope="ffn", unsaved=True),
+                attention_calls=rec.attention_calls[b],
+                saved_after_bytes=rec.saved_after(b),
+                trainable_bytes=_trainable_bytes(block.parameters()),
+            )
+        )
     # (an input of several blocks counts too: every checkpointed region among them holds it; what is saved
     # outside the blocks after one of them is that block's ``saved_after_bytes``)
     outside = rec.saved_after(-1) + sum(s.nbytes for i, s in enumerate(rec.storages) if rec.shared(i))
@@ -373,18 +427,25 @@ def profile_model(model: nn.Module, adapter: FamilyAdapter, args: tuple, kwargs:
     # (off CUDA a second measured rate would make plans depend on noisy timings: the block rate serves)
     ffn_rate = round_rate(ffn_flops / ffn_seconds) if cuda and ffn_seconds > 0 and ffn_flops > 0 else None
     return ModelProfile(
-        blocks=tuple(profiles), device=str(device), static_bytes=static, outside_bytes=outside,
+        blocks=tuple(profiles),
+        device=str(device),
+        static_bytes=static,
+        outside_bytes=outside,
         workspace_bytes=workspace,
-        flops_per_second=rate, ffn_flops_per_second=ffn_rate,
+        flops_per_second=rate,
+        ffn_flops_per_second=ffn_rate,
         copy_bytes_per_second=round_rate(copy_bytes_per_second, down=True, per_octave=8)
-        if copy_bytes_per_second else None,
+        if copy_bytes_per_second
+        else None,
         counts_transient=cuda,
         attention_shared_copy_bytes=attention_copies - sum(p.attention_copy_bytes for p in profiles),
         attention_shared_saves=attention_saves - sum(p.attention_saves for p in profiles),
         backward_to_forward=_measured_backward_to_forward(runs) or 1.0 + _trainable_share(blocks),
         forward_with_grad=_forward_with_grad(runs, seconds),
         # (a weight shared by several blocks counts in each of them: never below 0)
-        outside_trainable_bytes=max(0, _trainable_bytes(model.parameters()) - sum(p.trainable_bytes for p in profiles)),
+        outside_trainable_bytes=max(
+            0, _trainable_bytes(model.parameters()) - sum(p.trainable_bytes for p in profiles)
+        ),
     )
 
 
@@ -422,19 +483,27 @@ def _trainable_share(blocks: list) -> float:
 
 
 def _never_unpacked(_: Any) -> torch.Tensor:
-    raise RuntimeError("memfit's profiling forward holds no activations; its graph must not be backpropagated")
+    raise RuntimeError(
+        "memfit's profiling forward holds no activations; its graph must not be backpropagated"
+    )
 
 
 def _profile_hooks(rec: _Recorder, blocks: list, regions: list, memory: ForwardMemory | None) -> list[Any]:
     handles = []
     for b, ((_, _, block), (ffn, attention)) in enumerate(zip(blocks, regions, strict=True)):
-        handles.append(block.register_forward_pre_hook(
-            lambda m, a, k, b=b: rec.enter_block(b, a, k), with_kwargs=True))
+        handles.append(
+            block.register_forward_pre_hook(lambda m, a, k, b=b: rec.enter_block(b, a, k), with_kwargs=True)
+        )
         handles.append(block.register_forward_hook(lambda m, a, o, b=b: rec.leave_block(b), always_call=True))
         if memory is not None:
-            handles.append(block.register_forward_pre_hook(
-                lambda m, a, k, b=b: memory.enter(b, m, a, k), with_kwargs=True))
-            handles.append(block.register_forward_hook(lambda m, a, o, b=b: memory.leave(b), always_call=True))
+            handles.append(
+                block.register_forward_pre_hook(
+                    lambda m, a, k, b=b: memory.enter(b, m, a, k), with_kwargs=True
+                )
+            )
+            handles.append(
+                block.register_forward_hook(lambda m, a, o, b=b: memory.leave(b), always_call=True)
+            )
         for chain in ffn:
             handles.append(chain[0].register_forward_pre_hook(rec.enter_ffn, with_kwargs=True))
             handles.append(chain[-1].register_forward_hook(rec.leave_ffn, always_call=True))
@@ -444,8 +513,16 @@ def _profile_hooks(rec: _Recorder, blocks: list, regions: list, memory: ForwardM
     return handles
 
 
-def _time_blocks(model: nn.Module, blocks: list, regions: list, args: tuple, kwargs: dict, *, cuda: bool,
-                 device: torch.device) -> tuple[float, float]:
+def _time_blocks(
+    model: nn.Module,
+    blocks: list,
+    regions: list,
+    args: tuple,
+    kwargs: dict,
+    *,
+    cuda: bool,
+    device: torch.device,
+) -> tuple[float, float]:
     """Seconds the blocks, and the FFN regions inside them, take in one forward without gradients (the FLOP
     rates' denominators)."""
     marks: dict[str, list[tuple[Any, Any]]] = {"block": [], "ffn": []}
@@ -483,4 +560,5 @@ def _time_blocks(model: nn.Module, blocks: list, regions: list, args: tuple, kwa
         if cuda:
             return sum(a.elapsed_time(b) for a, b in marks[kind] if b is not None) / 1e3
         return sum(b - a for a, b in marks[kind] if b is not None)
+
     return total("block"), total("ffn")

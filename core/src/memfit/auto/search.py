@@ -50,8 +50,12 @@ class _Copies:
 
     def __init__(self, problem: Problem) -> None:
         if problem.depth > 2:
-            raise NotImplementedError("the search follows at most two copies reloaded ahead (PREFETCH_DEPTH <= 2)")
-        sizes = sorted({c.copied for opts in problem.options for c in opts if c.copied}) if problem.depth else []
+            raise NotImplementedError(
+                "the search follows at most two copies reloaded ahead (PREFETCH_DEPTH <= 2)"
+            )
+        sizes = (
+            sorted({c.copied for opts in problem.options for c in opts if c.copied}) if problem.depth else []
+        )
         self.sizes = [0, *sizes]
         self.index = {s: i for i, s in enumerate(self.sizes)}
         self.n = len(self.sizes)
@@ -79,6 +83,7 @@ class _Copies:
 def cheapest(problem: Problem, capacity: int, room: int) -> list[Choice] | None:
     """The least-seconds picks with Σ kept ≤ ``capacity`` units and, where own peaks count, every block's
     ``need`` on top of the kept bytes before it within ``room`` bytes (None: no such plan)."""
+
     def step(value: torch.Tensor, c: Choice, ahead: int, w: int) -> tuple[torch.Tensor, int]:
         last = capacity - w
         if problem.own_counts:
@@ -108,9 +113,12 @@ def smallest(problem: Problem, capacity: int, workspace: int) -> list[Choice]:
     return picks
 
 
-def _run(problem: Problem, capacity: int,
-         step: Callable[[torch.Tensor, Choice, int, int], tuple[torch.Tensor, int]],
-         final: Callable[[torch.Tensor, int], torch.Tensor]) -> list[Choice] | None:
+def _run(
+    problem: Problem,
+    capacity: int,
+    step: Callable[[torch.Tensor, Choice, int, int], tuple[torch.Tensor, int]],
+    final: Callable[[torch.Tensor, int], torch.Tensor],
+) -> list[Choice] | None:
     """The programme: ``step`` gives a choice's values over the reachable prefixes (and the last prefix it may
     follow), cells keep the least; ``final`` scores the end cells."""
     if capacity < 0:

@@ -113,8 +113,9 @@ class Frame:
         stats: counters to update.
     """
 
-    def __init__(self, key: Any, modules: list[torch.nn.Module], scope: str, stash: Stash,
-                 stats: FrameStats) -> None:
+    def __init__(
+        self, key: Any, modules: list[torch.nn.Module], scope: str, stash: Stash, stats: FrameStats
+    ) -> None:
         self.key = key
         self.expected = modules
         self.scope = scope
@@ -161,7 +162,9 @@ class Frame:
         self.calls.append(call)
         index = len(self.calls) - 1
         # a partial, not a lambda: one Python frame less per saved tensor
-        self._hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, index), self._unpack)
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(
+            functools.partial(self._pack, index), self._unpack
+        )
         self._hooks.__enter__()
         state.enter_region_call()
         self.stats.calls += 1
@@ -270,8 +273,11 @@ class Frame:
             entries.append(value)
         outputs: list[list[Any]] = []
         filler = _Filler(self)
-        with torch.enable_grad(), state.recompute_scope(), \
-                torch.autograd.graph.saved_tensors_hooks(filler.pack, filler.unpack):
+        with (
+            torch.enable_grad(),
+            state.recompute_scope(),
+            torch.autograd.graph.saved_tensors_hooks(filler.pack, filler.unpack),
+        ):
             for index, call in enumerate(self.calls):
                 flat = [self._resolve(leaf, entries, outputs) for leaf in call.leaves]
                 args, kwargs = tree_unflatten(flat, call.spec)

@@ -142,7 +142,9 @@ class RegionEngine:
         handles = self._region_handles.setdefault(module, [])
         handles.append(module.register_forward_pre_hook(eager_hook(self._region_pre_hook), with_kwargs=True))
         handles.append(
-            module.register_forward_hook(eager_hook(self._region_post_hook), with_kwargs=True, always_call=True)
+            module.register_forward_hook(
+                eager_hook(self._region_post_hook), with_kwargs=True, always_call=True
+            )
         )
         if eager_body and "forward" not in module.__dict__:
             # Inside a compiled block (compile_repeated_blocks), a sub-block region's body would be compiled
@@ -187,7 +189,8 @@ class RegionEngine:
             return
         current = self._locate()
         if current.keys() == self.hook_sites.keys() and all(
-                current[m].modules == self.hook_sites[m].modules for m in current):
+            current[m].modules == self.hook_sites[m].modules for m in current
+        ):
             return
         for module in list(self.hook_sites):
             self._remove_region_hooks(module)
@@ -269,7 +272,7 @@ class RegionEngine:
             return frame
         self._close_open()
         stash = (site.stash_factory or self.stash_factory)()
-        frame = Frame(site.key, list(site.modules[site.position:]), site.scope, stash, self.stats)
+        frame = Frame(site.key, list(site.modules[site.position :]), site.scope, stash, self.stats)
         self._open = frame
         return frame
 
@@ -325,6 +328,7 @@ class RegionEngine:
 # with attention modules), and model code that calls ``module.forward(...)`` instead of ``module(...)``. A
 # forward with grad in which none of them ran is therefore an error.
 
+
 class HookRuns:
     """Counts the runs of memfit's hooks on some modules (``what``: their kind, for the message) and, at the end
     of a forward with grad, requires that at least one ran."""
@@ -368,8 +372,13 @@ def eager_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
     return torch.compiler.disable(fn, recursive=True)
 
 
-def chain_sites(key_prefix: tuple, chain: Sequence[nn.Module], scope: str, *,
-                stash_factory: Callable[[], Stash] | None = None) -> list[tuple[nn.Module, RegionSite]]:
+def chain_sites(
+    key_prefix: tuple,
+    chain: Sequence[nn.Module],
+    scope: str,
+    *,
+    stash_factory: Callable[[], Stash] | None = None,
+) -> list[tuple[nn.Module, RegionSite]]:
     """Sites for a chain of modules that form one region."""
     modules = tuple(chain)
     return [(m, RegionSite(key_prefix, modules, i, scope, stash_factory)) for i, m in enumerate(modules)]
@@ -377,5 +386,8 @@ def chain_sites(key_prefix: tuple, chain: Sequence[nn.Module], scope: str, *,
 
 def diffusers_block_entry(model: nn.Module, adapter: Any) -> bool:
     """Whether blocks are entered through diffusers' ``gradient_checkpointing_func`` (else: block hooks)."""
-    return bool(getattr(model, "_supports_gradient_checkpointing", False)) and hasattr(
-        model, "enable_gradient_checkpointing") and (adapter is None or adapter.block_entry == "auto")
+    return (
+        bool(getattr(model, "_supports_gradient_checkpointing", False))
+        and hasattr(model, "enable_gradient_checkpointing")
+        and (adapter is None or adapter.block_entry == "auto")
+    )

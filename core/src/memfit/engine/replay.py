@@ -52,7 +52,8 @@ class CallContext:
                 torch.cuda.set_rng_state(state, device)
             for ac in self.autocast:
                 stack.enter_context(
-                    torch.autocast(ac.device_type, dtype=ac.dtype, enabled=ac.enabled,
-                                   cache_enabled=self.autocast_cache)
+                    torch.autocast(
+                        ac.device_type, dtype=ac.dtype, enabled=ac.enabled, cache_enabled=self.autocast_cache
+                    )
                 )
             yield

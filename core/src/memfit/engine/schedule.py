@@ -31,8 +31,9 @@ class BlockSlot:
         return ("block", self.list_path, self.chunk_start)
 
 
-def plan_blocks(list_lengths: Mapping[str, int], *, interval: int, stride: int | None) -> dict[
-        tuple[str, int], BlockSlot]:
+def plan_blocks(
+    list_lengths: Mapping[str, int], *, interval: int, stride: int | None
+) -> dict[tuple[str, int], BlockSlot]:
     """Map ``(list_path, index)`` of every checkpointed block to its :class:`BlockSlot`.
 
     Blocks absent from the result run normally.

@@ -211,10 +211,19 @@ class CopyEngine:
 
     parks_cpu_tensors = False  # CPU tensors stay where they are: there is no device memory to free
 
-    def __init__(self, pool: PinnedBucketPool, *, max_inflight_bytes: int = 2 << 30, timing: bool = True,
-                 streams: StreamApi | None = None, coalesce_max_bytes: int = COALESCE_MAX_BYTES) -> None:
+    def __init__(
+        self,
+        pool: PinnedBucketPool,
+        *,
+        max_inflight_bytes: int = 2 << 30,
+        timing: bool = True,
+        streams: StreamApi | None = None,
+        coalesce_max_bytes: int = COALESCE_MAX_BYTES,
+    ) -> None:
         if coalesce_max_bytes < 0:
-            raise ValueError(f"coalesce_max_bytes must be 0 (never coalesce) or more, not {coalesce_max_bytes}")
+            raise ValueError(
+                f"coalesce_max_bytes must be 0 (never coalesce) or more, not {coalesce_max_bytes}"
+            )
         self.pool = pool
         self.max_inflight_bytes = max_inflight_bytes
         self.coalesce_max_bytes = coalesce_max_bytes
@@ -243,16 +252,22 @@ class CopyEngine:
             total = sum(t.numel() * t.element_size() for t in tensors)
             if total <= self.coalesce_max_bytes:
                 return self._offload_coalesced(tensors, compute)
-            shared = [m for m in _by_storage(tensors)
-                      if len(m) > 1 and _whole_storage_bytes([tensors[i] for i in m]) is not None]
+            shared = [
+                m
+                for m in _by_storage(tensors)
+                if len(m) > 1 and _whole_storage_bytes([tensors[i] for i in m]) is not None
+            ]
             if shared:  # each such storage once, straight from the source (a lone piece is not packed)
                 out: list[Parked | None] = [None] * len(tensors)
                 for members in shared:
-                    for i, p in zip(members, self._offload_coalesced([tensors[i] for i in members], compute),
-                                    strict=True):
+                    for i, p in zip(
+                        members, self._offload_coalesced([tensors[i] for i in members], compute), strict=True
+                    ):
                         out[i] = p
                 rest = [i for i, p in enumerate(out) if p is None]
-                for i, p in zip(rest, self._offload_separately([tensors[i] for i in rest], compute), strict=True):
+                for i, p in zip(
+                    rest, self._offload_separately([tensors[i] for i in rest], compute), strict=True
+                ):
                     out[i] = p
                 return out  # type: ignore[return-value]
         return self._offload_separately(tensors, compute)
@@ -282,9 +297,20 @@ class CopyEngine:
             if src is not tensor:
                 api.record_stream(tensor, self._d2h)
             total += nbytes
-            out.append(Parked(buf, src.shape, src.dtype, tensor.device, nbytes, weakref.ref(tensor),
-                              tensor._version, d2h_done=done, stride=src.stride(),
-                              storage=weakref.ref(tensor.untyped_storage())))
+            out.append(
+                Parked(
+                    buf,
+                    src.shape,
+                    src.dtype,
+                    tensor.device,
+                    nbytes,
+                    weakref.ref(tensor),
+                    tensor._version,
+                    d2h_done=done,
+                    stride=src.stride(),
+                    storage=weakref.ref(tensor.untyped_storage()),
+                )
+            )
         self.stats.bytes_offloaded += total
         self._track_inflight(done, total, compute)
         return out
@@ -295,7 +321,9 @@ class CopyEngine:
         Views that together cover their storage go in as that storage's bytes, once (see "Shared storages")."""
         api = self.streams
         pieces: list[torch.Tensor] = []
-        placed: dict[int, tuple[tuple[int, ...], int, int]] = {}  # index in tensors -> (stride, offset, nbytes)
+        placed: dict[
+            int, tuple[tuple[int, ...], int, int]
+        ] = {}  # index in tensors -> (stride, offset, nbytes)
         offset = copied = 0
         for members in _by_storage(tensors):
             whole = _whole_storage_bytes([tensors[i] for i in members])
@@ -304,7 +332,11 @@ class CopyEngine:
                 pieces.append(whole)
                 for i in members:
                     t = tensors[i]
-                    placed[i] = (t.stride(), offset + t.storage_offset() * t.element_size(), t.numel() * t.element_size())
+                    placed[i] = (
+                        t.stride(),
+                        offset + t.storage_offset() * t.element_size(),
+                        t.numel() * t.element_size(),
+                    )
                 offset += whole.numel()
                 copied += whole.numel()
                 continue
@@ -333,9 +365,22 @@ class CopyEngine:
         out = []
         for i, tensor in enumerate(tensors):
             stride, at, nbytes = placed[i]
-            out.append(Parked(buf, tensor.shape, tensor.dtype, tensor.device, nbytes, ref(tensor), tensor._version,
-                              d2h_done=done, stride=stride, storage=ref(tensor.untyped_storage()), group=group,
-                              offset=at))
+            out.append(
+                Parked(
+                    buf,
+                    tensor.shape,
+                    tensor.dtype,
+                    tensor.device,
+                    nbytes,
+                    ref(tensor),
+                    tensor._version,
+                    d2h_done=done,
+                    stride=stride,
+                    storage=ref(tensor.untyped_storage()),
+                    group=group,
+                    offset=at,
+                )
+            )
         self.stats.bytes_offloaded += copied
         self.stats.coalesced_batches += 1
         self._track_inflight(done, offset, compute)
@@ -375,7 +420,9 @@ class CopyEngine:
 
     def reload(self, parked: Parked) -> None:
         """Issue the reload of ``parked`` (idempotent; holds the source instead while it is still alive)."""
-        if parked.reloaded is None:  # (every fetch passes here: the usual case returns without building a batch)
+        if (
+            parked.reloaded is None
+        ):  # (every fetch passes here: the usual case returns without building a batch)
             self.reload_many([parked])
 
     def reload_many(self, parked: list[Parked]) -> None:
@@ -383,7 +430,9 @@ class CopyEngine:
         event (per tensor, stream and event calls cost ~10 us of host time each: a launch-bound step feels
         them)."""
         # (a region lists a tensor it saved twice twice: one reload each)
-        todo = [p for p in {id(p): p for p in parked}.values() if p.reloaded is None and not self._hold_source(p)]
+        todo = [
+            p for p in {id(p): p for p in parked}.values() if p.reloaded is None and not self._hold_source(p)
+        ]
         if not todo:
             return
         api = self.streams
@@ -399,8 +448,12 @@ class CopyEngine:
                 groups[id(p.group)] = p.group
             parking_copies[id(p.d2h_done)] = p.d2h_done
         # allocated on compute: the memory is free for us only after compute's earlier work
-        outs = [torch.empty_strided(p.shape, p.stride or contiguous_stride(p.shape), dtype=p.dtype,
-                                    device=p.device) for p in singles]
+        outs = [
+            torch.empty_strided(
+                p.shape, p.stride or contiguous_stride(p.shape), dtype=p.dtype, device=p.device
+            )
+            for p in singles
+        ]
         packed = {key: torch.empty(g.nbytes, dtype=torch.uint8, device=device) for key, g in groups.items()}
         ready = api.new_event()
         ready.record(compute)
@@ -413,7 +466,7 @@ class CopyEngine:
                 assert p.buffer is not None
                 out.copy_(p.buffer.strided_view(p.dtype, p.shape, out.stride()), non_blocking=p.buffer.pinned)
             for key, group in groups.items():
-                packed[key].copy_(group.buffer.tensor[:group.nbytes], non_blocking=group.buffer.pinned)
+                packed[key].copy_(group.buffer.tensor[: group.nbytes], non_blocking=group.buffer.pinned)
             done = api.new_event()
             done.record(h2d)
         for out in outs:
@@ -532,8 +585,17 @@ class SyncCopyEngine(CopyEngine):
         buf = self.pool.acquire(nbytes)
         buf.strided_view(src.dtype, src.shape, src.stride()).copy_(src)
         self.stats.bytes_offloaded += nbytes
-        return Parked(buf, src.shape, src.dtype, tensor.device, nbytes, weakref.ref(tensor), tensor._version,
-                      stride=src.stride(), storage=weakref.ref(tensor.untyped_storage()))
+        return Parked(
+            buf,
+            src.shape,
+            src.dtype,
+            tensor.device,
+            nbytes,
+            weakref.ref(tensor),
+            tensor._version,
+            stride=src.stride(),
+            storage=weakref.ref(tensor.untyped_storage()),
+        )
 
     def reload_many(self, parked: list[Parked]) -> None:
         for p in parked:
@@ -577,12 +639,18 @@ def _whole_storage_bytes(views: list[torch.Tensor]) -> torch.Tensor | None:
     first = views[0]
     storage_bytes = first.untyped_storage().nbytes()
     extents = {(v.storage_offset() * v.element_size(), v.numel() * v.element_size()) for v in views}
-    if not storage_bytes or sum(n for _, n in extents) < storage_bytes or storage_bytes % first.element_size():
+    if (
+        not storage_bytes
+        or sum(n for _, n in extents) < storage_bytes
+        or storage_bytes % first.element_size()
+    ):
         return None
     return first.as_strided((storage_bytes // first.element_size(),), (1,), 0).view(torch.uint8)
 
 
-def _member_view(buffer: torch.Tensor, parked: Parked, typed: dict[tuple[int, torch.dtype], Any]) -> torch.Tensor:
+def _member_view(
+    buffer: torch.Tensor, parked: Parked, typed: dict[tuple[int, torch.dtype], Any]
+) -> torch.Tensor:
     """``parked``'s tensor in ``buffer`` (its group's packed ``uint8`` buffer), with its strides: one
     ``as_strided`` on the buffer viewed as its dtype (made once per group and dtype, in ``typed``), not a slice,
     a view and an ``as_strided`` per tensor (~5 us of host time each). Where the buffer's length is no multiple
@@ -593,8 +661,11 @@ def _member_view(buffer: torch.Tensor, parked: Parked, typed: dict[tuple[int, to
     if whole is typed:
         whole = typed[key] = buffer.view(dtype) if buffer.numel() % dtype.itemsize == 0 else None
     if whole is None:
-        return buffer[parked.offset:parked.offset + parked.nbytes].view(dtype).as_strided(parked.shape,
-                                                                                           parked.stride)
+        return (
+            buffer[parked.offset : parked.offset + parked.nbytes]
+            .view(dtype)
+            .as_strided(parked.shape, parked.stride)
+        )
     return whole.as_strided(parked.shape, parked.stride, parked.offset // dtype.itemsize)
 
 

@@ -141,11 +141,30 @@ class HostBuffer:
         pooled: returns to its bucket on release (pinned buffers); pageable buffers are freed.
     """
 
-    __slots__ = ("_pool", "_tensor", "_serial", "_state", "_ready", "nbytes", "size_class", "pinned",
-                 "pooled", "footprint", "_views")
+    __slots__ = (
+        "_pool",
+        "_tensor",
+        "_serial",
+        "_state",
+        "_ready",
+        "nbytes",
+        "size_class",
+        "pinned",
+        "pooled",
+        "footprint",
+        "_views",
+    )
 
-    def __init__(self, pool: PinnedBucketPool, tensor: torch.Tensor, nbytes: int, size_class: int,
-                 pinned: bool, pooled: bool, footprint: int) -> None:
+    def __init__(
+        self,
+        pool: PinnedBucketPool,
+        tensor: torch.Tensor,
+        nbytes: int,
+        size_class: int,
+        pinned: bool,
+        pooled: bool,
+        footprint: int,
+    ) -> None:
         self._pool = pool
         self._tensor: torch.Tensor | None = tensor
         self._serial = -1
@@ -206,7 +225,9 @@ class HostBuffer:
         if capacity % dtype.itemsize:
             storage = storage[: capacity - capacity % dtype.itemsize]
         view = storage.view(dtype).as_strided(shape, stride)
-        if len(self._views) >= _VIEWS_KEPT:  # shapes that change every step (aspect-ratio buckets): start afresh
+        if (
+            len(self._views) >= _VIEWS_KEPT
+        ):  # shapes that change every step (aspect-ratio buckets): start afresh
             self._views.clear()
         self._views[key] = view
         return view
@@ -257,8 +278,16 @@ class PoolStats:
         return self.hits / total if total else 0.0
 
 
-_COUNTERS = ("hits", "misses", "pinned_allocations", "pinned_bytes_allocated", "evictions", "fallbacks",
-             "overflows", "waits")
+_COUNTERS = (
+    "hits",
+    "misses",
+    "pinned_allocations",
+    "pinned_bytes_allocated",
+    "evictions",
+    "fallbacks",
+    "overflows",
+    "waits",
+)
 
 
 def _identity(n: int) -> int:
@@ -301,10 +330,13 @@ class PinnedBucketPool:
             raise ConfigError(
                 f"{MAX_BUCKETS_KEY} must be an integer >= 0 (0 = pageable memory only), got {max_buckets!r}"
             )
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not isinstance(max_bytes, int)
-                                      or max_bytes < 0):
+        if max_bytes is not None and (
+            isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0
+        ):
             raise ConfigError(f"max_bytes must be None (no cap) or an integer >= 0, got {max_bytes!r}")
-        if host_reserve_bytes is not None and (not isinstance(host_reserve_bytes, int) or host_reserve_bytes < 0):
+        if host_reserve_bytes is not None and (
+            not isinstance(host_reserve_bytes, int) or host_reserve_bytes < 0
+        ):
             raise ConfigError(f"host_reserve_bytes must be an integer >= 0, got {host_reserve_bytes!r}")
         k = classes_per_doubling
         if isinstance(k, bool) or not isinstance(k, int) or k < 1 or k > 64 or k & (k - 1):
@@ -314,11 +346,14 @@ class PinnedBucketPool:
         self.max_buckets = max_buckets
         self.max_bytes = max_bytes
         self.pageable_fallback = bool(pageable_fallback)
-        self.host_reserve_bytes = (hostmem.default_host_reserve() if host_reserve_bytes is None
-                                   else host_reserve_bytes)
+        self.host_reserve_bytes = (
+            hostmem.default_host_reserve() if host_reserve_bytes is None else host_reserve_bytes
+        )
         self.classes_per_doubling = k
         self._allocate = hostmem.allocate_host if default_alloc else allocate
-        self._available = hostmem.available_host_bytes if available_host_bytes is None else available_host_bytes
+        self._available = (
+            hostmem.available_host_bytes if available_host_bytes is None else available_host_bytes
+        )
         self._footprint = _identity if footprint is None else footprint
 
         self._lock = threading.RLock()
@@ -427,8 +462,10 @@ class PinnedBucketPool:
 
     def __repr__(self) -> str:
         s = self.stats()
-        return (f"PinnedBucketPool(max_buckets={self.max_buckets}, max_bytes={self.max_bytes}, "
-                f"buckets={s.buckets}, pinned={_fmt(s.pinned_bytes_held)}, in_use={s.buffers_in_use})")
+        return (
+            f"PinnedBucketPool(max_buckets={self.max_buckets}, max_bytes={self.max_bytes}, "
+            f"buckets={s.buckets}, pinned={_fmt(s.pinned_bytes_held)}, in_use={s.buffers_in_use})"
+        )
 
     # -- internals (lock held) ---------------------------------------------------------------------------------
 
@@ -446,7 +483,9 @@ class PinnedBucketPool:
 
     def _release(self, buf: HostBuffer, ready: ReadyEvent | None) -> None:
         if not isinstance(buf, HostBuffer) or buf._pool is not self:
-            raise MemfitError(f"{buf!r} was not handed out by this pool; release it to the pool it came from.")
+            raise MemfitError(
+                f"{buf!r} was not handed out by this pool; release it to the pool it came from."
+            )
         if buf._state != _IN_USE or self._in_use.pop(buf._serial, None) is not buf:
             raise MemfitError(
                 f"{buf!r} was released twice. Each acquire() must be matched by exactly one release(); "
@@ -535,37 +574,53 @@ class PinnedBucketPool:
         need = int(self._footprint(c))
         if self.max_bytes is not None:
             if need > self.max_bytes:
-                return self._fall_back(nbytes, (
-                    f"one host buffer of {_fmt(need)} (for a {_fmt(nbytes)} tensor) is larger than the "
-                    f"pinned byte cap max_bytes={_fmt(self.max_bytes)}"), cause=None)
+                return self._fall_back(
+                    nbytes,
+                    (
+                        f"one host buffer of {_fmt(need)} (for a {_fmt(nbytes)} tensor) is larger than the "
+                        f"pinned byte cap max_bytes={_fmt(self.max_bytes)}"
+                    ),
+                    cause=None,
+                )
             over = self._pinned_held + need - self.max_bytes
             if over > 0 and self._free_idle_others(over, c) < over:
-                return self._fall_back(nbytes, (
-                    f"pinning {_fmt(need)} more would exceed the pinned byte cap max_bytes="
-                    f"{_fmt(self.max_bytes)}: {_fmt(self._pinned_held)} pinned, {_fmt(self._pinned_in_use)} "
-                    f"of it in use by tensors still waiting for backward"), cause=None)
+                return self._fall_back(
+                    nbytes,
+                    (
+                        f"pinning {_fmt(need)} more would exceed the pinned byte cap max_bytes="
+                        f"{_fmt(self.max_bytes)}: {_fmt(self._pinned_held)} pinned, {_fmt(self._pinned_in_use)} "
+                        f"of it in use by tensors still waiting for backward"
+                    ),
+                    cause=None,
+                )
         headroom = self._headroom()
         if need > headroom:
             self._free_idle_others(need - headroom, c)
             headroom = self._headroom()
             if need > headroom:
-                return self._fall_back(nbytes, (
-                    f"not enough host RAM to pin {_fmt(need)} for an offloaded tensor of {_fmt(nbytes)}: "
-                    f"{_fmt(max(0, headroom + self.host_reserve_bytes))} available, "
-                    f"{_fmt(self.host_reserve_bytes)} of it kept in reserve for the rest of the process "
-                    f"(host_reserve_bytes), {_fmt(self._pinned_held)} already pinned by this pool"),
-                    cause=None)
+                return self._fall_back(
+                    nbytes,
+                    (
+                        f"not enough host RAM to pin {_fmt(need)} for an offloaded tensor of {_fmt(nbytes)}: "
+                        f"{_fmt(max(0, headroom + self.host_reserve_bytes))} available, "
+                        f"{_fmt(self.host_reserve_bytes)} of it kept in reserve for the rest of the process "
+                        f"(host_reserve_bytes), {_fmt(self._pinned_held)} already pinned by this pool"
+                    ),
+                    cause=None,
+                )
         try:
             tensor = self._allocate(c, True)
         except (RuntimeError, MemoryError) as first:
             if not self._free_idle_others(self._pinned_held, c):
-                return self._fall_back(nbytes, f"pinning {_fmt(need)} of host memory failed ({first})",
-                                       cause=first)
+                return self._fall_back(
+                    nbytes, f"pinning {_fmt(need)} of host memory failed ({first})", cause=first
+                )
             try:
                 tensor = self._allocate(c, True)
             except (RuntimeError, MemoryError) as second:
-                return self._fall_back(nbytes, f"pinning {_fmt(need)} of host memory failed ({second})",
-                                       cause=second)
+                return self._fall_back(
+                    nbytes, f"pinning {_fmt(need)} of host memory failed ({second})", cause=second
+                )
         self._check_tensor(tensor, c)
         self.pinned_allocations += 1
         self.pinned_bytes_allocated += need
@@ -585,7 +640,8 @@ class PinnedBucketPool:
             warnings.warn(
                 f"memfit offload: {problem}; using pageable host memory for this and later such tensors "
                 f"(slower copies that do not overlap compute). This warning is shown once.",
-                MemfitWarning, stacklevel=4,
+                MemfitWarning,
+                stacklevel=4,
             )
         return buf
 
@@ -598,7 +654,8 @@ class PinnedBucketPool:
                 f"memfit offload: tensors of more than {self.max_buckets} size classes are in flight at once, "
                 f"so some use pageable host memory (slower copies). Raise {MAX_BUCKETS_KEY} "
                 f"(currently {self.max_buckets}) to pool them all. This warning is shown once.",
-                MemfitWarning, stacklevel=3,
+                MemfitWarning,
+                stacklevel=3,
             )
         return buf
 
@@ -614,15 +671,24 @@ class PinnedBucketPool:
             )
         tensor = self._allocate(nbytes, False)
         self._check_tensor(tensor, nbytes)
-        return self._hand_out(HostBuffer(self, tensor, nbytes, nbytes, pinned=False, pooled=False,
-                                         footprint=0))
+        return self._hand_out(
+            HostBuffer(self, tensor, nbytes, nbytes, pinned=False, pooled=False, footprint=0)
+        )
 
     @staticmethod
     def _check_tensor(tensor: Any, nbytes: int) -> None:
-        if (not isinstance(tensor, torch.Tensor) or tensor.dtype != torch.uint8 or tensor.dim() != 1
-                or tensor.device.type != "cpu" or tensor.numel() < nbytes):
-            desc = (f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}" if isinstance(tensor, torch.Tensor)
-                    else type(tensor).__name__)
+        if (
+            not isinstance(tensor, torch.Tensor)
+            or tensor.dtype != torch.uint8
+            or tensor.dim() != 1
+            or tensor.device.type != "cpu"
+            or tensor.numel() < nbytes
+        ):
+            desc = (
+                f"{tuple(tensor.shape)} {tensor.dtype} on {tensor.device}"
+                if isinstance(tensor, torch.Tensor)
+                else type(tensor).__name__
+            )
             raise MemfitError(
                 f"the pool's allocate({nbytes}, ...) returned {desc}; it must return a 1-D torch.uint8 CPU "
                 f"tensor of at least {nbytes} elements."

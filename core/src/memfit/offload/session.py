@@ -64,8 +64,14 @@ class OffloadSession:
         prefetch_depth: at most how many regions ahead (in backward order) to reload (:data:`PREFETCH_DEPTH`).
     """
 
-    def __init__(self, copy_engine: CopyEngine, model: nn.Module, *, min_offload_bytes: int = 1 << 20,
-                 prefetch_depth: int = PREFETCH_DEPTH) -> None:
+    def __init__(
+        self,
+        copy_engine: CopyEngine,
+        model: nn.Module,
+        *,
+        min_offload_bytes: int = 1 << 20,
+        prefetch_depth: int = PREFETCH_DEPTH,
+    ) -> None:
         self.copy = copy_engine
         self.model = model
         self.min_offload_bytes = min_offload_bytes
@@ -98,8 +104,10 @@ class OffloadSession:
             # global hooks: held weakly (a model dropped without remove() must not be kept alive by them),
             # and removed with the session if remove() is never called
             hook = _weak_hook(self._tensors_registered)
-            self._registration_hooks += [torch.nn.modules.module.register_module_parameter_registration_hook(hook),
-                                         torch.nn.modules.module.register_module_buffer_registration_hook(hook)]
+            self._registration_hooks += [
+                torch.nn.modules.module.register_module_parameter_registration_hook(hook),
+                torch.nn.modules.module.register_module_buffer_registration_hook(hook),
+            ]
             weakref.finalize(self, _remove_hooks, self._registration_hooks)
         if self._static_tensors is None:
             # Only a storage of at least ``min_offload_bytes`` can hold a tensor worth parking (smaller tensors and
@@ -107,8 +115,9 @@ class OffloadSession:
             # a LoRA model's many adapter weights are. The 8x margin covers a later dtype change of the weights
             # (fp8 to fp64) that the cached list would not notice.
             floor = self.min_offload_bytes // 8
-            self._static_tensors = [t for t in (*self.model.parameters(), *self.model.buffers())
-                                    if _storage_nbytes(t) >= floor]
+            self._static_tensors = [
+                t for t in (*self.model.parameters(), *self.model.buffers()) if _storage_nbytes(t) >= floor
+            ]
         self._param_storages = _storage_ptrs(self._static_tensors)
 
     def _tensors_registered(self, module: nn.Module, name: str, tensor: Any) -> None:
@@ -265,7 +274,9 @@ class OffloadSession:
         """
         timeline = self._timeline if timeline is None else timeline
         ahead = visited = 0
-        stop = max(min(index, len(timeline)) - _LOOKAHEAD_SCAN, 0)  # a long run of empty regions: give up there
+        stop = max(
+            min(index, len(timeline)) - _LOOKAHEAD_SCAN, 0
+        )  # a long run of empty regions: give up there
         for j in range(min(index, len(timeline)) - 1, stop - 1, -1):
             region = timeline[j]()
             if region is None:
@@ -293,6 +304,7 @@ def _weak_hook(method: Callable[..., None]) -> Callable[..., None]:
         bound = ref()
         if bound is not None:
             bound(*args)
+
     return hook
 
 
@@ -305,16 +317,26 @@ def _remove_hooks(handles: list[Any]) -> None:
 def _view_key(tensor: torch.Tensor) -> tuple:
     """What makes two tensors the same data: storage address, offset, shape, strides, dtype."""
     # (``tensor.shape`` is a tuple subclass that hashes and compares as the tuple: no copy needed)
-    return (tensor.device, tensor.untyped_storage().data_ptr(), tensor.storage_offset(), tensor.shape,
-            tensor.stride(), tensor.dtype)
+    return (
+        tensor.device,
+        tensor.untyped_storage().data_ptr(),
+        tensor.storage_offset(),
+        tensor.shape,
+        tensor.stride(),
+        tensor.dtype,
+    )
 
 
 def _still_parked(parked: Parked, tensor: torch.Tensor) -> bool:
     """``parked`` still holds ``tensor``'s data: its buffer is held, the storage it copied is the tensor's and
     still alive (so its address was not reused; the view it was copied through may be gone), unmodified since."""
     storage = parked.storage() if parked.storage is not None else None
-    return (parked.buffer is not None and storage is not None and storage is tensor.untyped_storage()
-            and tensor._version == parked.version)
+    return (
+        parked.buffer is not None
+        and storage is not None
+        and storage is tensor.untyped_storage()
+        and tensor._version == parked.version
+    )
 
 
 def device_stash_after_parking(session: OffloadSession) -> Callable[[], DeviceStash]:
@@ -324,9 +346,11 @@ def device_stash_after_parking(session: OffloadSession) -> Callable[[], DeviceSt
     :meth:`OffloadSession.end_step`): only the step's last two regions keep their entries, whatever kind the
     regions after them are.
     """
+
     def make() -> DeviceStash:
         session.region_started()
         return DeviceStash()
+
     return make
 
 

@@ -34,8 +34,11 @@ from memfit_conformance.streams import order_checking_copy_engine
 
 def cpu_copy_engine() -> SyncCopyEngine:
     """Parking into pageable CPU buffers, with the pool's bookkeeping (no CUDA needed)."""
-    pool = PinnedBucketPool(allocate=lambda n, pinned: torch.empty(n, dtype=torch.uint8),
-                            available_host_bytes=lambda: 1 << 40, host_reserve_bytes=0)
+    pool = PinnedBucketPool(
+        allocate=lambda n, pinned: torch.empty(n, dtype=torch.uint8),
+        available_host_bytes=lambda: 1 << 40,
+        host_reserve_bytes=0,
+    )
     return SyncCopyEngine(pool)
 
 
@@ -120,14 +123,20 @@ class AdapterConformance:
         offloads = cfg.offload_attention or (cfg.enabled and cfg.backend.offloads_inputs)
         device = next(model.parameters()).device
         if offloads and device.type == "cpu":
-            return memfit.apply(model, config, adapter=cls.adapter, copy_engine=order_checking_copy_engine(),
-                                min_offload_bytes=0)
+            return memfit.apply(
+                model,
+                config,
+                adapter=cls.adapter,
+                copy_engine=order_checking_copy_engine(),
+                min_offload_bytes=0,
+            )
         if offloads:
             return memfit.apply(model, config, adapter=cls.adapter, min_offload_bytes=0)
         return memfit.apply(model, config, adapter=cls.adapter)
 
-    def _step_with(self, model: nn.Module, inputs: dict[str, Any], config: dict[str, Any],
-                   regime: str = "full") -> tuple[StepResult, dict[str, Any]]:
+    def _step_with(
+        self, model: nn.Module, inputs: dict[str, Any], config: dict[str, Any], regime: str = "full"
+    ) -> tuple[StepResult, dict[str, Any]]:
         with self.apply(model, config) as handle:
             result = self._step(model, inputs, regime)
             result.stats = handle.stats()
@@ -141,7 +150,9 @@ class AdapterConformance:
             f"preset builds {type(model).__name__}"
         )
         assert memfit.find_adapter(model) is not None, "the adapter is not discoverable through entry points"
-        assert "tiny" in self.adapter.presets, "every adapter must ship a 'tiny' preset (tests and CLI default)"
+        assert "tiny" in self.adapter.presets, (
+            "every adapter must ship a 'tiny' preset (tests and CLI default)"
+        )
 
     def test_block_lists_resolve(self, model: nn.Module) -> None:
         try:
@@ -154,7 +165,9 @@ class AdapterConformance:
             f"every declared list is built, or the kit checks nothing for them"
         )
         for path, container in lists.items():
-            assert isinstance(container, nn.ModuleList), f"{path!r} is a {type(container).__name__}, not a ModuleList"
+            assert isinstance(container, nn.ModuleList), (
+                f"{path!r} is a {type(container).__name__}, not a ModuleList"
+            )
             assert len(container) > 0, f"{path!r} is empty at the tiny preset: the kit would check nothing"
 
     def test_gradients_reach_the_declared_inputs(self, reference: dict[str, StepResult]) -> None:
@@ -190,18 +203,33 @@ class AdapterConformance:
                         try:
                             block.get_submodule(sub)
                         except AttributeError:
-                            pytest.fail(f"{kind} region {region} of {path}[{index}]: {sub!r} does not exist on "
-                                        f"{type(block).__name__}")
+                            pytest.fail(
+                                f"{kind} region {region} of {path}[{index}]: {sub!r} does not exist on "
+                                f"{type(block).__name__}"
+                            )
 
     # -- equivalence, counting, saving: every claimed combination --------------------------------------------------
 
-    def test_outputs_and_gradients_equal(self, model: nn.Module, inputs: dict[str, Any],
-                                         reference: dict[str, StepResult], combo: Combination, regime: str) -> None:
+    def test_outputs_and_gradients_equal(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        reference: dict[str, StepResult],
+        combo: Combination,
+        regime: str,
+    ) -> None:
         result, _ = self._step_with(model, inputs, combo.config(), regime)
-        assert_same_step(reference[regime], result, what=f"{self.adapter.name} {combo} ({regime})",
-                         rtol=self.rtol, atol=self.atol)
+        assert_same_step(
+            reference[regime],
+            result,
+            what=f"{self.adapter.name} {combo} ({regime})",
+            rtol=self.rtol,
+            atol=self.atol,
+        )
 
-    def test_every_region_recomputed(self, model: nn.Module, inputs: dict[str, Any], combo: Combination) -> None:
+    def test_every_region_recomputed(
+        self, model: nn.Module, inputs: dict[str, Any], combo: Combination
+    ) -> None:
         with self.apply(model, combo.config()) as handle:
             self._step(model, inputs, "full")
             gc.collect()  # the step's graph is gone: every frame was either recomputed or freed unused
@@ -210,7 +238,9 @@ class AdapterConformance:
             # The last two parking regions of a step (frames of an offloading backend, offloaded attention
             # calls) are never parked: backward needs the last first and reloads the one before as that one's
             # backward begins, so parking them frees nothing at the peak. Two regions or fewer park nothing.
-            frames = self.expected_frames(model, combo) if combo.backend and combo.backend.offloads_inputs else 0
+            frames = (
+                self.expected_frames(model, combo) if combo.backend and combo.backend.offloads_inputs else 0
+            )
             few = frames + stats.get("attention_calls_offloaded", 0) <= 2
             assert (stats["bytes_offloaded"] == 0) if few else (stats["bytes_offloaded"] > 0), (
                 f"{combo}: {stats['bytes_offloaded']} bytes parked"
@@ -225,7 +255,9 @@ class AdapterConformance:
             assert stats["frames"] == 0
             return
         expected = self.expected_frames(model, combo)
-        assert stats["undeclared_block_calls"] == 0, "the model checkpointed blocks the adapter did not declare"
+        assert stats["undeclared_block_calls"] == 0, (
+            "the model checkpointed blocks the adapter did not declare"
+        )
         assert stats["chain_breaks"] == 0, (
             f"{combo}: a declared region chain is not a chain: a later module of it did not consume the output "
             f"of the earlier ones (something else runs in between). Declare the modules as separate regions, "
@@ -243,8 +275,9 @@ class AdapterConformance:
         assert stats["recomputes"] > 0
         assert stats["calls"] == self.expected_calls(model, combo)
 
-    def test_held_bytes_drop(self, model: nn.Module, inputs: dict[str, Any], reference: dict[str, StepResult],
-                             combo: Combination) -> None:
+    def test_held_bytes_drop(
+        self, model: nn.Module, inputs: dict[str, Any], reference: dict[str, StepResult], combo: Combination
+    ) -> None:
         result, _ = self._step_with(model, inputs, combo.config())
         baseline = reference["full"].held_bytes
         assert result.held_bytes < baseline, (
@@ -263,7 +296,9 @@ class AdapterConformance:
 
     def test_interval_chunk_keeps_one_entry_set(self, model: nn.Module, inputs: dict[str, Any]) -> None:
         if not self.adapter.supports_interval:
-            pytest.skip("family declares no interval support (checked by test_interval_warns_when_unsupported)")
+            pytest.skip(
+                "family declares no interval support (checked by test_interval_warns_when_unsupported)"
+            )
         one, s1 = self._step_with(model, inputs, Combination(Backend.TORCH, 1).config())
         two, s2 = self._step_with(model, inputs, Combination(Backend.TORCH, 2).config())
         assert s2["frames"] < s1["frames"]
@@ -309,9 +344,13 @@ class AdapterConformance:
             handle.remove()
             assert list(model.state_dict().keys()) == keys
             for module, snapshot in attrs:
-                assert module.__dict__.keys() == snapshot.keys(), f"{combo}: attributes of {type(module).__name__} changed"
+                assert module.__dict__.keys() == snapshot.keys(), (
+                    f"{combo}: attributes of {type(module).__name__} changed"
+                )
                 for hooks in ("_forward_hooks", "_forward_pre_hooks"):
-                    assert len(module.__dict__[hooks]) == len(snapshot[hooks]), f"{combo}: a hook was left behind"
+                    assert len(module.__dict__[hooks]) == len(snapshot[hooks]), (
+                        f"{combo}: a hook was left behind"
+                    )
                 for name in ("gradient_checkpointing", "_gradient_checkpointing_func"):
                     assert module.__dict__.get(name) is snapshot.get(name)
         with torch.no_grad():
@@ -330,8 +369,11 @@ class AdapterConformance:
         model = self.build_model(device="cuda", dtype=torch.bfloat16)
         preset = self.adapter.presets[self.preset]
         inputs = preset.inputs(model, tokens=self.gpu_tokens, generator=torch.Generator().manual_seed(0))
-        combos = [c for c in claimed_combinations(self.adapter, intervals=(1, 2))
-                  if c.stride is None and c.backend is not None]
+        combos = [
+            c
+            for c in claimed_combinations(self.adapter, intervals=(1, 2))
+            if c.stride is None and c.backend is not None
+        ]
         # Peak memory: frozen base weights (the LoRA case), where activations dominate the peak.
         # Equivalence: all weights trainable, so every parameter gradient is compared too.
         with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
@@ -361,8 +403,13 @@ class AdapterConformance:
                     f"{combo}: peak {result.peak_bytes} rose above the unmodified peak {base_peak}"
                 )
         for combo, result in full:
-            assert_same_step(base["full"], result, what=f"{self.adapter.name} {combo} bf16 cuda",
-                             rtol=self.gpu_rtol, atol=self.gpu_atol)
+            assert_same_step(
+                base["full"],
+                result,
+                what=f"{self.adapter.name} {combo} bf16 cuda",
+                rtol=self.gpu_rtol,
+                atol=self.gpu_atol,
+            )
 
     # -- expectations derived from the declarations (independent of the engine) -------------------------------------
 
@@ -392,5 +439,3 @@ class AdapterConformance:
                     else:
                         total += 1
         return total
-
-

@@ -45,8 +45,9 @@ class Combination:
         return f"{self.backend.value}-i{self.interval}{stride}{attn}"
 
 
-def claimed_combinations(adapter: FamilyAdapter, *, intervals: tuple[int, ...] = (1, 2, 3),
-                         offload: bool = True) -> list[Combination]:
+def claimed_combinations(
+    adapter: FamilyAdapter, *, intervals: tuple[int, ...] = (1, 2, 3), offload: bool = True
+) -> list[Combination]:
     """What the adapter claims, to be checked.
 
     ``torch`` / ``torch-ffn``: every interval × stride {none, interval, 2×interval}. With ``offload``:
@@ -55,7 +56,9 @@ def claimed_combinations(adapter: FamilyAdapter, *, intervals: tuple[int, ...] =
     (with a stride, so that some blocks run outside checkpointed segments and their attention is parked).
     """
     out = []
-    backends = [Backend.TORCH, Backend.TORCH_FFN] + ([Backend.UNSLOTH, Backend.UNSLOTH_FFN] if offload else [])
+    backends = [Backend.TORCH, Backend.TORCH_FFN] + (
+        [Backend.UNSLOTH, Backend.UNSLOTH_FFN] if offload else []
+    )
     for backend in backends:
         if backend.ffn_only and not adapter.has_ffn:
             continue
@@ -108,8 +111,13 @@ def _peak_memory(device: torch.device) -> Iterator[list[int]]:
         box.append(torch.cuda.max_memory_allocated(device))
 
 
-def run_step(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], torch.Tensor], *,
-             grad_inputs: tuple[str, ...] = ("hidden_states",)) -> StepResult:
+def run_step(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    *,
+    grad_inputs: tuple[str, ...] = ("hidden_states",),
+) -> StepResult:
     """One forward + backward. Named floating inputs get ``requires_grad``; parameter grads are collected."""
     model.zero_grad(set_to_none=True)
     inputs = dict(inputs)
@@ -134,21 +142,25 @@ def run_step(model: nn.Module, inputs: dict[str, Any], loss_fn: Callable[[Any], 
     )
 
 
-def assert_same_step(expected: StepResult, actual: StepResult, *, what: str, rtol: float = 0.0,
-                     atol: float = 0.0) -> None:
+def assert_same_step(
+    expected: StepResult, actual: StepResult, *, what: str, rtol: float = 0.0, atol: float = 0.0
+) -> None:
     """Outputs, loss and every gradient equal (bitwise when rtol == atol == 0)."""
 
     def check(name: str, a: torch.Tensor, b: torch.Tensor) -> None:
         if rtol == 0 and atol == 0:
             if not torch.equal(a, b):
                 diff = (a.float() - b.float()).abs().max().item()
-                raise AssertionError(f"{what}: {name} differs from the unmodified model (max abs diff {diff:.3e})")
+                raise AssertionError(
+                    f"{what}: {name} differs from the unmodified model (max abs diff {diff:.3e})"
+                )
         else:
             torch.testing.assert_close(b, a, rtol=rtol, atol=atol, msg=lambda m: f"{what}: {name}: {m}")
 
     if len(expected.outputs) != len(actual.outputs):
-        raise AssertionError(f"{what}: the model returned {len(actual.outputs)} tensors, expected "
-                             f"{len(expected.outputs)}")
+        raise AssertionError(
+            f"{what}: the model returned {len(actual.outputs)} tensors, expected {len(expected.outputs)}"
+        )
     for i, (a, b) in enumerate(zip(expected.outputs, actual.outputs, strict=True)):
         check(f"output {i}", a, b)
     check("loss", expected.loss, actual.loss)

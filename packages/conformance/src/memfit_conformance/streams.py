@@ -74,7 +74,9 @@ class RecordingStreams(StreamApi):
 
     @contextlib.contextmanager
     def use(self, stream: RecordingStream, *, restore: RecordingStream) -> Iterator[None]:
-        assert restore is self.current, f"a switch to {stream.name} would restore {restore.name}, not the current"
+        assert restore is self.current, (
+            f"a switch to {stream.name} would restore {restore.name}, not the current"
+        )
         self.current = stream
         self.log.append(("use", stream.name))
         try:
@@ -112,19 +114,24 @@ class OrderCheckingEngine(CopyEngine):
         for p in pending:
             if p.copied_back:
                 assert p.d2h_done.id in waited, (
-                    f"a reload of {tuple(p.shape)} did not wait for the device-to-host copy it reads")
+                    f"a reload of {tuple(p.shape)} did not wait for the device-to-host copy it reads"
+                )
 
     def fetch(self, parked: Parked) -> torch.Tensor:
         out = super().fetch(parked)
         if parked.copied_back and not parked.h2d_done.query():
             assert parked.h2d_done.id in self.streams.waited.get("compute", ()), (
-                f"a reloaded {tuple(parked.shape)} was used before compute waited for its reload")
+                f"a reloaded {tuple(parked.shape)} was used before compute waited for its reload"
+            )
         return out
 
 
 def order_checking_copy_engine(*, landed: bool = False, **kwargs) -> OrderCheckingEngine:
     """An :class:`OrderCheckingEngine` parking into pageable CPU buffers (no CUDA needed); ``kwargs`` go to
     :class:`CopyEngine` (``max_inflight_bytes``, ``timing``, ``coalesce_max_bytes``)."""
-    pool = PinnedBucketPool(allocate=lambda n, pinned: torch.empty(n, dtype=torch.uint8),
-                            available_host_bytes=lambda: 1 << 40, host_reserve_bytes=0)
+    pool = PinnedBucketPool(
+        allocate=lambda n, pinned: torch.empty(n, dtype=torch.uint8),
+        available_host_bytes=lambda: 1 << 40,
+        host_reserve_bytes=0,
+    )
     return OrderCheckingEngine(pool, landed=landed, **kwargs)
