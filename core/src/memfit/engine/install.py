@@ -1,4 +1,4 @@
-"""Put the region engine on a model, and take it off again.
+"""The region engine: hooks that open, continue and close frames on a model, and take themselves off again.
 
 Two entry points feed the same :class:`~memfit.engine.frame.Frame` machinery:
 
@@ -18,17 +18,19 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from memfit.engine import state
 from memfit.engine.frame import Frame, FrameStats
+from memfit.engine.hooks import HookRuns, eager_hook
 from memfit.engine.stash import DeviceStash, Stash
-from memfit.errors import MemfitError, MemfitWarning
+from memfit.errors import MemfitWarning
+from memfit.plan import BlockEntry
 
 
 @dataclass(frozen=True)
@@ -64,62 +66,93 @@ class _AttrSnapshot:
                 self.module.__dict__.pop(name, None)
 
 
+class StepListener(Protocol):
+    """Told when a forward of the model starts, returns or raises (the offload session, the attention offloader)."""
+
+    def new_step(self) -> None: ...
+
+    def end_step(self) -> None: ...
+
+    def abort_step(self) -> None: ...
+
+
 class RegionEngine:
     """Runs frames for one model: decides, per call, whether it opens, continues or closes a frame.
 
+    Built by :func:`memfit.install.install` from a plan; it installs no model hooks of its own: the
+    installation's owner calls :meth:`begin_forward` / :meth:`end_forward` around each forward.
+
     Args:
-        model: the top-level model (its forward end closes any open frame).
-        stash_factory: makes the :class:`Stash` a new frame keeps its entries in.
+        model: the top-level model.
+        stats: the counters every frame updates (shared by the plans of one handle).
+        block_sites: whole-block regions: each checkpointed block's site.
+        known_blocks: every block the plan lists; a known block without a site runs normally (stride gap).
+        block_entry: ``DIFFUSERS`` (the model's checkpointing function) or ``HOOKS`` (block forward hooks).
+        checkpoint_routed: a block the model routes through its checkpointing function without a site of its
+            own is a region of its own (the generic path); else it runs normally when known, or is counted as
+            undeclared and checkpointed alone.
+        hook_blocks: also put forward hooks on the blocks with sites (catches lists the model does not route);
+            off on the generic path, which trusts diffusers' routing.
+        locate: re-resolves the sub-block (FFN chain) sites from the declared paths; called at install and at
+            every forward start, so the hooks follow modules PEFT replaces after installation.
+        step_listeners: told when a forward starts, returns or raises.
+        stash_factory: the default :class:`Stash` of a new frame (a site may name its own).
     """
 
-    def __init__(self, model: nn.Module, *, stash_factory: Callable[[], Stash] = DeviceStash) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        stats: FrameStats,
+        block_sites: Mapping[nn.Module, RegionSite] | None = None,
+        known_blocks: Iterable[nn.Module] = (),
+        block_entry: BlockEntry = BlockEntry.HOOKS,
+        checkpoint_routed: bool = False,
+        hook_blocks: bool = True,
+        locate: Callable[[], dict[nn.Module, RegionSite]] | None = None,
+        step_listeners: Sequence[StepListener] = (),
+        stash_factory: Callable[[], Stash] = DeviceStash,
+    ) -> None:
+        if block_entry is BlockEntry.AUTO:
+            raise ValueError("RegionEngine needs a resolved block entry (DIFFUSERS or HOOKS), got AUTO")
         self.model = model
+        self.stats = stats
+        self.block_sites: dict[nn.Module, RegionSite] = dict(block_sites or {})
+        self.known_blocks: set[nn.Module] = set(known_blocks)
+        self.block_entry = block_entry
+        self.checkpoint_routed = checkpoint_routed
+        self.hook_blocks = hook_blocks
+        self._locate = locate
+        self.hook_sites: dict[nn.Module, RegionSite] = locate() if locate is not None else {}
+        self.step_listeners = tuple(step_listeners)
         self.stash_factory = stash_factory
-        self.stats = FrameStats()
-        self.block_sites: dict[nn.Module, RegionSite] = {}
-        self.hook_sites: dict[nn.Module, RegionSite] = {}
-        # every block the plan knows about; a known block without a site runs normally (stride gap)
-        self.known_blocks: set[nn.Module] = set()
         self._open: Frame | None = None
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._region_handles: dict[nn.Module, list[torch.utils.hooks.RemovableHandle]] = {}
         self._eager_bodies: list[nn.Module] = []
-        self._locate: Callable[[], dict[nn.Module, RegionSite]] | None = None
         self.resyncs = 0  # times the sub-block sites were re-resolved (modules replaced after install)
         self._snapshots: list[_AttrSnapshot] = []
         self._local = threading.local()  # stack of (module, frame) begun by pre-hooks
-        self.block_entry: str = "none"  # "diffusers" | "hooks" | "none"
-        self.hook_blocks = True  # also hook declared blocks (catches lists the model does not route)
         self.undeclared_block_calls = 0
-        # told when a forward starts / ends / raises (the offload session: dedup and timeline per step)
-        self.step_listeners: list[Any] = []
         self.sub_block_hooks = HookRuns("sub-block region")  # runs of the FFN-chain region hooks
 
     # -- installation -------------------------------------------------------------------------------------------
 
-    def install(self, *, model_hooks: bool = True) -> None:
-        """Install the region hooks. ``model_hooks=False``: whoever installs the engine calls
-        :meth:`begin_forward` / :meth:`end_forward` itself (the ``auto`` controller, which swaps engines)."""
-        if model_hooks:
-            self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook))
-            self._handles.append(self.model.register_forward_hook(self._model_post_hook, always_call=True))
-        if self.block_sites or self.block_entry == "diffusers":
-            self._install_block_entry()
-        if self.block_entry != "diffusers":
-            self._switch_off_model_checkpointing()
-        for module in self.hook_sites:
-            self._install_region_hooks(module, eager_body=True)
-
-    def _install_block_entry(self) -> None:
-        if self.block_entry == "diffusers":
+    def install(self) -> None:
+        """Install the block entry and the region hooks."""
+        routes = self.block_entry is BlockEntry.DIFFUSERS and (self.block_sites or self.checkpoint_routed)
+        if routes:
             self._snapshots = [_AttrSnapshot.take(m) for m in self.model.modules()]
             self.model.enable_gradient_checkpointing(gradient_checkpointing_func=self.checkpoint_block)
-        # Hooks on the declared blocks too: a block list the model does not route through its
-        # checkpointing function is still caught. A block entered through `checkpoint_block` is
-        # already inside a region call, so its hooks then do nothing.
+        else:
+            self._switch_off_model_checkpointing()
+        # Hooks on the declared blocks too: a block list the model does not route through its checkpointing
+        # function is still caught. A block entered through `checkpoint_block` is already inside a region
+        # call, so its hooks then do nothing.
         if self.hook_blocks:
             for module in self.block_sites:
                 self._install_region_hooks(module)
+        for module in self.hook_sites:
+            self._install_region_hooks(module, eager_body=True)
 
     def _switch_off_model_checkpointing(self) -> None:
         """Blocks entered through hooks: the model's own checkpointing (diffusers' or transformers'
@@ -162,9 +195,6 @@ class RegionEngine:
 
     def remove(self) -> None:
         self._close_open()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
         for module in list(self._region_handles):
             self._remove_region_hooks(module)
         for snap in self._snapshots:
@@ -172,17 +202,6 @@ class RegionEngine:
         self._snapshots.clear()
 
     # -- modules replaced after install (PEFT add_adapter / unload_lora) ------------------------------------------
-
-    def watch(self, locate: Callable[[], dict[nn.Module, RegionSite]]) -> None:
-        """Re-resolve the sub-block sites at every forward start with ``locate`` (declared paths -> modules).
-
-        PEFT's ``add_adapter`` / ``inject_adapter_in_model`` replace a targeted ``nn.Linear`` by a LoRA
-        wrapper that calls the original as ``base_layer``, and ``unload_lora`` puts the original back. A
-        hook left on the old object still fires (or never does) but no longer covers the module at the
-        declared path: the LoRA branch would run outside the region and the next call of the chain would
-        keep its input, silently losing the saving. So the hooks follow the modules.
-        """
-        self._locate = locate
 
     def _sync_sites(self) -> None:
         if self._locate is None:
@@ -289,12 +308,6 @@ class RegionEngine:
         if frame.closed:
             self._forget(frame)
 
-    def _model_pre_hook(self, module: nn.Module, args: tuple) -> None:
-        self.begin_forward()
-
-    def _model_post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self.end_forward(failed=output is None and sys.exc_info()[0] is not None)
-
     def begin_forward(self) -> None:
         """The model's forward starts."""
         self._close_open()
@@ -320,58 +333,6 @@ class RegionEngine:
             self.sub_block_hooks.end(len(self.hook_sites))
 
 
-# -- Hooks that never run ---------------------------------------------------------------------------------------
-# Sub-block regions (FFN chains) and attention offload work through hooks on modules inside the blocks. Two
-# things skip them silently, and then nothing is checkpointed or parked there: a block that already ran
-# compiled before memfit was applied (Dynamo does not guard on the hooks of the submodules it inlines,
-# ``torch._dynamo.config.skip_nnmodule_hook_guards``, so it keeps running the code traced without them; seen
-# with attention modules), and model code that calls ``module.forward(...)`` instead of ``module(...)``. A
-# forward with grad in which none of them ran is therefore an error.
-
-
-class HookRuns:
-    """Counts the runs of memfit's hooks on some modules (``what``: their kind, for the message) and, at the end
-    of a forward with grad, requires that at least one ran."""
-
-    __slots__ = ("what", "count", "_at_start")
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.count = 0  # the hooks add 1 per run
-        self._at_start: int | None = None  # ``count`` when a forward with grad began, else None
-
-    def begin(self) -> None:
-        """A forward with grad begins."""
-        self._at_start = self.count
-
-    def cancel(self) -> None:
-        """Nothing to check (no forward with grad running, or it raised)."""
-        self._at_start = None
-
-    def end(self, modules: int) -> None:
-        """The forward returned; ``modules``: how many modules carry the hooks now.
-
-        Raises:
-            MemfitError: a forward with grad ran none of them (see "Hooks that never run").
-        """
-        start, self._at_start = self._at_start, None
-        if start is None or not modules or self.count > start:
-            return
-        raise MemfitError(
-            f"memfit's hooks on {modules} {self.what} modules did not run in this forward, so nothing was "
-            f"checkpointed or offloaded there. Either the blocks ran compiled (torch.compile, "
-            f"compile_repeated_blocks) before memfit was applied, and the compiled code does not see hooks added "
-            f"later: apply memfit before the first compiled forward, or call torch._dynamo.reset() after "
-            f"memfit.apply(). Or the model calls these modules as module.forward(...), which skips hooks: declare "
-            f"boundaries it calls as module(...)."
-        )
-
-
-def eager_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run eagerly even inside a ``torch.compile``d module (a graph break, never traced)."""
-    return torch.compiler.disable(fn, recursive=True)
-
-
 def chain_sites(
     key_prefix: tuple,
     chain: Sequence[nn.Module],
@@ -382,12 +343,3 @@ def chain_sites(
     """Sites for a chain of modules that form one region."""
     modules = tuple(chain)
     return [(m, RegionSite(key_prefix, modules, i, scope, stash_factory)) for i, m in enumerate(modules)]
-
-
-def diffusers_block_entry(model: nn.Module, adapter: Any) -> bool:
-    """Whether blocks are entered through diffusers' ``gradient_checkpointing_func`` (else: block hooks)."""
-    return (
-        bool(getattr(model, "_supports_gradient_checkpointing", False))
-        and hasattr(model, "enable_gradient_checkpointing")
-        and (adapter is None or adapter.block_entry == "auto")
-    )

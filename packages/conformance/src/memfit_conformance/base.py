@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 import memfit
-from memfit import Backend, FamilyAdapter, MemfitWarning, UnsupportedBoundaryError
+from memfit import Backend, BlockPolicy, FamilyAdapter, MemfitWarning, UnsupportedBoundaryError
 from memfit.offload.copy import SyncCopyEngine
 from memfit.offload.pool import PinnedBucketPool
 from memfit_conformance.harness import (
@@ -235,13 +235,17 @@ class AdapterConformance:
             gc.collect()  # the step's graph is gone: every frame was either recomputed or freed unused
             stats = handle.stats()
         if combo.offloads:
-            # The last two parking regions of a step (frames of an offloading backend, offloaded attention
-            # calls) are never parked: backward needs the last first and reloads the one before as that one's
-            # backward begins, so parking them frees nothing at the peak. Two regions or fewer park nothing.
-            frames = (
-                self.expected_frames(model, combo) if combo.backend and combo.backend.offloads_inputs else 0
+            # The regions of the step's timeline: every frame (parked or keeping its entries), every offloaded
+            # attention call, and every block a stride leaves out that keeps everything. The last two are never
+            # parked: backward needs the last first and reloads the one before as that one's backward begins,
+            # so parking them frees nothing at the peak. Two regions or fewer park nothing.
+            frames = self.expected_frames(model, combo) if combo.backend else 0
+            kept_blocks = sum(1 for b in handle.region_plan.blocks if b.policy is BlockPolicy.KEEP)
+            regions = frames + stats["attention_calls_offloaded"] + kept_blocks
+            assert stats["step_regions"] == regions, (
+                f"{combo}: {stats['step_regions']} regions in the step's offload timeline, expected {regions}"
             )
-            few = frames + stats.get("attention_calls_offloaded", 0) <= 2
+            few = regions <= 2
             assert (stats["bytes_offloaded"] == 0) if few else (stats["bytes_offloaded"] > 0), (
                 f"{combo}: {stats['bytes_offloaded']} bytes parked"
             )
