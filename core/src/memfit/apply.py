@@ -17,7 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit.adapters.discovery import find_adapter
+from memfit.adapters.discovery import find_adapter, get_adapter
 from memfit.adapters.spec import FamilyAdapter
 from memfit.auto.budget_planner import BudgetPlanner
 from memfit.config import Backend, MemfitConfig, as_config
@@ -40,7 +40,7 @@ def apply(
     config: MemfitConfig | Mapping[str, Any] | str | None = None,
     /,
     *,
-    adapter: FamilyAdapter | None = None,
+    adapter: FamilyAdapter | str | None = None,
     strict: bool = True,
     copy_engine: CopyEngine | None = None,
     min_offload_bytes: int = 1 << 20,
@@ -52,7 +52,8 @@ def apply(
         model: the transformer (a diffusers model, or any model an installed adapter serves).
         config: a dict of SPEC §1 keys (a trainer's JSON pasted as is), a :class:`MemfitConfig`,
             or a path to a JSON file. Keyword arguments override single keys.
-        adapter: use this adapter instead of looking one up from the model's class.
+        adapter: use this adapter (or the installed adapter of this family name) instead of looking one up
+            from the model's class.
         strict: reject unknown keys (default). ``strict=False`` ignores keys that do not start
             with ``gradient_checkpointing`` (a full trainer config).
         copy_engine: for the offload backends, the engine that parks tensors in host memory; default
@@ -64,6 +65,7 @@ def apply(
         A :class:`MemfitHandle`; ``handle.remove()`` restores the model exactly.
 
     Raises:
+        TypeError: ``model`` is not a module, or ``adapter`` neither an adapter nor a family name.
         ConfigError: a key or value is invalid.
         UnsupportedBoundaryError: the family has not declared the requested scope.
         NotAvailableError: the backend cannot run here.
@@ -76,6 +78,18 @@ def apply(
         >>> handle.remove()
     """
     cfg = as_config(config, strict=strict, **overrides)
+    if not isinstance(model, nn.Module):
+        raise TypeError(
+            f"memfit.apply(model, ...) needs the model as a torch.nn.Module (the transformer), got "
+            f"{type(model).__name__}. Pass the model itself, e.g. memfit.apply(pipeline.transformer, config)."
+        )
+    if isinstance(adapter, str):
+        adapter = get_adapter(adapter)
+    elif adapter is not None and not isinstance(adapter, FamilyAdapter):
+        raise TypeError(
+            f"adapter must be a memfit FamilyAdapter or an installed family's name (e.g. 'flux'), got "
+            f"{type(adapter).__name__}"
+        )
     if model in _applied:
         raise MemfitError(
             f"memfit is already applied to this {type(model).__name__}; call handle.remove() on the "

@@ -20,6 +20,7 @@ from torch import nn
 
 from memfit.adapters.spec import FamilyAdapter
 from memfit.engine.frame import FrameStats
+from memfit.engine.hooks import Attached
 from memfit.install import Installation, install
 from memfit.offload.session import OffloadSession
 from memfit.plan import RegionPlan
@@ -94,8 +95,8 @@ class Controller:
         self._signature: Hashable = None
         self._handles: list[Any] = []
         self.installation = self._install(initial)
-        self._handles.append(model.register_forward_pre_hook(self._pre, with_kwargs=True))
-        self._handles.append(model.register_forward_hook(self._post, always_call=True))
+        self._handles.append(model.register_forward_pre_hook(Attached(self._pre), with_kwargs=True))
+        self._handles.append(model.register_forward_hook(Attached(self._post), always_call=True))
 
     def keep_until_removed(self, handle: Any) -> None:
         """Remove ``handle`` (a hook of a helper such as the FSDP2 order guard) together with this controller."""

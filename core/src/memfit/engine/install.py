@@ -9,8 +9,17 @@ Two entry points feed the same :class:`~memfit.engine.frame.Frame` machinery:
 * **sub-module regions** (FFN chains) — removable forward pre/post hooks on the region's
   modules.
 
-``remove()`` restores every attribute it touched exactly (present/absent and value) and
-removes every hook, so the model's state_dict and forward are as before.
+``remove()`` restores every attribute it touched exactly (present/absent and value), including whatever
+the model's own ``enable_gradient_checkpointing`` changed, and removes every hook, so the model's
+state_dict and forward are as before.
+
+Block entry.  Trainer code does not always call the checkpointing function the way diffusers does: some
+models pass a closure or a ``functools.partial`` over the block, and keywords of
+``torch.utils.checkpoint.checkpoint`` (``use_reentrant=False``). Those keywords are taken off (a
+``context_fn`` is refused: memfit cannot honour a selective-checkpoint policy). A closure is run as it is:
+the declared block inside it carries memfit's region hooks too, and those open or continue its region, so
+the interval and stride plan holds exactly as with a block passed directly. A closure in which no declared
+block ran is counted as an undeclared block call and said once (never silently left unsaved).
 """
 
 from __future__ import annotations
@@ -27,9 +36,9 @@ from torch import nn
 
 from memfit.engine import state
 from memfit.engine.frame import Frame, FrameStats
-from memfit.engine.hooks import HookRuns, eager_hook
+from memfit.engine.hooks import Attached, HookRuns, attached_hook, detached_forward, eager_hook
 from memfit.engine.stash import DeviceStash, Stash
-from memfit.errors import MemfitWarning
+from memfit.errors import MemfitError, MemfitWarning
 from memfit.plan import BlockEntry
 
 
@@ -44,17 +53,21 @@ class RegionSite:
     stash_factory: Callable[[], Stash] | None = None  # None: the engine's (a per-block plan mixes them)
 
 
+class _Restorer(Protocol):
+    def restore(self) -> None: ...
+
+
 @dataclass
 class _AttrSnapshot:
+    """Named attributes of one module (present or not, and their values), to put back exactly."""
+
     module: nn.Module
     saved: dict[str, tuple[bool, Any]] = field(default_factory=dict)
 
-    _NAMES = ("gradient_checkpointing", "_gradient_checkpointing_func")
-
     @classmethod
-    def take(cls, module: nn.Module) -> _AttrSnapshot:
+    def take(cls, module: nn.Module, names: Sequence[str]) -> _AttrSnapshot:
         snap = cls(module)
-        for name in cls._NAMES:
+        for name in names:
             snap.saved[name] = (name in module.__dict__, module.__dict__.get(name))
         return snap
 
@@ -64,6 +77,114 @@ class _AttrSnapshot:
                 self.module.__dict__[name] = value
             else:
                 self.module.__dict__.pop(name, None)
+
+
+_MISSING = object()
+
+
+@dataclass
+class ModelSnapshot:
+    """Every module's instance attributes and the model's config, before a call that may change them (the
+    model's own ``enable_gradient_checkpointing``, which can set switches memfit does not know of)."""
+
+    model: nn.Module
+    attrs: dict[nn.Module, dict[str, Any]]
+    config_attrs: dict[str, Any] | None
+    config_items: dict[Any, Any] | None
+
+    @classmethod
+    def take(cls, model: nn.Module) -> ModelSnapshot:
+        config = getattr(model, "config", None)
+        return cls(
+            model,
+            {m: dict(m.__dict__) for m in model.modules()},
+            dict(vars(config)) if config is not None and hasattr(config, "__dict__") else None,
+            dict(config) if isinstance(config, Mapping) else None,
+        )
+
+    def changes(self) -> _Restorer:
+        """What changed since :meth:`take`, as something that puts it back."""
+        restorers: list[_Restorer] = []
+        for module, before in self.attrs.items():
+            after = module.__dict__
+            changed = [
+                k
+                for k in before.keys() | after.keys()
+                if before.get(k, _MISSING) is not after.get(k, _MISSING)
+            ]
+            if changed:
+                restorers.append(
+                    _DictRestorer(module.__dict__, {k: before.get(k, _MISSING) for k in changed})
+                )
+        config = getattr(self.model, "config", None)
+        if self.config_attrs is not None and config is not None and hasattr(config, "__dict__"):
+            restorers.append(_DictRestorer.diff(vars(config), self.config_attrs))
+        if self.config_items is not None and isinstance(config, Mapping):
+            restorers.append(_MappingRestorer.diff(config, self.config_items))
+        return _Restorers(restorers)
+
+
+@dataclass
+class _DictRestorer:
+    target: dict[str, Any]
+    values: dict[str, Any]  # key -> value before (_MISSING: absent)
+
+    @classmethod
+    def diff(cls, target: dict[str, Any], before: dict[str, Any]) -> _DictRestorer:
+        keys = [
+            k for k in before.keys() | target.keys() if before.get(k, _MISSING) is not target.get(k, _MISSING)
+        ]
+        return cls(target, {k: before.get(k, _MISSING) for k in keys})
+
+    def restore(self) -> None:
+        for key, value in self.values.items():
+            if value is _MISSING:
+                self.target.pop(key, None)
+            else:
+                self.target[key] = value
+
+
+@dataclass
+class _MappingRestorer:
+    """A config mapping (diffusers' ``FrozenDict`` refuses item assignment: written through ``dict``'s own)."""
+
+    target: Mapping[Any, Any]
+    values: dict[Any, Any]
+
+    @classmethod
+    def diff(cls, target: Mapping[Any, Any], before: dict[Any, Any]) -> _MappingRestorer:
+        keys = [
+            k for k in before.keys() | target.keys() if before.get(k, _MISSING) is not target.get(k, _MISSING)
+        ]
+        return cls(target, {k: before.get(k, _MISSING) for k in keys})
+
+    def restore(self) -> None:
+        for key, value in self.values.items():
+            if value is _MISSING:
+                dict.pop(self.target, key, None)  # type: ignore[arg-type]
+            else:
+                dict.__setitem__(self.target, key, value)  # type: ignore[index]
+
+
+@dataclass
+class _Restorers:
+    parts: list[_Restorer]
+
+    def restore(self) -> None:
+        for part in reversed(self.parts):
+            part.restore()
+
+
+def plain_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A deep copy's stand-in for memfit's checkpoint function: runs the block, recomputes nothing (the copy
+    has no memfit installed; torch.utils.checkpoint keywords are dropped)."""
+    for key in CHECKPOINT_KEYWORDS:
+        kwargs.pop(key, None)
+    return function(*args, **kwargs)
+
+
+# keywords torch.utils.checkpoint.checkpoint accepts besides the function's own arguments
+CHECKPOINT_KEYWORDS = ("use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug")
 
 
 class StepListener(Protocol):
@@ -130,9 +251,11 @@ class RegionEngine:
         self._region_handles: dict[nn.Module, list[torch.utils.hooks.RemovableHandle]] = {}
         self._eager_bodies: list[nn.Module] = []
         self.resyncs = 0  # times the sub-block sites were re-resolved (modules replaced after install)
-        self._snapshots: list[_AttrSnapshot] = []
+        self._snapshots: list[_Restorer] = []
         self._local = threading.local()  # stack of (module, frame) begun by pre-hooks
         self.undeclared_block_calls = 0
+        self.block_hook_runs = 0  # runs of the region pre-hook on declared blocks (see _run_closure)
+        self._warned_closure = False
         self.sub_block_hooks = HookRuns("sub-block region")  # runs of the FFN-chain region hooks
 
     # -- installation -------------------------------------------------------------------------------------------
@@ -141,15 +264,21 @@ class RegionEngine:
         """Install the block entry and the region hooks."""
         routes = self.block_entry is BlockEntry.DIFFUSERS and (self.block_sites or self.checkpoint_routed)
         if routes:
-            self._snapshots = [_AttrSnapshot.take(m) for m in self.model.modules()]
-            self.model.enable_gradient_checkpointing(gradient_checkpointing_func=self.checkpoint_block)
+            # whatever the model's enable method changes (its flags, its config, extra switches of its own) is
+            # put back exactly by remove()
+            snapshot = ModelSnapshot.take(self.model)
+            checkpoint = Attached(self.checkpoint_block, detached=lambda memo: plain_checkpoint)
+            self.model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint)
+            self._snapshots.append(snapshot.changes())
         else:
             self._switch_off_model_checkpointing()
         # Hooks on the declared blocks too: a block list the model does not route through its checkpointing
         # function is still caught. A block entered through `checkpoint_block` is already inside a region
         # call, so its hooks then do nothing.
         if self.hook_blocks:
-            for module in self.block_sites:
+            # routed: every known block, so a stride gap's block too tells a closure entry that it ran
+            hooked = [*self.block_sites, *self.known_blocks] if routes else list(self.block_sites)
+            for module in dict.fromkeys(hooked):
                 self._install_region_hooks(module)
         for module in self.hook_sites:
             self._install_region_hooks(module, eager_body=True)
@@ -168,22 +297,24 @@ class RegionEngine:
             stacklevel=5,
         )
         for module in on:
-            self._snapshots.append(_AttrSnapshot.take(module))
+            self._snapshots.append(_AttrSnapshot.take(module, ("gradient_checkpointing",)))
             module.__dict__["gradient_checkpointing"] = False
 
     def _install_region_hooks(self, module: nn.Module, *, eager_body: bool = False) -> None:
         handles = self._region_handles.setdefault(module, [])
-        handles.append(module.register_forward_pre_hook(eager_hook(self._region_pre_hook), with_kwargs=True))
+        handles.append(
+            module.register_forward_pre_hook(attached_hook(self._region_pre_hook), with_kwargs=True)
+        )
         handles.append(
             module.register_forward_hook(
-                eager_hook(self._region_post_hook), with_kwargs=True, always_call=True
+                attached_hook(self._region_post_hook), with_kwargs=True, always_call=True
             )
         )
         if eager_body and "forward" not in module.__dict__:
             # Inside a compiled block (compile_repeated_blocks), a sub-block region's body would be compiled
             # in forward but run eagerly in the recompute, and the two save different tensors. Running the
             # region eagerly in both keeps them identical (the rest of the block stays compiled).
-            module.forward = eager_hook(module.forward)
+            module.forward = Attached(eager_hook(module.forward), detached=detached_forward(module))
             self._eager_bodies.append(module)
 
     def _remove_region_hooks(self, module: nn.Module) -> None:
@@ -197,7 +328,7 @@ class RegionEngine:
         self._close_open()
         for module in list(self._region_handles):
             self._remove_region_hooks(module)
-        for snap in self._snapshots:
+        for snap in reversed(self._snapshots):
             snap.restore()
         self._snapshots.clear()
 
@@ -220,31 +351,57 @@ class RegionEngine:
 
     # -- block entry through diffusers' gradient checkpointing hook ------------------------------------------------
 
-    def checkpoint_block(self, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        """The ``gradient_checkpointing_func`` diffusers calls for every block."""
+    def checkpoint_block(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The ``gradient_checkpointing_func`` the model calls for every block (see "Block entry").
+
+        Accepts what ``torch.utils.checkpoint.checkpoint`` accepts: the keywords of :data:`CHECKPOINT_KEYWORDS`
+        are taken off (memfit's regions always replay RNG state and never re-enter; a ``context_fn`` is refused).
+        """
+        if kwargs:
+            _take_checkpoint_keywords(kwargs)
         if not state.regions_may_open():
-            return block(*args, **kwargs)
-        site = self.block_sites.get(block)
+            return function(*args, **kwargs)
+        if not isinstance(function, nn.Module) and not self.checkpoint_routed:
+            return self._run_closure(function, args, kwargs)
+        site = self.block_sites.get(function)
         if site is None:
-            if block in self.known_blocks:
-                return block(*args, **kwargs)  # outside every segment: runs normally
+            if function in self.known_blocks:
+                return function(*args, **kwargs)  # outside every segment: runs normally
             if self.block_sites:
                 # A block the adapter did not declare, routed to us by the model: checkpoint it alone
                 # (what diffusers would do) rather than silently running it unsaved.
                 self.undeclared_block_calls += 1
-            site = RegionSite(("block", "undeclared", id(block)), (block,), 0, "block")
-        frame = self._frame_for(site, block)
-        if frame is None:
-            return block(*args, **kwargs)
-        frame.begin_call(block, args, kwargs)
+            site = RegionSite(("block", "undeclared", id(function)), (function,), 0, "block")
+        frame = self._frame_for(site, function)
+        frame.begin_call(function, args, kwargs)
         try:
-            out = block(*args, **kwargs)
+            out = function(*args, **kwargs)
         except BaseException:
             frame.abort_call()
             self._forget(frame)
             raise
         frame.end_call(out)
         self._forget_if_closed(frame)
+        return out
+
+    def _run_closure(self, function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The model passed a closure (or a partial) over a block, not the block: run it, and let the declared
+        block's own region hooks open or continue its region, so the interval/stride plan holds. A closure in
+        which no declared block ran was not checkpointed: counted as undeclared, and said once."""
+        before = self.block_hook_runs
+        out = function(*args, **kwargs)
+        if self.block_hook_runs == before:
+            self.undeclared_block_calls += 1
+            if not self._warned_closure:
+                self._warned_closure = True
+                warnings.warn(
+                    f"{type(self.model).__name__} called its checkpointing function with "
+                    f"{getattr(function, '__qualname__', type(function).__name__)}, in which no block memfit knows "
+                    f"ran: that call was not checkpointed. Declare the block class it runs in the family's "
+                    f"adapter.",
+                    MemfitWarning,
+                    stacklevel=3,
+                )
         return out
 
     # -- hook entry -------------------------------------------------------------------------------------------------
@@ -261,6 +418,7 @@ class RegionEngine:
             self.sub_block_hooks.count += 1
         else:
             site = self.block_sites.get(module)
+            self.block_hook_runs += 1
             if site is None:
                 return
         if not state.regions_may_open():
@@ -331,6 +489,19 @@ class RegionEngine:
             self.sub_block_hooks.cancel()
         else:
             self.sub_block_hooks.end(len(self.hook_sites))
+
+
+def _take_checkpoint_keywords(kwargs: dict[str, Any]) -> None:
+    """Remove ``torch.utils.checkpoint`` keywords from a block call's keywords (see :meth:`checkpoint_block`)."""
+    context_fn = kwargs.pop("context_fn", None)
+    if context_fn is not None and getattr(context_fn, "__name__", "") != "noop_context_fn":
+        raise MemfitError(
+            "the model called its checkpointing function with a context_fn (e.g. a selective-checkpoint "
+            "policy); memfit's regions do not run one. Leave context_fn unset while memfit is applied, or use "
+            "torch.utils.checkpoint without memfit."
+        )
+    for key in CHECKPOINT_KEYWORDS:
+        kwargs.pop(key, None)
 
 
 def chain_sites(

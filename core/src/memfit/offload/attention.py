@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from memfit.engine import state
-from memfit.engine.hooks import HookRuns, eager_hook
+from memfit.engine.hooks import HookRuns, attached_hook
 from memfit.errors import MemfitError
 from memfit.offload.copy import Parked
 from memfit.offload.regions import TimelineRegion
@@ -90,8 +90,8 @@ class AttentionOffloader:
     def install(self) -> None:
         for m in self.modules:
             # eager even inside a compiled block: the hooks manage saved-tensor hooks, never traced
-            self._handles.append(m.register_forward_pre_hook(eager_hook(self._pre)))
-            self._handles.append(m.register_forward_hook(eager_hook(self._post), always_call=True))
+            self._handles.append(m.register_forward_pre_hook(attached_hook(self._pre)))
+            self._handles.append(m.register_forward_hook(attached_hook(self._post), always_call=True))
 
     def remove(self) -> None:
         for h in self._handles:

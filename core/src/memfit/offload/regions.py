@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 
 from memfit.engine import state
-from memfit.engine.hooks import eager_hook
+from memfit.engine.hooks import attached_hook
 from memfit.engine.stash import DeviceStash
 from memfit.offload.copy import Parked
 from memfit.offload.session import OffloadSession
@@ -167,6 +167,8 @@ def mark_keeping_blocks(session: OffloadSession, blocks: list[tuple[nn.Module, i
     kept = {id(block): nbytes for block, nbytes in blocks}
     handles = []
     for block, _ in blocks:
-        handles.append(block.register_forward_pre_hook(eager_hook(started)))
-        handles.append(block.register_forward_hook(eager_hook(returned), with_kwargs=True, always_call=True))
+        handles.append(block.register_forward_pre_hook(attached_hook(started)))
+        handles.append(
+            block.register_forward_hook(attached_hook(returned), with_kwargs=True, always_call=True)
+        )
     return handles
