@@ -14,8 +14,8 @@ Three passes, each only when the previous one found nothing (a path that does no
 2. every region path resolves, no module belongs to two regions, no region lies inside another;
 3. one forward of the unmodified model, observed: every region runs once per block call, every later
    module of a chain consumes an earlier one's output, every attention region calls
-   ``scaled_dot_product_attention`` (or its block says why not), and every FFN region frees a real
-   share of its block's saved bytes when recomputed.
+   ``scaled_dot_product_attention`` (or its block says why not), and every FFN region frees, when
+   recomputed, more bytes than its recompute keeps (see ``MIN_FREED_PER_KEPT``).
 """
 
 from __future__ import annotations
@@ -97,7 +97,16 @@ def check_entry_point(adapter: FamilyAdapter, model: nn.Module) -> list[Problem]
     where = f"entry point group {ENTRY_POINT_GROUP!r}"
     registered = [ep for ep in entry_points(group=ENTRY_POINT_GROUP) if ep.name == adapter.name]
     for ep in entry_points(group=ENTRY_POINT_GROUP):
-        loaded = ep.load()
+        try:
+            loaded = ep.load()
+        except Exception as exc:
+            return [
+                Problem(
+                    f"{where}, entry point {ep.name!r}",
+                    f"loading {ep.value!r} raised {type(exc).__name__}: {exc}",
+                    "fix the import (memfit loads every installed adapter to find the one serving a model)",
+                )
+            ]
         if loaded is adapter and ep.name != adapter.name:
             return [
                 Problem(
@@ -400,8 +409,9 @@ class _RegionRun:
     chain_break: str = ""
     out_of_order: str = ""
     sdpa_calls: int = 0
-    entries: set[tuple[str, int]] = field(default_factory=set)
-    entry_sizes: dict[tuple[str, int], int] = field(default_factory=dict)
+    entries: dict[tuple[str, int], int] = field(
+        default_factory=dict
+    )  # storage -> bytes, kept for a recompute
     active: int = 0
     outputs: list[tuple[torch.Tensor, int]] = field(default_factory=list)  # this call's chain outputs
     next_member: int = 0
@@ -432,12 +442,12 @@ def check_regions_running(
     finally:
         observer.remove()
     problems = []
-    reported: set[tuple[str, str, Region, str]] = set()
+    reported: set[tuple[str, str]] = set()
     for block_run in observer.blocks.values():
         for run in block_run.regions:
             for problem in _region_problems(run, block_run):
-                key = (run.where, run.kind, run.region, problem.what)
-                if key not in reported:  # one line per block class, not per block
+                key = (problem.where, problem.fix)
+                if key not in reported:  # one line per block class and kind of problem, not per block
                     reported.add(key)
                     problems.append(problem)
     return problems
@@ -451,8 +461,8 @@ def _region_problems(run: _RegionRun, block: _BlockRun) -> list[Problem]:
         return [
             Problem(
                 where,
-                f"never ran: the block did not call {run.region[0]!r} at the tiny preset's inputs",
-                "declare only sub-modules the block's forward calls (make the tiny preset call them)",
+                f"never ran: the block did not call {run.region[0]!r} with the preset's inputs",
+                "declare only sub-modules the block's forward calls (and make the tiny preset call them)",
             )
         ]
     if run.out_of_order:
@@ -513,7 +523,7 @@ def _freed_bytes(run: _RegionRun, block: _BlockRun) -> int:
 
 
 def _entry_bytes(run: _RegionRun) -> int:
-    return sum(run.entry_sizes.values())
+    return sum(run.entries.values())
 
 
 def _block_bytes(block: _BlockRun) -> int:
@@ -632,8 +642,7 @@ class _MemberPre:
             )
         for t in tensors:
             if not _is_output(t, run.outputs):
-                run.entries.add(_key(t))
-                run.entry_sizes[_key(t)] = t.untyped_storage().nbytes()
+                run.entries[_key(t)] = t.untyped_storage().nbytes()
         run.member_calls[position] += 1
         run.active += 1
 
