@@ -1,6 +1,6 @@
 """Run a batch of GPU jobs inside one device lease: phases in order, GPU lanes in parallel, one deadline.
 
-    python -m memfit_benchmarks.lease --budget 570 --out "$OUT" fsdp2 "0:gpu 0:bench-frozen 1:families"
+    python3 benchmarks/tools/lease.py --budget 570 --out "$OUT" fsdp2 "0:gpu 0:bench-frozen 1:families"
 
 Each positional argument is a *phase*; phases run one after the other. A phase is a space-separated list of
 ``[GPU:]JOB[@SECONDS]`` items (``@SECONDS`` caps that job below the deadline): items on the same GPU run one after the other (a lane), lanes on different GPUs run at the
@@ -10,10 +10,10 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
 ``summary.txt`` (the device tool returns at most 8 files). Jobs:
 
 - ``gpu`` / ``gpu-<adapter>``: ``nox -s gpu`` (all adapters) or one adapter's GPU half of the kit
-- ``bench-<regime>[,<regime>][,rounds=<n>][,shapes=<i>+<j>][,steps=<s>]``: the synthetic sweep in those
-  regimes (lora, frozen, full), ``n`` round-robin rounds per mode, only the shapes of those indices
-  (``bench-lora,rounds=3``, ``bench-lora,rounds=5,shapes=0``: the 1024-token shape alone), ``s`` timed steps
-  per measurement (a launch-bound 1024-token step varies by tens of percent from one step to the next)
+- ``bench-<config>[,<config>][,rounds=<n>][,shapes=<i>+<j>][,steps=<s>]``: the synthetic sweep in those
+  training configs (lora-all, lora-attn, frozen, full), ``n`` round-robin rounds per mode, only the shapes of
+  those indices (``bench-lora-all,rounds=3``, ``bench-lora-all,rounds=5,shapes=0``: the 1024-token shape
+  alone), ``s`` timed steps per measurement
 - ``families[=<f1>,<f2>][,rounds=<n>]``: every family (or those named) at its published size (``n`` round-robin
   rounds per mode)
 - ``fsdp2``: ``memfit_benchmarks.fsdp2 --nproc 2 --preset full``
@@ -26,7 +26,7 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
   steps per row, ``no-adjacent``: compare with the fixed modes' first measurement (a 14B Wan step takes ~5 s:
   ``auto=wan,3,no-gaps,steps=2,warmup=2`` fits one lane; with one warm-up step auto measured ~2% behind the
   same plan's steady state); a family target's fixed rows are also written as that family's results
-- ``interleaved[=<shape>][,steps=<n>][,compile=<backend>]``: issue 3's step-time ratios with the two modes' steps
+- ``interleaved[=<shape>][,steps=<n>][,compile=<backend>]``: the offload step-time ratios with the two modes' steps
   alternating on two copies of the synthetic stack (``memfit_benchmarks.interleaved``; shape 0 = 1024 tokens, the
   default); ``compile=inductor`` compiles every block first
 - ``memtimeline[=<mode1>+<mode2>][,shape=<i>]``: one step per mode under the allocator's history, what is alive at
@@ -82,13 +82,13 @@ def job_command(job: str, out: Path) -> list[str]:
     if job.startswith("gpu-"):
         return [*nox, f"gpu(adapter='{job.removeprefix('gpu-')}')"]
     if job.startswith("bench-"):
-        regimes, opts = _split_options(job.removeprefix("bench-"), "rounds", "shapes", "steps")
+        configs, opts = _split_options(job.removeprefix("bench-"), "rounds", "shapes", "steps")
         return [
             *nox,
             "bench",
             "--",
-            "--regime",
-            ",".join(regimes),
+            "--configs",
+            ",".join(configs),
             "--out",
             str(out / "synthetic"),
             *_flag("--rounds", opts["rounds"]),
@@ -175,7 +175,7 @@ def job_command(job: str, out: Path) -> list[str]:
         ]
         # a folder per job: two lanes sharing one target's budgets would otherwise write the same file
         return [py, "-m", "memfit_benchmarks.auto_sweep", *args, "--out", str(out / "auto" / job_slug(job))]
-    raise SystemExit(f"unknown job {job!r} (see python -m memfit_benchmarks.lease --help)")
+    raise SystemExit(f"unknown job {job!r} (see benchmarks/tools/lease.py --help)")
 
 
 def parse_phase(phase: str) -> dict[str | None, list[str]]:
