@@ -1,8 +1,14 @@
 # Sourced by the GPU-machine scripts (no network, the machine's own python3 with torch): installs the carried
 # wheels (.whl/, built with `uv build --all-packages -o .whl/`, plus diffusers) into /tmp/site next to the
 # machine's torch, exports the environment the benchmarks run in, and records it in $OUT/env.txt.
+# DRY_RUN=1 (a CPU check of the scripts): nothing is installed and the python3 on PATH is used as it is.
 OUT="${OUT:-/tmp/memfit-out}"
 mkdir -p "$OUT"
+if [ -n "${DRY_RUN:-}" ]; then
+    echo "dry run: $(python3 --version)" | tee "$OUT/env.txt"
+    export PYTHONUNBUFFERED=1
+    return 0
+fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "could not install the carried wheels from .whl/ (carry .whl with the run)" >&2; exit 1; }
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 MEMFIT_NOX_SYSTEM_PYTHON=1

@@ -14,22 +14,24 @@
 # No measurement starts after BUDGET_S seconds (default 500); what ran is written either way (rows left out
 # are marked), in $OUT: env.txt, family-flux-full.json, synthetic.json, summary.md. Estimated from the
 # committed step times: ~110 s for Flux (its 12B model takes ~50 s to build), ~350 s for the synthetic sweep.
+# DRY_RUN=1: install nothing, check every command's options and print the plan (the CPU test runs this).
 set -uo pipefail
 START=$(date +%s)
 BUDGET_S="${BUDGET_S:-500}"
 FLUX_S="${FLUX_S:-170}"  # Flux's own deadline, so that the synthetic sweep keeps its share
 source "$(dirname "$0")/device_env.sh"
 elapsed() { echo "[$(( $(date +%s) - START )) s] $*"; }
+dry="${DRY_RUN:+--dry-run}"
 status=0
 
 elapsed "Flux: memfit torch against diffusers' checkpointing"
 python3 -m memfit_benchmarks.families --family flux --configs lora-all,lora-attn --modes torch,diffusers-ckpt \
-    --rounds 3 --warmup 1 --steps 2 --stop-at $((START + FLUX_S)) --no-render --out "$OUT" || status=1
+    --rounds 3 --warmup 1 --steps 2 --stop-at $((START + FLUX_S)) --no-render --out "$OUT" $dry || status=1
 
 elapsed "synthetic stack: memfit against every peer"
 python3 -m memfit_benchmarks --configs lora-all,lora-attn --shapes 0,1,2,3 \
     --modes peers/peers/checkpoint-peers/checkpoint-peers --warmup 2/1/1/1 --steps 6/3/2/2 \
-    --rounds 3 --stop-at $((START + BUDGET_S)) --no-render --out "$OUT" || status=1
+    --rounds 3 --stop-at $((START + BUDGET_S)) --no-render --out "$OUT" $dry || status=1
 
 elapsed "summary"
 python3 -m memfit_benchmarks.headline --results "$OUT" --summary "$OUT/summary.md" || status=1

@@ -87,8 +87,6 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser, args = _parse(argv)
     device = torch.device(args.device)
     cuda = device.type == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("the benchmark needs CUDA (or --device cpu --shapes tiny for a smoke run)")
     if args.shapes == "tiny":
         shapes = [TINY_SHAPE]
     else:
@@ -99,6 +97,18 @@ def main(argv: list[str] | None = None) -> list[Path]:
     warmup = per_shape_values(parser, "warmup", args.warmup, n, step_count)
     if any(s < 1 for s in steps):
         parser.error("--steps: at least one timed step per measurement")
+    if args.dry_run:
+        for (label, *_), shape_modes, shape_steps, shape_warmup in zip(
+            shapes, modes, steps, warmup, strict=True
+        ):
+            print(
+                f"would measure {label}: configs {[c.value for c in args.configs]}, {args.rounds} rounds of "
+                f"{shape_warmup} warm-up + {shape_steps} timed steps, modes {[m.name for m in shape_modes]}",
+                flush=True,
+            )
+        return []
+    if cuda and not torch.cuda.is_available():
+        raise SystemExit("the benchmark needs CUDA (or --device cpu --shapes tiny for a smoke run)")
     stop = deadline(args.stop_at)
     if cuda:
         torch.backends.cuda.enable_cudnn_sdp(False)

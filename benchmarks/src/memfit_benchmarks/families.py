@@ -216,16 +216,27 @@ def main(argv: list[str] | None = None) -> list[Path]:
         parser.error(str(exc))
     if args.steps < 1:
         parser.error("--steps: at least one timed step per measurement")
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda needs CUDA (use --device cpu --preset tiny for a smoke run)")
-        torch.backends.cuda.enable_cudnn_sdp(False)
     families = default_families() if args.family == "all" else [f.strip() for f in args.family.split(",")]
     installed = memfit.available_adapters()
     missing = [f for f in families if f not in installed]
     if missing:
         raise SystemExit(f"not installed: {missing} (installed: {sorted(installed)})")
+    unknown = [f for f in families if args.preset not in installed[f].presets]
+    if unknown:
+        parser.error(f"--preset {args.preset!r}: {unknown} have no such preset")
+    if args.dry_run:
+        print(
+            f"would measure {families} ({args.preset}): configs {[c.value for c in args.configs]}, {args.rounds} "
+            f"rounds of {args.warmup} warm-up + {args.steps} timed steps, modes {[m.name for m in args.modes]} "
+            "(less those a family does not support)",
+            flush=True,
+        )
+        return []
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda needs CUDA (use --device cpu --preset tiny for a smoke run)")
+        torch.backends.cuda.enable_cudnn_sdp(False)
     out = Path(args.out)
     env = environment("families", device, sdpa=SDPA)
     print(json.dumps(env, indent=1), flush=True)

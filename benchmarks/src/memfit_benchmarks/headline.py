@@ -66,19 +66,19 @@ def _has_peer(entry: dict[str, Any]) -> bool:
     return any(r.get("peer") and measured(r) for r in entry.get("rows", []))
 
 
-def collect(root: Path) -> tuple[dict[tuple[str, str, str], Measured], list[str]]:
+def collect(root: Path) -> tuple[dict[tuple[str, str, str], Measured], dict[str, set[str]]]:
     """The entries under ``root`` that measured a peer, by (sweep, config, shape label or tokens), and every family
-    with any results file.
+    with a results file at its published size, with the token counts measured.
 
     Raises:
         ValueError: two files measure peers for the same (sweep, config, shape).
     """
     found: dict[tuple[str, str, str], Measured] = {}
-    families: set[str] = set()
+    families: dict[str, set[str]] = {}
     for path in results_files(root):
         payload = load(path)
         if payload.get("suite") == "families" and payload.get("preset") == "full":
-            families.add(payload["family"])
+            families.setdefault(payload["family"], set()).add(str(payload.get("tokens")))
         for entry in entries(payload):
             if not _has_peer(entry):
                 continue
@@ -93,7 +93,7 @@ def collect(root: Path) -> tuple[dict[tuple[str, str, str], Measured], list[str]
                     f"two current results for {key}: {found[key].path} and {path}; delete the superseded one"
                 )
             found[key] = Measured(entry, payload, path)
-    return found, sorted(families)
+    return found, families
 
 
 def _cell(entry: dict[str, Any] | None, mode: str, peer: str) -> str:
@@ -162,11 +162,15 @@ def synthetic_table(found: dict[tuple[str, str, str], Measured]) -> list[str]:
     return _table(head, rows)
 
 
-def family_table(found: dict[tuple[str, str, str], Measured], families: list[str]) -> list[str]:
+def _numeric_first(text: str) -> tuple[bool, int, str]:
+    return (not text.isdigit(), int(text) if text.isdigit() else 0, text)
+
+
+def family_table(found: dict[tuple[str, str, str], Measured], families: dict[str, set[str]]) -> list[str]:
     names = sorted(set(families) | {k[0] for k in found if k[0] != "synthetic"})
     rows = []
     for name in names:
-        tokens = sorted({k[2] for k in found if k[0] == name}) or ["-"]
+        tokens = sorted(families.get(name, set()) | {k[2] for k in found if k[0] == name}, key=_numeric_first)
         for token_count in tokens:
             for config, config_name in HEADLINE_CONFIGS.items():
                 hit = found.get((name, config, token_count))
@@ -202,7 +206,7 @@ def headline(root: Path, base: Path) -> str:
     """The headline block's markdown for the results under ``root`` (file paths shown relative to ``base``)."""
     found, families = collect(root)
     limits = ", ".join(f"`{mode}` {limit:.2f}" for mode, limit in PEER_LIMITS.items())
-    lines = [
+    legend = [
         "Each cell: memfit's step time ÷ the peer's / memfit's peak ÷ the peer's, same process, same model, the "
         "step ratio paired by round (median of per-round ratios). Below 1 memfit is faster / leaner. **Bold**: "
         f"over its limit ({limits}; every mode 1.00 at {SHORT_SEQUENCE_TOKENS} tokens or fewer). Peers: `ckpt-block` / `ckpt-ffn` = `torch.utils.checkpoint` (non-reentrant) "
@@ -210,7 +214,8 @@ def headline(root: Path, base: Path) -> str:
         "`save_on_cpu` = `torch.autograd.graph.save_on_cpu(pin_memory=True)`. `offload_attention ÷ bound`: its "
         "step ÷ max(no checkpointing's step, bytes parked per step ÷ measured pinned bandwidth), limit "
         f"{ATTENTION_OFFLOAD_SLACK:.2f}.",
-        "",
+    ]
+    lines = [
         "### Synthetic DiT stack (bf16, flash SDPA, batch 1)",
         "",
         *synthetic_table(found),
@@ -219,6 +224,8 @@ def headline(root: Path, base: Path) -> str:
         f"{HEADLINE_CONFIGS['lora-attn']} LoRA r16)",
         "",
         *family_table(found, families),
+        "",
+        *legend,
         "",
         *_sources(found, base),
     ]

@@ -105,32 +105,18 @@ PEERS_OF: dict[str, tuple[str, ...]] = {
     "offload_attention": (Peer.SAVE_ON_CPU.value, "none"),
 }
 
-# Named sets for ``--modes``: ``peers`` is every main memfit mode with every peer; ``checkpoint-peers`` the
-# checkpointing modes and their checkpoint peers only (what the long sequences need, at a third of the time).
+_PEER_SWEEP = [  # every main memfit mode with every peer
+    m.name
+    for m in ALL_MODES
+    if m.name not in ("torch interval 2", "torch interval 2 stride 4", "torch-ffn + offload_attention")
+]
+# Named sets for ``--modes``; ``checkpoint-peers``: the checkpointing modes and their checkpoint peers only (what the
+# long sequences need, at a third of the time).
 MODE_SETS = {
     "all": [m.name for m in ALL_MODES],
     "memfit": [m.name for m in MODES],
-    "peers": [
-        "none",
-        "torch-ffn",
-        "ckpt-ffn",
-        "unsloth-ffn",
-        "torch",
-        "ckpt-block",
-        "diffusers-ckpt",
-        "unsloth",
-        "offload_attention",
-        "save_on_cpu",
-    ],
-    "checkpoint-peers": [
-        "torch-ffn",
-        "ckpt-ffn",
-        "unsloth-ffn",
-        "torch",
-        "ckpt-block",
-        "diffusers-ckpt",
-        "unsloth",
-    ],
+    "peers": _PEER_SWEEP,
+    "checkpoint-peers": [n for n in _PEER_SWEEP if n not in ("none", "offload_attention", "save_on_cpu")],
 }
 
 

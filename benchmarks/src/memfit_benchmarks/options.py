@@ -7,7 +7,6 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
-from memfit_benchmarks.modes import Mode, select_modes
 from memfit_benchmarks.training import TrainingConfig, parse_configs
 
 T = TypeVar("T")
@@ -56,6 +55,11 @@ def add_sweep_options(parser: argparse.ArgumentParser, *, default_config: str, p
     parser.add_argument("--steps", default="5", help="timed steps per measurement" + each)
     parser.add_argument("--warmup", default="2", help="warm-up steps per measurement" + each)
     parser.add_argument(
+        "--dry-run",
+        action="store_true",
+        help="check the options and print what would be measured, without building a model or needing a GPU",
+    )
+    parser.add_argument(
         "--stop-at",
         type=float,
         default=None,
@@ -86,10 +90,6 @@ def step_count(text: str) -> int:
     if value < 0:
         raise ValueError("steps cannot be negative")
     return value
-
-
-def modes_of(text: str) -> list[Mode]:
-    return select_modes(text)
 
 
 def deadline(stop_at: float | None) -> Callable[[], bool]:
