@@ -13,7 +13,9 @@
 #
 # No measurement starts after BUDGET_S seconds (default 500); what ran is written either way (rows left out
 # are marked), in $OUT: env.txt, family-flux-full.json, synthetic.json, summary.md. Estimated from the
-# committed step times: ~110 s for Flux (its 12B model takes ~50 s to build), ~350 s for the synthetic sweep.
+# committed step times and ~1 s per measurement outside its steps: ~20 s to install, ~110 s for Flux (its 12B
+# model takes ~50 s to build), ~380 s for the synthetic sweep (1024: 45 s, 4096: 46 s, 16384: 68 s, 32 x 4096
+# wide: 32 s per config), ~10 s for the summary: about 8.5 minutes.
 # DRY_RUN=1: install nothing, check every command's options and print the plan (the CPU test runs this).
 set -uo pipefail
 START=$(date +%s)

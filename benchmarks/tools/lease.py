@@ -24,8 +24,8 @@ always time left to pack the results: everything under ``--out`` ends up in ``re
   Wan's gaps with two warm-up steps take longer than one lease's call, ``auto=wan,0,gaps=40GiB:,steps=2,warmup=2``),
   ``k`` alternations of auto and the fixed mode per budget, ``s`` timed and ``w`` warm-up
   steps per row, ``no-adjacent``: compare with the fixed modes' first measurement (a 14B Wan step takes ~5 s:
-  ``auto=wan,3,no-gaps,steps=2,warmup=2`` fits one lane; with one warm-up step auto measured ~2% behind the
-  same plan's steady state); a family target's fixed rows are also written as that family's results
+  ``auto=wan,3,no-gaps,steps=2,warmup=2`` fits one lane; auto plans during its first warm-up step, so give it
+  two); a family target's fixed rows are also written as that family's results
 - ``interleaved[=<shape>][,steps=<n>][,compile=<backend>]``: the offload step-time ratios with the two modes' steps
   alternating on two copies of the synthetic stack (``memfit_benchmarks.interleaved``; shape 0 = 1024 tokens, the
   default); ``compile=inductor`` compiles every block first

@@ -231,8 +231,8 @@ class _Measure:
         row["memory_bytes"] = memory
         row["within_budget"] = None if memory is None else memory <= budget
         if best is not None and row.get("step_s"):
-            # Step times of one mode drift by several % over a run (Flux `unsloth` and an identical auto plan
-            # differed by 12% minutes apart): compare against the fixed mode measured again right after, and
+            # Step times of one mode drift by several % over a run: compare against the fixed mode measured again
+            # right after, and
             # with --pairs N > 1 alternate the two N times and compare medians.
             fixed_steps: list[float] = []
             auto_steps = [row["step_s"]]
