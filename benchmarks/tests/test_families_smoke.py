@@ -51,7 +51,6 @@ def test_families_tiny_flux_cpu_and_render(tmp_path):
             "diffusers-ckpt",
             "torch interval 2",
             "torch interval 2 stride 4",
-            "save_on_cpu",
         ]
         assert set(entry["skipped"]) == {
             "unsloth-ffn",

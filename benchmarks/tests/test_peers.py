@@ -140,3 +140,47 @@ def test_a_chain_called_otherwise_than_declared_is_an_error():
     finally:
         chain.remove()
     assert "forward" not in first.__dict__ and "forward" not in second.__dict__
+
+
+def test_diffusers_checkpointing_is_no_peer_where_its_branch_calls_blocks_differently():
+    pytest.importorskip("memfit_chroma")
+    adapter = memfit.get_adapter("chroma")  # its checkpointing branch drops the single blocks' attention_mask
+    model = adapter.presets["tiny"].build(dtype=torch.float32, device="cpu")
+    assert peers.unsupported(Peer.DIFFUSERS, model, adapter) == (
+        "the family's checkpointing branch does not call its blocks as the normal forward does"
+    )
+
+
+def test_a_failing_peer_is_a_row_and_a_failing_memfit_mode_is_raised(monkeypatch):
+    from memfit_benchmarks import runner
+    from memfit_benchmarks.modes import Mode
+    from memfit_benchmarks.report import row_table
+
+    model, batch, adapter = _synthetic()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot wrap this block")
+
+    monkeypatch.setattr(runner.peers, "install", broken)
+    row = runner.measure_mode(
+        model, batch, adapter.loss, Mode("ckpt-block", None, Peer.CHECKPOINT_BLOCK), adapter=adapter
+    )
+    assert row["failed"] == "RuntimeError: cannot wrap this block" and not row["oom"] and "step_s" not in row
+    torch_row = runner.measure_mode(
+        model,
+        batch,
+        adapter.loss,
+        Mode("torch", {"gradient_checkpointing": True}),
+        adapter=adapter,
+        warmup=0,
+        steps=1,
+    )
+    rows = [torch_row, row]
+    runner.add_ratios(rows)
+    assert torch_row["vs_peer"] == "ckpt-block" and torch_row["peer_failed"].startswith("RuntimeError")
+    assert "| ckpt-block | failed (RuntimeError: cannot wrap this block) |" in "\n".join(row_table(rows))
+    monkeypatch.setattr(runner.memfit, "apply", broken)
+    with pytest.raises(RuntimeError, match="cannot wrap this block"):
+        runner.measure_mode(
+            model, batch, adapter.loss, Mode("torch", {"gradient_checkpointing": True}), adapter=adapter
+        )

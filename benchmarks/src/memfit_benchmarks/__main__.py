@@ -71,7 +71,7 @@ def _parse(argv: list[str]) -> tuple[argparse.ArgumentParser, argparse.Namespace
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--no-render", action="store_true", help="write JSON only")
-    add_sweep_options(parser, default_config="lora-all", per_shape=True)
+    add_sweep_options(parser, default_config="lora-all", default_modes="all", per_shape=True)
     return parser, parser.parse_args(argv)
 
 

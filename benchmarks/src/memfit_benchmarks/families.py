@@ -206,7 +206,13 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--preset", default="full")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rank", type=int, default=16)
-    add_sweep_options(parser, default_config="lora-all", per_shape=False)
+    # save_on_cpu only when named: a video family's activations at full size would not fit in pinned host RAM
+    add_sweep_options(
+        parser,
+        default_config="lora-all",
+        default_modes="memfit,ckpt-block,ckpt-ffn,diffusers-ckpt",
+        per_shape=False,
+    )
     parser.add_argument("--no-render", action="store_true", help="write JSON only")
     args = parser.parse_args(argv)
     try:

@@ -63,7 +63,8 @@ class Measured:
 
 
 def _has_peer(entry: dict[str, Any]) -> bool:
-    return any(r.get("peer") and measured(r) for r in entry.get("rows", []))
+    """Whether the entry ran a peer (measured, out of memory, failed or cut by the deadline)."""
+    return any(r.get("peer") for r in entry.get("rows", []))
 
 
 def collect(root: Path) -> tuple[dict[tuple[str, str, str], Measured], dict[str, set[str]]]:
@@ -113,6 +114,8 @@ def _cell(entry: dict[str, Any] | None, mode: str, peer: str) -> str:
         return f"peer {NOT_YET}"
     if row.get("peer_oom"):
         return f"{row['vs_peer']} OOM, memfit fits"
+    if row.get("peer_failed"):
+        return f"{row['vs_peer']} failed"
     step = f"{row['x_peer']:.3f}"
     limit = peer_limit(mode, entry.get("tokens"))
     if limit is not None and row["x_peer"] > limit:

@@ -26,8 +26,10 @@ def _configs(text: str) -> list[TrainingConfig]:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def add_sweep_options(parser: argparse.ArgumentParser, *, default_config: str, per_shape: bool) -> None:
-    """``--configs``, ``--modes``, ``--rounds``, ``--steps``, ``--warmup`` and ``--stop-at``.
+def add_sweep_options(
+    parser: argparse.ArgumentParser, *, default_config: str, default_modes: str, per_shape: bool
+) -> None:
+    """``--configs``, ``--modes``, ``--rounds``, ``--steps``, ``--warmup``, ``--dry-run`` and ``--stop-at``.
 
     With ``per_shape``, ``--modes``, ``--steps`` and ``--warmup`` take one value per shape separated by ``/``
     (``--steps 8/3/2/2``), or one value for every shape (:func:`per_shape_values` parses them).
@@ -42,8 +44,10 @@ def add_sweep_options(parser: argparse.ArgumentParser, *, default_config: str, p
     )
     parser.add_argument(
         "--modes",
-        default="all",
-        help="mode names or sets (all, memfit, peers, checkpoint-peers), comma-separated" + each,
+        default=default_modes,
+        help="mode names or sets (all, memfit, peers, checkpoint-peers), comma-separated"
+        + each
+        + f" (default {default_modes})",
     )
     parser.add_argument(
         "--rounds",

@@ -36,11 +36,16 @@ def unsupported(peer: Peer, model: nn.Module, adapter: FamilyAdapter | None) -> 
         return "needs the family's declared blocks"
     if peer is Peer.CHECKPOINT_FFN and not adapter.has_ffn:
         return "no FFN boundary declared"
-    if peer is Peer.DIFFUSERS and not (
-        getattr(model, "_supports_gradient_checkpointing", False)
-        and callable(getattr(model, "enable_gradient_checkpointing", None))
-    ):
-        return "the model has no diffusers gradient checkpointing"
+    if peer is Peer.DIFFUSERS:
+        if not (
+            getattr(model, "_supports_gradient_checkpointing", False)
+            and callable(getattr(model, "enable_gradient_checkpointing", None))
+        ):
+            return "the model has no diffusers gradient checkpointing"
+        if adapter is not None and getattr(adapter, "block_entry", "auto") == "hooks":
+            # the adapter declares that the model's checkpointing branch calls blocks differently (e.g. drops an
+            # argument): that peer would time another computation
+            return "the family's checkpointing branch does not call its blocks as the normal forward does"
     return None
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from memfit_benchmarks.modes import PEER_DESCRIPTIONS, Peer
 from memfit_benchmarks.results import entries
-from memfit_benchmarks.rounds import NOT_MEASURED, step_ratio
+from memfit_benchmarks.rounds import FAILED, NOT_MEASURED, measured, step_ratio
 
 GIB = 2**30
 MIB = 2**20
@@ -36,11 +36,9 @@ def oom_cell(row: dict[str, Any]) -> str:
     """The cell of a row that did not run: out of memory (GPU or host RAM), or not measured."""
     if row.get(NOT_MEASURED):
         return f"not measured ({row[NOT_MEASURED]})"
+    if row.get(FAILED):
+        return f"failed ({row[FAILED]})"
     return "OOM (host RAM)" if row.get("oom_where") == "host" else "OOM"
-
-
-def measured(row: dict[str, Any]) -> bool:
-    return not row.get("oom") and "step_s" in row
 
 
 def row_table(rows: list[dict[str, Any]]) -> list[str]:
@@ -65,8 +63,10 @@ def row_table(rows: list[dict[str, Any]]) -> list[str]:
             lines.append(f"| {r['mode']} | {oom_cell(r)} |" + " |" * (len(columns) - 2))
             continue
         vs = ""
-        if r.get("vs_peer"):
-            vs = "peer OOM" if r.get("peer_oom") else f"{r['x_peer']:.3f} ({r['vs_peer']})"
+        if r.get("peer_oom") or r.get("peer_failed"):
+            vs = f"{r['vs_peer']} {'OOM' if r.get('peer_oom') else 'failed'}"
+        elif r.get("vs_peer"):
+            vs = f"{r['x_peer']:.3f} ({r['vs_peer']})"
         lines.append(
             f"| {r['mode']} | {r['step_s']:.4f} | {vs or '-'} | {fmt(r, 'x_none')} | {fmt(r, 'x_torch')} | "
             f"{fmt(r, 'peak_allocated', GIB, 2)} | {fmt(r, 'peak_x_peer')} | {fmt(r, 'peak_floor_bytes', GIB, 2)} | "
@@ -171,6 +171,9 @@ def peer_checks(rows: list[dict[str, Any]], tokens: int | None) -> list[str]:
             continue
         if r.get("peer_oom"):
             out.append(f"- PASS {r['mode']} fits where {peer} runs out of memory")
+            continue
+        if r.get("peer_failed"):
+            out.append(f"- INFO {peer} failed on this model ({r['peer_failed']}): no comparison")
             continue
         out += step_check(by, r["mode"], peer, peer_limit(r["mode"], tokens))
         mine, theirs = r.get("peak_allocated"), by[peer].get("peak_allocated")

@@ -16,6 +16,17 @@ from memfit_benchmarks.modes import Mode
 
 Row = dict[str, Any]
 NOT_MEASURED = "not_measured"  # a row's key: why no round of the mode ran (the value says)
+FAILED = "failed"  # a row's key: the error a peer raised (memfit's own errors are raised, not recorded)
+
+
+def measured(row: Row) -> bool:
+    """Whether the row has a step time (not out of memory, failed or left out)."""
+    return not row.get("oom") and "step_s" in row
+
+
+def stopped(row: Row) -> bool:
+    """A round after which the mode is not measured again: out of memory, or a peer that failed."""
+    return bool(row.get("oom") or row.get(FAILED))
 
 
 def merge_rounds(rows: list[Row]) -> Row:
@@ -24,7 +35,7 @@ def merge_rounds(rows: list[Row]) -> Row:
     that round's ``oom`` row."""
     if not rows:
         raise ValueError("merge_rounds needs at least one measured round")
-    oom = next((r for r in rows if r.get("oom")), None)
+    oom = next((r for r in rows if stopped(r)), None)
     if oom is not None:
         return oom
     if len(rows) == 1:
@@ -57,13 +68,18 @@ def round_robin(
             break
         mode = modes[i % len(modes)]
         done = measured[mode.name]
-        if done and done[-1].get("oom"):
+        if done and stopped(done[-1]):
             continue  # out of memory once is out of memory
         done.append(measure(mode))
     return [
         merge_rounds(measured[m.name])
         if measured[m.name]
-        else {"mode": m.name, "config": m.config, NOT_MEASURED: "the run's deadline passed first"}
+        else {
+            "mode": m.name,
+            "config": m.config,
+            "peer": m.peer.value if m.peer else None,
+            NOT_MEASURED: "the run's deadline passed first",
+        }
         for m in modes
     ]
 

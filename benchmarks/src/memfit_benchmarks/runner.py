@@ -24,7 +24,15 @@ import memfit
 from memfit import FamilyAdapter
 from memfit_benchmarks import peers
 from memfit_benchmarks.modes import PEERS_OF, Mode
-from memfit_benchmarks.rounds import NOT_MEASURED, paired_ratio, per_round_ratios, round_robin
+from memfit_benchmarks.report import oom_cell
+from memfit_benchmarks.rounds import (
+    FAILED,
+    NOT_MEASURED,
+    measured,
+    paired_ratio,
+    per_round_ratios,
+    round_robin,
+)
 from memfit_benchmarks.training import grad_leaves
 
 
@@ -93,6 +101,7 @@ def measure_mode(
     optimizer = None
     oom = False
     host_error: str | None = None
+    failure: str | None = None
     try:
         if mode.peer is not None:
             installation = peers.install(mode.peer, model, adapter)
@@ -197,6 +206,12 @@ def measure_mode(
         memfit.HostMemoryError
     ) as exc:  # the offload pool ran out of host RAM: this mode does not fit either
         oom, host_error = True, str(exc)
+    except Exception as exc:
+        if mode.peer is None:
+            raise  # memfit's own failure is a bug to see, not a row
+        failure = (
+            f"{type(exc).__name__}: {exc}"  # a peer that breaks on this model is recorded, the run goes on
+        )
     finally:
         model.zero_grad(set_to_none=True)
         for tensor in grad_leaves(inputs):
@@ -209,10 +224,16 @@ def measure_mode(
         if installation is not None:
             installation.remove()
         _free(cuda)
-    assert oom
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    row = {"mode": mode.name, "config": mode.config, "oom": True}
+    row = {
+        "mode": mode.name,
+        "config": mode.config,
+        "peer": mode.peer.value if mode.peer else None,
+        "oom": oom,
+    }
+    if failure is not None:
+        row[FAILED] = failure
     if host_error is not None:
         row.update(oom_where="host", error=host_error)
     return row
@@ -220,8 +241,8 @@ def measure_mode(
 
 def _row_summary(row: dict[str, Any]) -> str:
     """One measured row as a progress line: ``OOM``, or its step time and peak."""
-    if row.get("oom"):
-        return "OOM (host RAM)" if row.get("oom_where") == "host" else "OOM"
+    if not measured(row):
+        return oom_cell(row)
     peak = row.get("peak_allocated")
     return f"{row['step_s']:.4f} s, peak " + ("n/a" if peak is None else f"{peak / 2**30:.2f} GiB")
 
@@ -265,19 +286,15 @@ def measure_modes(
     return rows
 
 
-def _measured(row: dict[str, Any]) -> bool:
-    return not row.get("oom") and "step_s" in row
-
-
 def add_ratios(rows: list[dict[str, Any]]) -> None:
     """Step-time ratios ``x_none`` / ``x_torch`` / ``x_torch_ffn`` (ratios of the median rounds' steps), with
     ``x_none_paired`` / ``x_torch_paired`` / ``x_torch_ffn_paired`` (the median of per-round ratios,
     ``rounds.paired_ratio``) where both rows were measured in the same rounds, and peak ratios ``peak_x_none`` /
     ``peak_x_torch`` (when peaks were measured) to the rows of the same run; then each memfit row's ratios to its
     peer (``add_peer_ratios``)."""
-    by = {r["mode"]: r for r in rows if _measured(r)}
+    by = {r["mode"]: r for r in rows if measured(r)}
     for r in rows:
-        if not _measured(r):
+        if not measured(r):
             continue
         for ref in ("none", "torch", "torch-ffn"):
             if ref not in by:
@@ -297,25 +314,29 @@ def add_peer_ratios(rows: list[dict[str, Any]]) -> None:
     ``vs_peer`` (its name), ``x_peer`` (the median of per-round step ratios where both ran in two or more of the
     same rounds, ``x_peer_paired`` true; else the ratio of the two steps), ``x_peer_rounds`` (the per-round
     ratios), ``peak_x_peer``, and ``x_peers`` (the step ratio to every measured peer). A peer out of memory where
-    the memfit row fits: ``vs_peer`` with ``peer_oom`` true."""
+    the memfit row fits: ``vs_peer`` with ``peer_oom`` true; a peer that failed: ``peer_failed`` (its error)."""
     all_rows = {r["mode"]: r for r in rows}
     for r in rows:
         candidates = [all_rows[p] for p in PEERS_OF.get(r["mode"], ()) if p in all_rows]
         candidates = [c for c in candidates if NOT_MEASURED not in c]
-        if not _measured(r) or not candidates:
+        if not measured(r) or not candidates:
             continue
-        measured = [c for c in candidates if _measured(c)]
-        if not measured:
-            r.update(vs_peer=candidates[0]["mode"], peer_oom=True)
+        timed = [c for c in candidates if measured(c)]
+        if not timed:
+            ref = candidates[0]
+            r.update(
+                vs_peer=ref["mode"],
+                **({"peer_failed": ref[FAILED]} if ref.get(FAILED) else {"peer_oom": True}),
+            )
             continue
-        ref = measured[0]
+        ref = timed[0]
         ratios = per_round_ratios(r, ref)
         r.update(
             vs_peer=ref["mode"],
             x_peer=statistics.median(ratios) if ratios else r["step_s"] / ref["step_s"],
             x_peer_paired=ratios is not None,
             x_peer_rounds=ratios,
-            x_peers={c["mode"]: paired_ratio(r, c) or r["step_s"] / c["step_s"] for c in measured},
+            x_peers={c["mode"]: paired_ratio(r, c) or r["step_s"] / c["step_s"] for c in timed},
         )
         if r.get("peak_allocated") and ref.get("peak_allocated"):
             r["peak_x_peer"] = r["peak_allocated"] / ref["peak_allocated"]
