@@ -42,7 +42,7 @@ def unsupported(peer: Peer, model: nn.Module, adapter: FamilyAdapter | None) -> 
             and callable(getattr(model, "enable_gradient_checkpointing", None))
         ):
             return "the model has no diffusers gradient checkpointing"
-        if adapter is not None and getattr(adapter, "block_entry", "auto") == "hooks":
+        if adapter is not None and adapter.block_entry == "hooks":
             # the adapter declares that the model's checkpointing branch calls blocks differently (e.g. drops an
             # argument): that peer would time another computation
             return "the family's checkpointing branch does not call its blocks as the normal forward does"
