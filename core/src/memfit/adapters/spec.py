@@ -6,6 +6,7 @@ An adapter never runs model code of its own and never edits the model.  It says:
 * for each block class, the FFN region(s) and the attention region(s), each a chain
   of consecutive sub-module calls given by attribute path (``("proj_mlp", "act_mlp")``);
 * whether whole-block interval chunks are safe for the family;
+* a checkpointing switch of the model's own, if it has one besides diffusers' flags;
 * which diffusers versions it was verified against;
 * presets: factories for a model and matching dummy inputs (a tiny one for tests and
   the CLI, the published full size for benchmarks).
@@ -42,6 +43,44 @@ class BlockSpec:
     ffn: tuple[Region, ...] = ()
     attention: tuple[Region, ...] = ()
     attention_without_sdpa: str = ""
+
+
+@dataclass(frozen=True)
+class CheckpointSwitch:
+    """A model's own checkpointing switch, besides diffusers' ``gradient_checkpointing`` flags: on, the model's
+    forward checkpoints its blocks itself (Mage-Flow's ``checkpoint``: ``torch.utils.checkpoint`` per block).
+
+    While memfit enters the blocks through forward hooks, a switch that is on is turned off (one
+    ``MemfitWarning``; ``remove()`` restores it exactly): memfit's regions would otherwise run nested inside the
+    model's own checkpoint calls and pay recompute for nothing. Where memfit routes blocks through the model's
+    ``enable_gradient_checkpointing(gradient_checkpointing_func=...)``, the switch is left as that method sets it:
+    it then gates the branch that calls memfit's function.
+
+    Args:
+        attribute: the model attribute holding the switch (``"checkpoint"``); empty: none.
+        config_key: the key of the model's config holding it (``"checkpoint"``); empty: none.
+
+    Raises:
+        ValueError: neither is given, or one is not a Python identifier.
+
+    Example:
+        >>> CheckpointSwitch(attribute="checkpoint", config_key="checkpoint")
+    """
+
+    attribute: str = ""
+    config_key: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.attribute and not self.config_key:
+            raise ValueError(
+                "CheckpointSwitch needs the model attribute and/or the config key of the switch, e.g. "
+                "CheckpointSwitch(attribute='checkpoint', config_key='checkpoint')"
+            )
+        for what, name in (("attribute", self.attribute), ("config_key", self.config_key)):
+            if name and not (isinstance(name, str) and name.isidentifier()):
+                raise ValueError(
+                    f"CheckpointSwitch.{what} must be one attribute name of the model (or its config), got {name!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -94,6 +133,8 @@ class FamilyAdapter:
             declared blocks for lists the model does not route); ``"hooks"``: forward hooks only, and
             diffusers' own checkpointing branch is never switched on — for models whose checkpointing
             branch does not call blocks the same way as the normal one (e.g. drops an argument).
+        model_checkpoint_switch: the model's own checkpointing switch (:class:`CheckpointSwitch`), if it has one
+            besides diffusers' flags; None: it has none.
     """
 
     name: str
@@ -107,10 +148,17 @@ class FamilyAdapter:
     loss: Callable[[Any], torch.Tensor] = default_loss
     notes: str = ""
     block_entry: str = "auto"
+    model_checkpoint_switch: CheckpointSwitch | None = None
 
     def __post_init__(self) -> None:
         if self.block_entry not in ("auto", "hooks"):
             raise ValueError(f"FamilyAdapter.block_entry must be 'auto' or 'hooks', got {self.block_entry!r}")
+        switch = self.model_checkpoint_switch
+        if switch is not None and not isinstance(switch, CheckpointSwitch):
+            hint = f"; e.g. CheckpointSwitch(attribute={switch!r})" if isinstance(switch, str) else ""
+            raise ValueError(
+                f"FamilyAdapter.model_checkpoint_switch must be a CheckpointSwitch (or None), got {switch!r}{hint}"
+            )
 
     # -- queries -----------------------------------------------------------------------------------------------
 
