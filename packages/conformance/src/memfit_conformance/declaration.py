@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from memfit import FamilyAdapter, find_adapter
+from memfit.accounting import tensor_storages
 from memfit.adapters.discovery import ENTRY_POINT_GROUP
 from memfit.adapters.spec import BlockSpec, Region
 
@@ -570,7 +571,11 @@ class _Observer(TorchFunctionMode):
 
     def __init__(self, adapter: FamilyAdapter, model: nn.Module) -> None:
         super().__init__()
-        self.params = {_key(t) for t in itertools.chain(model.parameters(), model.buffers())}
+        self.params = {
+            (t.device.type, s.data_ptr())
+            for t in itertools.chain(model.parameters(), model.buffers())
+            for s in tensor_storages(t)  # a quantized weight by the tensors it wraps
+        }
         self.blocks: dict[nn.Module, _BlockRun] = {}
         self.handles: list[Any] = []
         for path, container in adapter.resolve_block_lists(model).items():
