@@ -12,17 +12,16 @@ from __future__ import annotations
 import warnings
 from typing import Any, ClassVar
 
-import pytest
+# dev dependencies, imported outright: a missing one fails collection instead of skipping the GPU variant
+import peft
 import torch
+import torchao.quantization as torchao_quant
 from torch import nn
 
+import memfit_flux
 from memfit_conformance import AdapterConformance, StepResult, run_step
 
 from helpers import FLUX_LORA_TARGETS
-
-torchao_quant = pytest.importorskip("torchao.quantization")
-peft = pytest.importorskip("peft")
-memfit_flux = pytest.importorskip("memfit_flux")
 
 # every linear of the blocks carries LoRA: the FFN and attention regions memfit hooks are LoRA-wrapped quantized
 # linears (as in a trainer's "all linears" LoRA on a quantized base)
