@@ -103,6 +103,17 @@ def _is_config_file(config: Mapping[str, Any]) -> bool:
     return any(str(k).startswith("_") for k in config)
 
 
+def read_json_object(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """A JSON file holding one object (ValueError naming the file and the problem otherwise)."""
+    try:
+        data = json.loads(Path(path).read_text(encoding="utf-8"))
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"{path}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path}: must hold a JSON object")
+    return data
+
+
 def read_model_config(path: str | os.PathLike[str]) -> tuple[dict[str, Any], Path]:
     """The transformer ``config.json`` at ``path``: the file itself, a model folder holding one, or a
     pipeline folder with a ``transformer/`` subfolder. Returns the parsed mapping and the file read.
@@ -121,13 +132,7 @@ def read_model_config(path: str | os.PathLike[str]) -> tuple[dict[str, Any], Pat
     )
     for candidate in candidates:
         if candidate.is_file():
-            try:
-                data = json.loads(candidate.read_text(encoding="utf-8"))
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"{candidate}: not valid JSON ({exc.msg}, line {exc.lineno})") from None
-            if not isinstance(data, dict):
-                raise ValueError(f"{candidate}: a model config must be a JSON object")
-            return data, candidate
+            return read_json_object(candidate), candidate
     looked = ", ".join(str(c) for c in candidates) or f"{root} (does not exist)"
     raise FileNotFoundError(f"no model config.json found; looked at {looked}")
 
