@@ -334,3 +334,13 @@ def test_the_step_spread_ignores_one_outlier_among_three():
     assert relative_spread([1.0]) == 0.0
     assert relative_spread([1.0, 1.02, 1.5]) == pytest.approx(2 * 0.02 / 1.02)  # the slow step does not count
     assert relative_spread([0.9, 1.0, 1.1]) == pytest.approx(0.2)
+
+
+def test_on_cuda_the_ladder_runs_in_a_measuring_child(tmp_path, monkeypatch, capsys):
+    """The CUDA path's wiring, exercised on CPU: the child builds the job, reports it, measures every rung."""
+    monkeypatch.setattr(cli, "measure_in_child", lambda job: True)
+    code, report = run_json(tmp_path, "--tokens", "16", "--budget", "1GiB", "--lora-rank", "2")
+    assert code == 0
+    assert report["built"]["tokens"] == 16 and report["built"]["lora_modules"] > 0
+    assert report["rows"][0]["name"] == "none" and report["rows"][0]["held_bytes"] > 0
+    assert "building the model in a measuring process" in capsys.readouterr().out

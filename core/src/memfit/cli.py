@@ -132,9 +132,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="training resolution in pixels, e.g. 1024x1024; the family converts it into tokens",
     )
     shape.add_argument(
-        "--frames", type=_positive_int, help="video families: frames per clip (with --resolution), e.g. 81"
+        "--frames",
+        type=_positive_int,
+        metavar="N",
+        help="video families: frames per clip (with --resolution), e.g. 81",
     )
-    shape.add_argument("--batch", type=_positive_int, help="samples per step (default 1)")
+    shape.add_argument("--batch", type=_positive_int, metavar="N", help="samples per step (default 1)")
     shape.add_argument(
         "--lora-rank", type=_positive_int, metavar="R", help="train PEFT LoRA of rank R on frozen weights"
     )
@@ -159,6 +162,7 @@ def build_parser() -> argparse.ArgumentParser:
     how.add_argument(
         "--budget",
         type=_size,
+        metavar="SIZE",
         help="memory budget, e.g. 24GiB (default on CUDA: --gpu-memory, else the card's free memory; on CPU: "
         "none)",
     )
@@ -176,7 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
         default="default",
         help="pin the attention backend (default: torch's own dispatch); flash avoids cuDNN's SDPA backward",
     )
-    how.add_argument("--steps", type=_positive_int, default=3, help="timed steps per rung, after one warm-up")
+    how.add_argument(
+        "--steps", type=_positive_int, default=3, metavar="N", help="timed steps per rung, after one warm-up"
+    )
     out = fit.add_argument_group("output")
     out.add_argument("--json", dest="json_path", metavar="PATH", help="write the report as JSON to this path")
     out.add_argument(
@@ -489,7 +495,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     on_cuda = job.device.startswith("cuda")
     runner: Any
     try:
-        if on_cuda:
+        if measure_in_child(job):
             console.print(
                 "building the model in a measuring process (a CUDA fault there ends one rung only)…"
             )
@@ -563,6 +569,12 @@ def _cmd_fit(args: argparse.Namespace) -> int:
     if plan.plot_path:
         write_plot(report, plan.plot_path)
     return code
+
+
+def measure_in_child(job: Any) -> bool:
+    """Whether rungs run in a measuring child: on CUDA, where a fault kills the process's context (on CPU
+    nothing can, and a child would only cost its start)."""
+    return job.device.startswith("cuda")
 
 
 def _count(n: int) -> str:

@@ -134,7 +134,12 @@ def draw_plot(report: FitReport) -> tuple[Any, list[Any]]:
     ax.set_ylabel(f"{report.metric} (MiB)")
     ax.set_title(f"memfit fit: memory vs step time (attention: {report.sdpa})", fontsize=9)
     ax.margins(x=0.25, y=0.15)  # room for the labels right of and below their points
-    ax.legend(fontsize=8, loc="best")
+    handles, names = ax.get_legend_handles_labels()
+    order = ("fits", "does not", "recommended", "budget")  # the same order whichever rung came first
+    ranked = sorted(
+        zip(names, handles, strict=True), key=lambda nh: [nh[0].startswith(o) for o in order].index(True)
+    )
+    ax.legend([h for _, h in ranked], [n for n, _ in ranked], fontsize=8, loc="best")
     fig.tight_layout(rect=(0, 0.06 if failed else 0, 1, 1))
     _separate_labels(fig, labels)
     return fig, labels

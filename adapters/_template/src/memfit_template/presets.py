@@ -1,6 +1,6 @@
 """Model sizes and dummy inputs for <Family> (random weights; nothing is downloaded).
 
-Fill in the three functions. A worked example is ``adapters/chroma/src/memfit_chroma/presets.py``.
+Fill in the configurations, the builders and ``make_inputs``. A worked example is ``adapters/chroma/src/memfit_chroma/presets.py``.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from memfit.adapters.spec import PixelGrid
 
 # from diffusers import <ModelClass>
 
@@ -23,25 +25,18 @@ FULL: dict[str, Any] = dict(
 )
 
 
-def _build(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device) -> nn.Module:
-    raise NotImplementedError("construct the model class from `config` (see memfit_chroma.presets._build)")
-    # with torch.device(device):
-    #     model = <ModelClass>(**config)
-    # return model.to(dtype=dtype)
+def _not_filled_in(*args: Any, **kwargs: Any) -> nn.Module:
+    raise NotImplementedError("build the model class with preset_builders (see memfit_chroma.presets)")
 
 
-def build_tiny(
-    *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0
-) -> nn.Module:
-    torch.manual_seed(seed)
-    return _build(TINY, dtype, device)
+# Replace with `build_tiny, build_full = preset_builders(<ModelClass>, TINY, FULL)`: it creates the weights
+# directly in the target dtype on the target device (a 12B model in bf16 builds within 24 GiB), keeps the
+# model's `_keep_in_fp32_modules` in float32 as `from_pretrained` does, and seeds the random init.
+build_tiny = build_full = _not_filled_in
 
-
-def build_full(
-    *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda", seed: int = 0
-) -> nn.Module:
-    torch.manual_seed(seed)
-    return _build(FULL, dtype, device)
+# How a training resolution becomes tokens (`memfit fit --resolution WxH [--frames N]`): the pixels one token
+# covers along each axis (VAE downsampling x patch size) and, for video, the VAE's temporal compression.
+PIXELS = PixelGrid(16)  # e.g. PixelGrid(16, frames_per_latent=4) for a video family
 
 
 def make_inputs(
