@@ -7,8 +7,8 @@ and measures rung after rung; an out-of-memory rung stays in it (the memory is r
 "crashed" row and the next rung starts a fresh child, which builds the workload again. Rebuilding is paid only
 after a fault: weights are created on the device in their own dtype, seconds for a 12B model.
 
-The child's stderr goes to a temporary file: what a dying CUDA process prints (C++ stack traces) does not
-reach the user; its last line names the crash when the child could not say it itself.
+The child's stdout and stderr go to a temporary file: what a dying CUDA process prints (C++ stack traces) does
+not reach the user; its last line names the crash when the child could not say it itself.
 
 Children come from a fork server that has imported torch and the installed adapters once (CUDA untouched), so
 starting one costs a fork, not a fresh interpreter's imports.
@@ -50,6 +50,7 @@ def _worker(conn: Connection, build: Callable[[], Any], steps: int, sdpa: str, s
     import torch
 
     fd = os.open(stderr_path, os.O_WRONLY | os.O_APPEND)
+    os.dup2(fd, 1)  # nothing the child's libraries print reaches the user's terminal
     os.dup2(fd, 2)
     try:
         workload = build()
