@@ -33,10 +33,15 @@ class BlockSpec:
             other with nothing in between that needs their activations, e.g. ``("ff",)`` or
             ``("proj_mlp", "act_mlp")``. Empty: this block has no safe FFN boundary.
         attention: attention regions (for attention offload), same form.
+        attention_without_sdpa: why this block's attention regions call no
+            ``torch.nn.functional.scaled_dot_product_attention`` (e.g. ``"flash_attn_varlen_func"``).
+            Empty (the default): the conformance kit requires an SDPA call in each attention region, which
+            catches a module declared as attention that is not one.
     """
 
     ffn: tuple[Region, ...] = ()
     attention: tuple[Region, ...] = ()
+    attention_without_sdpa: str = ""
 
 
 @dataclass(frozen=True)
