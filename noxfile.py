@@ -90,8 +90,9 @@ def gpu(session: nox.Session, adapter: str) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmark sweeps on a GPU machine; results as JSON + markdown + PNG under benchmarks/results/.
 
-    ``nox -s bench -- --regime all`` runs the synthetic sweep in the three regimes; ``nox -s bench --
-    --suite families --family all`` runs every family at its published size (memfit_benchmarks.families).
+    ``nox -s bench -- --configs all --rounds 3`` runs the synthetic sweep (memfit and its peers) in every
+    training config; ``nox -s bench -- --suite families --family all`` runs every family at its published size
+    (memfit_benchmarks.families). The one-call H200 peer job is benchmarks/tools/device_job.sh.
     """
     session.run(
         sys.executable,
