@@ -8,7 +8,7 @@ way the real one is; these declarations serve the real classes of those names to
 
 from memfit import BlockSpec, CheckpointSwitch, FamilyAdapter, Preset
 from memfit_mageflow.model import MageFlow, MageFlowTransformer2DModel, MageFlowTransformerBlock
-from memfit_mageflow.presets import build_full, build_tiny, make_inputs
+from memfit_mageflow.presets import PIXELS, build_full, build_tiny, make_inputs
 
 ADAPTER = FamilyAdapter(
     name="mageflow",
@@ -35,12 +35,14 @@ ADAPTER = FamilyAdapter(
         "tiny": Preset(
             build=build_tiny,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=64,
             description="4 double-stream blocks, width 32; 2 packed samples (tests, CPU)",
         ),
         "full": Preset(
             build=build_full,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=4096,
             description="Mage-Flow 4B as released: 12 double-stream blocks, width 3072 "
             "(random weights); 2 packed samples",

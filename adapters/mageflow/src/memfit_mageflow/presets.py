@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from memfit.adapters.building import near_square_grid, preset_builders
+from memfit.adapters.spec import PixelGrid
 from memfit_mageflow.model import MageFlow, MageFlowParams, MageFlowTransformer2DModel, lengths_to_cu_seqlens
 
 TINY = dict(
@@ -45,6 +46,8 @@ def upstream(**config: Any) -> MageFlow:
 # the trainer's wrapper class (what trainers train), and upstream's base class
 build_tiny, build_full = preset_builders(MageFlowTransformer2DModel, TINY, FULL)
 build_upstream_tiny, build_upstream_full = preset_builders(upstream, TINY, FULL)
+# One token covers 16x16 px: Mage-VAE downsamples 16x and the model patchifies 1x1.
+PIXELS = PixelGrid(16)
 latent_grid = near_square_grid
 
 
