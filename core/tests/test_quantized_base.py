@@ -85,3 +85,27 @@ class TestInt8WeightOnlyBase(QuantizedFluxConformance):
 
 class TestFloat8WeightOnlyBase(QuantizedFluxConformance):
     quantization = torchao_quant.Float8WeightOnlyConfig()
+
+    def test_auto_plans_on_a_quantized_base(self, model: nn.Module, inputs: dict[str, Any]) -> None:
+        """``auto``'s profile tells parameters from activations by storage; a quantized weight has none of its own
+        (it is counted by the tensors it wraps): the plan is made, and its gradients are the reference's."""
+        import memfit
+
+        reference = self._step(model, inputs, "frozen")
+        cfg = {
+            "gradient_checkpointing": True,
+            "gradient_checkpointing_backend": "auto",
+            "gradient_checkpointing_memory_budget": 1,  # below every plan: the error names the smallest peak
+        }
+        with memfit.apply(model, cfg) as handle:
+            try:
+                self._step(model, inputs, "frozen")
+            except memfit.BudgetError as exc:
+                smallest = exc.smallest_peak_bytes
+        assert smallest > 0
+        with memfit.apply(model, {**cfg, "gradient_checkpointing_memory_budget": smallest}) as handle:
+            got = self._step(model, inputs, "frozen")
+            assert handle.plan is not None and handle.plan.needed
+        assert got.param_grads.keys() == reference.param_grads.keys()
+        for name, grad in reference.param_grads.items():
+            assert torch.equal(got.param_grads[name], grad), name
