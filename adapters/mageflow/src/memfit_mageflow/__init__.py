@@ -26,7 +26,7 @@ ADAPTER = FamilyAdapter(
     # Every block has the same signature and returns (text, image), which the next block takes as its
     # (image, text) inputs unchanged; the rotary table, temb and cu_seqlens are shared by all blocks.
     supports_interval=True,
-    verified_diffusers=("0.42.1",),
+    verified_versions={"diffusers": ("0.42.1",)},
     # Both classes' own switch: upstream's `checkpoint` attribute (from MageFlowParams) wraps every block in
     # torch.utils.checkpoint; the wrapper's enable_gradient_checkpointing sets it and config.checkpoint.
     model_checkpoint_switch=CheckpointSwitch(attribute="checkpoint", config_key="checkpoint"),

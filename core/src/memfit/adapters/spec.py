@@ -21,6 +21,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.plan import BlockEntry
+
 # A region is a chain of consecutive sub-module calls inside a block, by attribute path.
 Region = tuple[str, ...]
 
@@ -182,17 +184,19 @@ class FamilyAdapter:
             in the order the model calls them.
         blocks: block class name -> its :class:`BlockSpec`.
         supports_interval: whether consecutive blocks may be checkpointed as one chunk.
-        verified_diffusers: diffusers versions the declarations were verified against.
+        verified_versions: library -> the versions the declarations were verified against
+            (``{"diffusers": ("0.42.1",)}``; a transformers model names transformers).
         block_count_config: block list path -> the model-config key holding its length, so the
             kit can check that the declared lists match the configuration.
         presets: named :class:`Preset` s; ``"tiny"`` is required (tests and CLI default).
         loss: maps a forward's output to a scalar loss.
         notes: free text shown by ``memfit list`` (what was verified, what is missing and why).
-        block_entry: how block calls reach the engine. ``"auto"``: through diffusers'
-            ``gradient_checkpointing_func`` where the model supports it (plus forward hooks on the
-            declared blocks for lists the model does not route); ``"hooks"``: forward hooks only, and
-            diffusers' own checkpointing branch is never switched on — for models whose checkpointing
-            branch does not call blocks the same way as the normal one (e.g. drops an argument).
+        block_entry: how block calls reach the engine (:class:`memfit.plan.BlockEntry`). ``AUTO``: through
+            diffusers' ``gradient_checkpointing_func`` where the model supports it (plus forward hooks on the
+            declared blocks for lists the model does not route); ``HOOKS``: forward hooks only, and the
+            model's own checkpointing branch is never switched on — for models whose checkpointing branch
+            does not call blocks the same way as the normal one (e.g. drops an argument). The strings
+            ``"auto"``/``"hooks"`` are accepted.
         model_checkpoint_switch: the model's own checkpointing switch (:class:`CheckpointSwitch`), if it has one
             besides diffusers' flags; None: it has none.
     """
@@ -202,17 +206,28 @@ class FamilyAdapter:
     block_lists: tuple[str, ...]
     blocks: Mapping[str, BlockSpec]
     supports_interval: bool = True
-    verified_diffusers: tuple[str, ...] = ()
+    verified_versions: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     block_count_config: Mapping[str, str] = field(default_factory=dict)
     presets: Mapping[str, Preset] = field(default_factory=dict)
     loss: Callable[[Any], torch.Tensor] = default_loss
     notes: str = ""
-    block_entry: str = "auto"
+    block_entry: BlockEntry = BlockEntry.AUTO
     model_checkpoint_switch: CheckpointSwitch | None = None
 
     def __post_init__(self) -> None:
-        if self.block_entry not in ("auto", "hooks"):
+        if self.block_entry not in (BlockEntry.AUTO, BlockEntry.HOOKS):
             raise ValueError(f"FamilyAdapter.block_entry must be 'auto' or 'hooks', got {self.block_entry!r}")
+        object.__setattr__(self, "block_entry", BlockEntry(self.block_entry))
+        for library, versions in self.verified_versions.items():
+            if (
+                not isinstance(library, str)
+                or isinstance(versions, str)
+                or not all(isinstance(v, str) for v in versions)
+            ):
+                raise ValueError(
+                    f"FamilyAdapter.verified_versions maps a library to a tuple of versions, e.g. "
+                    f"{{'diffusers': ('0.42.1',)}}; got {library!r}: {versions!r}"
+                )
         switch = self.model_checkpoint_switch
         if switch is not None and not isinstance(switch, CheckpointSwitch):
             hint = f"; e.g. CheckpointSwitch(attribute={switch!r})" if isinstance(switch, str) else ""
