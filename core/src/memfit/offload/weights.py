@@ -268,6 +268,7 @@ class WeightStreamer:
         self.device = self.blocks[0].weights[0].param.device if self.blocks else torch.device("cpu")
         self.stats = WeightStats()
         self.pinned_bytes = 0
+        self.host_allocations = 0  # host buffers allocated (at installation only: none in the steady state)
         self._pending: dict[_Block, _Upload] = {}  # uploaded ahead, not used yet
         self._active: dict[_Block, _Upload] = {}  # the block is running on it
         self._alive: list[weakref.ref] = []  # storages of uploads (dead ones pruned as uploads are issued)
@@ -311,6 +312,7 @@ class WeightStreamer:
         pinned = self.device.type == "cuda"
         for block in self.blocks:
             host = self._allocate(block.nbytes, pinned)
+            self.host_allocations += 1
             typed: dict[torch.dtype, torch.Tensor] = {}
             for w in block.weights:
                 w.master = _view(host, w, typed)
