@@ -189,7 +189,7 @@ def test_knob_relations():
     assert (
         memfit.MemfitConfig.from_dict({KEY: 0}).stream_blocks == 0
     )  # nothing to stream: fine with checkpointing off
-    with pytest.raises(ConfigError, match="needs gradient_checkpointing: true"):
+    with pytest.raises(ConfigError, match="needs memfit's checkpointing on"):
         memfit.MemfitConfig.from_dict({KEY: 2})
     with pytest.raises(ConfigError, match="'auto' plans every block itself"):
         memfit.MemfitConfig.from_dict({**ON, "gradient_checkpointing_backend": "auto", KEY: "4GiB"})
@@ -382,6 +382,19 @@ def test_fsdp2_is_refused(monkeypatch):
     model = frozen_toy()
     monkeypatch.setattr(weights_mod, "is_fsdp_module", lambda m: m is model.blocks[0])
     with pytest.raises(NotAvailableError, match="does not work with FSDP2"):
+        apply(model, {**ON, KEY: 2})
+
+
+def test_fsdp_activation_checkpointing_on_the_model_is_refused():
+    """FSDP's checkpoint wrapper turns memfit's checkpointing off (with its warning); streaming needs it."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    model = frozen_toy()
+    model.blocks[0] = checkpoint_wrapper(model.blocks[0])
+    with (
+        pytest.warns(MemfitWarning, match="FSDP activation checkpointing"),
+        pytest.raises(ConfigError, match="remove FSDP's checkpoint wrapper"),
+    ):
         apply(model, {**ON, KEY: 2})
 
 

@@ -132,3 +132,31 @@ def test_compiled_blocks_stream_without_recompiles():
         stats["weight_uploads"] == 3 * 2 * stats["streamed_blocks"]
         and stats["weight_held_after_forward"] == 0
     )
+
+
+def test_generic_diffusers_path_streams_the_blocks_it_routes():
+    """A diffusers model without a memfit adapter (SD3): every block diffusers routes is a region of its own, so the
+    streamed ones are recomputed alone like on an adapter's path."""
+    from test_diffusers_paths import _tiny_sd3
+
+    model, inputs = _tiny_sd3()
+    model.requires_grad_(False)
+    model.proj_out.requires_grad_(True)
+    inputs["hidden_states"].requires_grad_(True)
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        inputs["hidden_states"].grad = None
+        out = model(**inputs)[0]
+        out.pow(2).mean().backward()
+        return out.detach(), inputs["hidden_states"].grad.clone(), model.proj_out.weight.grad.clone()
+
+    reference = run()
+    with apply(model, {**ON, KEY: 2}, adapter=None) as handle:
+        assert "generic diffusers path" in handle.describe()
+        for _ in range(2):
+            got = run()
+            assert all(torch.equal(a, b) for a, b in zip(got, reference, strict=True))
+        stats = handle.stats()
+    assert stats["streamed_blocks"] == 2 and stats["weight_held_after_forward"] == 0
+    assert stats["weight_uploads"] == 2 * 2 * 2 and stats["recomputes"] == 2 * 3
