@@ -1,4 +1,5 @@
-"""Weight streaming on CPU: which blocks stream, the plan around them, exact gradients, restore, host memory, refusals.
+"""Weight streaming on CPU: which blocks stream, the plan around them, exact gradients, restore, host memory,
+refusals.
 
 On CPU the "device" is the CPU: uploads are synchronous CPU copies, the host masters pageable CPU buffers. The
 logic (placeholders, uploads ahead of need, recompute, state_dict, remove) is the GPU's; the stream ordering is
@@ -236,7 +237,7 @@ def test_gradients_and_outputs_bitwise(name, x):
     # every streamed block uploaded once for its forward and once for its recompute, each step; none on demand
     assert stats["weight_uploads"] == 2 * 2 * streamed and stats["weight_uploads_on_demand"] == 0
     per_block = frozen_block_bytes(model.blocks[0])
-    assert stats["weight_bytes_streamed"] == 2 * 2 * streamed * per_block
+    assert stats["weight_bytes_uploaded"] == 2 * 2 * streamed * per_block
     assert stats["weight_held_after_forward"] == 0
     assert stats["weight_uploads_alive_max"] <= 2
 
@@ -482,8 +483,8 @@ def test_stats_reset(x):
 
 
 def test_a_deep_copy_is_an_ordinary_model_of_placeholders(x):
-    """copy.deepcopy of a streaming model (an EMA copy) copies the placeholders: its outputs are NaN, never plausible
-    numbers; the original keeps working."""
+    """copy.deepcopy of a streaming model (an EMA copy) copies the placeholders: its outputs are NaN, never
+    plausible numbers; the original keeps working."""
     model = frozen_toy()
     with apply(model, CONFIGS["torch"]):
         with warnings.catch_warnings():

@@ -1,5 +1,5 @@
-"""Weight streaming with PEFT LoRA on Flux (added before and after ``memfit.apply``) and with regional compile, on CPU:
-bitwise gradients, the real weights in ``state_dict``, an exact restore."""
+"""Weight streaming with PEFT LoRA on Flux (added before and after ``memfit.apply``), with regional compile and on
+the generic diffusers path, on CPU: bitwise gradients, the real weights in ``state_dict``, an exact restore."""
 
 from __future__ import annotations
 
@@ -107,9 +107,9 @@ def test_flux_state_dict_during_and_after_installation():
 
 
 def test_compiled_blocks_stream_without_recompiles():
-    """Regional compile (``compile_repeated_blocks``, Dynamo + AOTAutograd through ``aot_eager``): the streaming hooks
-    run eagerly around the compiled block, which sees its real weights (the same shapes and strides every call, so
-    no recompile)."""
+    """Regional compile (``compile_repeated_blocks``, Dynamo + AOTAutograd through ``aot_eager``): the streaming
+    hooks run eagerly around the compiled block, which sees its real weights (the same shapes and strides every
+    call, so no recompile)."""
     from torch._dynamo.utils import counters
 
     reference = flux_step(flux())

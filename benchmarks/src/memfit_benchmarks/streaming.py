@@ -68,18 +68,13 @@ def mode_for(backend: str, target: int | str) -> Mode:
 def weight_row(handle: memfit.MemfitHandle, steps: int) -> dict[str, Any]:
     """What a row records about weight streaming (``handle.stats()`` counts the timed steps only)."""
     s = handle.stats()
-    installation = handle._controller.installation
-    streamer = installation.streamer
     return {
         "streamed_blocks": s["streamed_blocks"],
         "resident_blocks": s["resident_blocks"],
-        "streamed_weight_bytes": streamer.streamed_bytes if streamer is not None else 0,
-        "largest_streamed_block_bytes": max((b.payload for b in streamer.blocks), default=0)
-        if streamer
-        else 0,
-        "streamed": [b.name for b in installation.plan.streamed],
+        "streamed_weight_bytes": s["weight_streamed_bytes"],
+        "streamed": [b.name for b in handle.region_plan.streamed],
         "weight_pinned_bytes": s["weight_pinned_bytes"],
-        "weight_bytes_uploaded_per_step": s["weight_bytes_streamed"] / steps,
+        "weight_bytes_uploaded_per_step": s["weight_bytes_uploaded"] / steps,
         "weight_uploads_per_step": s["weight_uploads"] / steps,
         "weight_uploads_on_demand_per_step": s["weight_uploads_on_demand"] / steps,
         "weight_exposed_wait_ms_per_step": s["weight_upload_wait_ms"] / steps,
@@ -135,9 +130,9 @@ def render(payload: dict[str, Any]) -> str:
         f"{payload['training']}; backend `{payload['backend']}`; {payload['steps']} timed steps after "
         f"{payload['warmup']} warm-up, median of {payload['rounds']} round(s); SDPA: {payload['sdpa_backend']}.",
         "",
-        "Peak saved: the unconstrained row's peak minus this row's. Streaming N blocks takes their frozen weights off "
-        "the device except the one or two uploaded at a time. Exposed wait: time the compute stream waited for an "
-        "upload (copy time not hidden behind compute).",
+        "Peak saved: the unconstrained row's peak minus this row's. Streaming N blocks takes their frozen weights "
+        "off the device except the one or two uploaded at a time. Exposed wait: time the compute stream waited for "
+        "an upload (copy time not hidden behind compute).",
         "",
         f"Device: {payload['device']}; torch {payload['torch']}, diffusers {payload.get('diffusers')}; "
         f"pinned bandwidth {json.dumps(payload.get('pinned_bandwidth'))}; commit {payload.get('git_commit')}; "
@@ -191,7 +186,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "preset": args.preset,
         "tokens": tokens,
         "backend": args.backend,
-        "training": f"{str(dtype).removeprefix('torch.')} base, PEFT LoRA r{args.rank} on every block nn.Linear, batch 1",
+        "training": (
+            f"{str(dtype).removeprefix('torch.')} base, PEFT LoRA r{args.rank} on every block nn.Linear, batch 1"
+        ),
         **info,
         "steps": args.steps,
         "warmup": args.warmup,

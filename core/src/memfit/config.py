@@ -283,8 +283,9 @@ def _as_stream_blocks(cfg: MemfitConfig) -> int | str | None:
     if not cfg.enabled:
         raise ConfigError(
             f"{key}={value!r} needs memfit's checkpointing on (a block whose weights stream is recomputed in "
-            f"backward): set gradient_checkpointing: true, or unset {key}. (With it on, this means FSDP's activation "
-            f"checkpointing is already on the model and turned memfit's off: remove FSDP's checkpoint wrapper.)"
+            f"backward): set gradient_checkpointing: true, or unset {key}. (With it on, this means FSDP's "
+            f"activation checkpointing is already on the model and turned memfit's off: remove FSDP's checkpoint "
+            f"wrapper.)"
         )
     if cfg.backend is Backend.AUTO:
         raise ConfigError(

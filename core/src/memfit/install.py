@@ -75,7 +75,7 @@ class Installation:
                 self.streamer.end_forward(failed=failed)
 
     def weight_stats(self) -> dict[str, Any]:
-        """Weight-streaming counters (zeros when no block streams): see :func:`memfit.offload.weights.weight_stats`."""
+        """Weight-streaming counters (zeros when no block streams): :func:`memfit.offload.weights.weight_stats`."""
         return weight_stats(self.streamer, planned_blocks=len(self.plan.blocks))
 
     def remove(self) -> None:
@@ -201,8 +201,8 @@ def _weight_streamer(
     for b in streamed:
         if b.policy.recompute != "block" or b.chunk_length != 1:
             raise MemfitError(
-                f"internal error: block {b.name} streams its weights but is planned as {b.policy.value} in a chunk of "
-                f"{b.chunk_length}; a streamed block must be whole-block recomputed alone"
+                f"internal error: block {b.name} streams its weights but is planned as {b.policy.value} in a chunk "
+                f"of {b.chunk_length}; a streamed block must be whole-block recomputed alone"
             )
     modules = [(b.name, lists[b.path][b.index]) for b in streamed]
     return WeightStreamer(model, modules, streams=stream_api_for(modules[0][1]))

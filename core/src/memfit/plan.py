@@ -11,9 +11,9 @@ turns it into hooks and frames. Where the choices come from:
 * :meth:`RegionPlan.from_policies` — one policy per block by name (``auto``), no chunks.
 
 Weight streaming is orthogonal to the policy (:attr:`PlannedBlock.stream_weights`): a block whose frozen weights
-stream from host memory is whole-block recomputed (``BLOCK``, or ``BLOCK_OFFLOAD`` where the backend parks inputs) and
-a chunk of its own, so nothing but its parameters refers to its uploaded weights between its forward and its recompute
-(:mod:`memfit.offload.weights`).
+stream from host memory is whole-block recomputed (``BLOCK``, or ``BLOCK_OFFLOAD`` where the backend parks
+inputs) and a chunk of its own, so nothing but its parameters refers to its uploaded weights between its forward
+and its recompute (:mod:`memfit.offload.weights`).
 """
 
 from __future__ import annotations
@@ -254,8 +254,8 @@ def streamed_places(target: int | str, lists: Mapping[str, nn.ModuleList]) -> se
     except ValueError as exc:
         streamable = sum(1 for _, n in sizes if n)
         raise ConfigError(
-            f"{STREAM_KEY}={target!r}: {exc}. At most {streamable} blocks ({format_bytes(total)} of frozen weights) "
-            f"can stream; ask for fewer."
+            f"{STREAM_KEY}={target!r}: {exc}. At most {streamable} blocks ({format_bytes(total)} of frozen "
+            f"weights) can stream; ask for fewer."
         ) from None
     return set(chosen)
 

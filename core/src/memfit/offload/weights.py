@@ -2,33 +2,37 @@
 
 Design notes (``docs/weight-streaming.md`` has the longer story)
 ----------------------------------------------------------------
-What streams.  Every frozen parameter of a streamed block (``requires_grad=False``, a plain ``nn.Parameter`` over a
-plain strided floating-point tensor laid out densely) gets a host master: a view into one host buffer per block
-(page-locked on CUDA), filled once at installation. Its ``param.data`` becomes a placeholder: one NaN element
-expanded to the parameter's shape, on its device, in its dtype (``.shape``, ``.dtype``, ``.device`` answer as before;
-a read outside the block's forward gives NaN, never a plausible wrong number). Left resident, on purpose: trainable
-parameters (LoRA), non-floating ones, parameters whose storage another parameter or buffer shares (tied weights: an
-upload would untie them), non-dense layouts and empty ones. Refused with an error: a frozen parameter that is a
-tensor subclass (quantized weights, DTensor): its bytes are not a plain copy.
+What streams.  Every frozen parameter of a streamed block (``requires_grad=False``, a plain ``nn.Parameter``
+over a plain strided floating-point tensor laid out densely) gets a host master: a view into one host buffer per
+block (page-locked on CUDA), filled once at installation. Its ``param.data`` becomes a placeholder: one NaN
+element expanded to the parameter's shape, on its device, in its dtype (``.shape``, ``.dtype``, ``.device``
+answer as before; a read outside the block's forward gives NaN, never a plausible wrong number). Left resident,
+on purpose: trainable parameters (LoRA), non-floating ones, parameters whose storage another parameter or buffer
+shares (tied weights: an upload would untie them), non-dense layouts and empty ones. Refused with an error: a
+frozen parameter that is a tensor subclass (quantized weights, DTensor): its bytes are not a plain copy.
 
 Upload.  A forward pre-hook on the block points its parameters at views of one device buffer holding the block's
-bytes, uploaded in one copy; a forward post-hook puts the placeholders back. The hooks run for the forward and for the
-recompute alike. A streamed block is always whole-block recomputed (:mod:`memfit.plan`), so its forward saves holders
-only: once it returns, nothing but the parameters pointed at the upload, and it is freed. In backward the recompute
-uploads again; the recomputed saved tensors (views of the upload) keep it until the block's backward has used them.
+bytes, uploaded in one copy; a forward post-hook puts the placeholders back. The hooks run for the forward and
+for the recompute alike. A streamed block is always whole-block recomputed (:mod:`memfit.plan`), so its forward
+saves holders only: once it returns, nothing but the parameters pointed at the upload, and it is freed. In
+backward the recompute uploads again; the recomputed saved tensors (views of the upload) keep it until the
+block's backward has used them.
 
-Ahead of need.  In forward, when streamed block ``k`` starts, the next ``ahead`` streamed blocks in call order are
-uploaded; at the end of a forward with gradients, the last ones (backward needs them first); when block ``k``'s
-recompute starts, the ``ahead`` streamed blocks before it. So at most ``ahead + 1`` streamed blocks are on the device
-at once. ``ahead=1`` by default: in backward a block's recompute and backward hide the next upload; in forward the
-resident blocks between two streamed ones do (the streamed blocks are spread over the call order for that).
+Ahead of need.  In forward, when streamed block ``k`` starts, the next ``ahead`` streamed blocks in call order
+are uploaded; at the end of a forward with gradients, the last ones (backward needs them first); when block
+``k``'s recompute starts, the ``ahead`` streamed blocks before it. So at most ``ahead + 1`` streamed blocks are
+on the device at once. ``ahead=1`` by default: in backward a block's recompute and backward hide the next
+upload; in forward the resident blocks between two streamed ones do (the streamed blocks are spread over the
+call order for that).
 
-Streams (CUDA).  Mirrors :mod:`memfit.offload.copy`: the device buffer is allocated on the compute stream, the upload
-stream waits for an event recorded there after the allocation, copies, and records a done event; the compute stream
-waits for that event before the parameters point at the buffer. Every upload is waited for before it is dropped
-(also one never used), so no ``record_stream`` is needed. Nothing is ever copied back: the host master is the truth.
+Streams (CUDA).  Mirrors :mod:`memfit.offload.copy`: the device buffer is allocated on the compute stream, the
+upload stream waits for an event recorded there after the allocation, copies, and records a done event; the
+compute stream waits for that event before the parameters point at the buffer. Every upload is waited for before
+it is dropped (also one never used), so no ``record_stream`` is needed. Nothing is ever copied back: the host
+master is the truth.
 
-Without streams (a model on the CPU: tests, CPU-only machines) the same bookkeeping runs with synchronous copies.
+Without streams (a model on the CPU: tests, CPU-only machines) the same bookkeeping runs with synchronous
+copies.
 """
 
 from __future__ import annotations
@@ -106,8 +110,8 @@ def choose_streamed_blocks(
         The chosen keys, in call order.
 
     The blocks are spread evenly over the step's frozen bytes, not over the block count: block ``k`` of ``n`` is the
-    one whose bytes hold the point ``(k + ½) / n`` of all frozen bytes (the nearest free one where two points fall in
-    one block). A block's compute grows with its weights (the
+    one whose bytes hold the point ``(k + ½) / n`` of all frozen bytes (the nearest free one where two points fall
+    in one block). A block's compute grows with its weights (the
     linear layers dominate), so each upload hides behind about the same compute, and a block with more bytes (a Flux
     double-stream block holds 2.4× a single-stream one) is picked proportionally more often.
 
@@ -252,9 +256,9 @@ class WeightStreamer:
             raise ValueError(f"ahead must be 1 or more, not {ahead}")
         if any(is_fsdp_module(m) for m in model.modules()):
             raise NotAvailableError(
-                f"{STREAM_KEY} does not work with FSDP2 (fully_shard): sharding already spreads the weights over the "
-                f"ranks, and a sharded weight is gathered per call, not a tensor memfit can keep in host memory. "
-                f"Unset {STREAM_KEY} (or set it to 0) under FSDP2."
+                f"{STREAM_KEY} does not work with FSDP2 (fully_shard): sharding already spreads the weights over "
+                f"the ranks, and a sharded weight is gathered per call, not a tensor memfit can keep in host "
+                f"memory. Unset {STREAM_KEY} (or set it to 0) under FSDP2."
             )
         self.model = model
         self.streams = streams
@@ -279,7 +283,7 @@ class WeightStreamer:
         self._h2d: Any = None
         self.installed = False
 
-    # -- installation ---------------------------------------------------------------------------------------------
+    # -- installation ------------------------------------------------------------------------------------------
 
     def _plan(self, blocks: Sequence[tuple[str, nn.Module]]) -> list[_Block]:
         shared = _shared_storages(self.model)
@@ -402,7 +406,7 @@ class WeightStreamer:
             for block in self.blocks[::-1][: self.ahead]:
                 self._ensure(block)
 
-    # -- hooks ------------------------------------------------------------------------------------------------------
+    # -- hooks -------------------------------------------------------------------------------------------------
 
     def _pre(self, module: nn.Module, args: tuple) -> None:
         block = self._by_module[module]
@@ -469,7 +473,7 @@ class WeightStreamer:
                 f"works while weights stream.)"
             )
 
-    # -- uploads ----------------------------------------------------------------------------------------------------
+    # -- uploads -----------------------------------------------------------------------------------------------
 
     def _ensure(self, block: _Block) -> None:
         """``block``'s weights are uploaded or on their way (unless it is running now)."""
@@ -509,15 +513,13 @@ class WeightStreamer:
 
     def _wait(self, upload: _Upload) -> None:
         """The compute stream waits for ``upload``'s copy (timed when it has not landed yet)."""
-        if upload.waited or upload.done is None:
-            upload.waited = True
+        waited, upload.waited = upload.waited, True
+        api = self.streams
+        if waited or upload.done is None or api is None or upload.done.query():
             return
-        upload.waited = True
-        if upload.done.query():
-            return
-        compute = self.streams.current_stream(self.device)  # type: ignore[union-attr]
+        compute = api.current_stream(self.device)
         if self.timing:
-            before, after = self.streams.new_event(timing=True), self.streams.new_event(timing=True)  # type: ignore[union-attr]
+            before, after = api.new_event(timing=True), api.new_event(timing=True)
             before.record(compute)
             compute.wait_event(upload.done)
             after.record(compute)
@@ -531,7 +533,7 @@ class WeightStreamer:
             self.streams.current_stream(self.device).wait_event(upload.done)  # type: ignore[union-attr]
         upload.waited = True
 
-    # -- inspection -------------------------------------------------------------------------------------------------
+    # -- inspection --------------------------------------------------------------------------------------------
 
     def upload_of(self, module: nn.Module) -> _Upload | None:
         """The upload ``module``'s parameters point at while it runs (None outside its forward and recompute)."""
@@ -570,8 +572,8 @@ class WeightStreamer:
 
 
 def stream_api_for(block: nn.Module) -> StreamApi | None:
-    """The stream calls for a model whose block ``block`` is: CUDA's on a CUDA device, else None (synchronous copies;
-    tests replace this function to run the stream logic over recording or delayed streams)."""
+    """The stream calls for a model whose block ``block`` is: CUDA's on a CUDA device, else None (synchronous
+    copies; tests replace this function to run the stream logic over recording or delayed streams)."""
     p = next(block.parameters(), None)
     return StreamApi() if p is not None and p.is_cuda else None
 
@@ -579,20 +581,22 @@ def stream_api_for(block: nn.Module) -> StreamApi | None:
 def weight_stats(streamer: WeightStreamer | None, *, planned_blocks: int) -> dict[str, Any]:
     """What ``handle.stats()`` reports about weight streaming (zeros when ``streamer`` is None).
 
-    Keys: ``streamed_blocks`` / ``resident_blocks`` (of the plan's ``planned_blocks``); ``weight_pinned_bytes`` (host
-    masters); ``weight_bytes_streamed`` and ``weight_uploads`` (host→device, cumulative); ``weight_uploads_on_demand``
-    (uploads not issued ahead of need); ``weight_upload_wait_ms`` (compute waiting for uploads: the copy time not
-    hidden) and ``weight_upload_copy_ms`` (the upload stream's copy time); ``weight_uploads_alive_max`` (most streamed
-    blocks on the device at once); ``weight_held_after_forward`` (forward uploads something kept until backward: 0
-    unless streaming saves nothing somewhere).
+    Keys: ``streamed_blocks`` / ``resident_blocks`` (of the plan's ``planned_blocks``); ``weight_streamed_bytes``
+    (the frozen bytes streaming takes off the device); ``weight_pinned_bytes`` (the host masters, with their
+    alignment); ``weight_bytes_uploaded`` and ``weight_uploads`` (host→device, cumulative);
+    ``weight_uploads_on_demand`` (uploads not issued ahead of need); ``weight_upload_wait_ms`` (compute waiting for
+    uploads: the copy time not hidden) and ``weight_upload_copy_ms`` (the upload stream's copy time);
+    ``weight_uploads_alive_max`` (most streamed blocks on the device at once); ``weight_held_after_forward``
+    (forward uploads something kept until backward: 0 unless streaming saves nothing somewhere).
     """
     s = streamer.stats if streamer is not None else WeightStats()
     streamed = len(streamer.blocks) if streamer is not None else 0
     return {
         "streamed_blocks": streamed,
         "resident_blocks": planned_blocks - streamed,
+        "weight_streamed_bytes": streamer.streamed_bytes if streamer is not None else 0,
         "weight_pinned_bytes": streamer.pinned_bytes if streamer is not None else 0,
-        "weight_bytes_streamed": s.bytes_uploaded,
+        "weight_bytes_uploaded": s.bytes_uploaded,
         "weight_uploads": s.uploads,
         "weight_uploads_on_demand": s.uploads_on_demand,
         "weight_upload_wait_ms": streamer.wait_ms() if streamer is not None else 0.0,
@@ -619,8 +623,8 @@ def _resolve(events: list[tuple[Any, Any]]) -> float:
 
 
 def _view(buffer: torch.Tensor, w: _Weight, typed: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
-    """``w``'s tensor in ``buffer`` (a block's ``uint8`` buffer): the buffer viewed as ``w``'s dtype once per dtype, then
-    one ``as_strided`` per weight."""
+    """``w``'s tensor in ``buffer`` (a block's ``uint8`` buffer): the buffer viewed as ``w``'s dtype once per dtype,
+    then one ``as_strided`` per weight."""
     whole = typed.get(w.dtype)
     if whole is None:
         whole = typed[w.dtype] = buffer.view(
