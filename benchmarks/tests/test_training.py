@@ -96,3 +96,13 @@ def test_configs_parse_and_unknown_ones_are_named():
     assert parse_configs("lora-attn, full") == [TrainingConfig.LORA_ATTENTION, TrainingConfig.FULL]
     with pytest.raises(ValueError, match=r"unknown training config\(s\) \['lora'\]: choose from"):
         parse_configs("lora")
+
+
+def test_attention_only_lora_on_flux_is_the_common_recipe():
+    """On Flux the attention-only config targets the image stream's to_q, to_k, to_v, to_out.0 (the text
+    stream's add_* projections stay frozen), as diffusers' Flux LoRA scripts do."""
+    flux = pytest.importorskip("memfit_flux").ADAPTER
+    model = flux.presets["tiny"].build()
+    targets = lora_targets(model, flux, attention_only=True)
+    assert targets and all(t.endswith(("to_q", "to_k", "to_v", "to_out.0")) for t in targets)
+    assert {t.rsplit(".", 1)[-1] for t in targets} >= {"to_q", "to_k", "to_v", "0"}

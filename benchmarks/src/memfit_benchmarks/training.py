@@ -65,9 +65,14 @@ def parse_configs(text: str) -> list[TrainingConfig]:
     return [known[n] for n in names]
 
 
+# The common attention-only LoRA recipe (diffusers' Flux/SD3 trainers): the image stream's projections.
+ATTENTION_PROJECTIONS = ("to_q", "to_k", "to_v", "to_out.0")
+
+
 def lora_targets(model: nn.Module, adapter: FamilyAdapter, *, attention_only: bool = False) -> list[str]:
-    """Qualified names of every ``nn.Linear`` inside the declared blocks (or only inside their declared attention
-    regions).
+    """Qualified names of every ``nn.Linear`` inside the declared blocks, or with ``attention_only`` the
+    attention projections of :data:`ATTENTION_PROJECTIONS` inside the declared attention regions (every linear
+    there when a region has none of those names).
 
     Raises:
         ValueError: nothing to put LoRA on (no linear there, or no attention region declared).
@@ -77,9 +82,10 @@ def lora_targets(model: nn.Module, adapter: FamilyAdapter, *, attention_only: bo
     for _path, _index, block in adapter.iter_blocks(model):
         scopes = adapter.attention_modules(block) if attention_only else [block]
         for scope in scopes:
-            for name, module in scope.named_modules():
-                if isinstance(module, nn.Linear):
-                    targets.append(f"{names[id(scope)]}.{name}" if name else names[id(scope)])
+            linears = [(name, m) for name, m in scope.named_modules() if isinstance(m, nn.Linear)]
+            if attention_only and any(name.endswith(ATTENTION_PROJECTIONS) for name, _ in linears):
+                linears = [(name, m) for name, m in linears if name.endswith(ATTENTION_PROJECTIONS)]
+            targets += [f"{names[id(scope)]}.{name}" if name else names[id(scope)] for name, _ in linears]
     if not targets:
         where = "attention regions" if attention_only else "blocks"
         raise ValueError(f"family {adapter.name!r}: no nn.Linear inside the declared {where} to put LoRA on")

@@ -41,6 +41,12 @@ class Planner(Protocol):
     def kept_bytes(self) -> Mapping[str, int] | None:
         """Per block name, what a block that keeps everything holds under the latest plan (or None)."""
 
+    def step_finished(self, signature: Hashable) -> None:
+        """The step of ``signature``'s latest forward ended (a forward with gradients begins)."""
+
+    def replan_wanted(self, signature: Hashable) -> bool:
+        """The plan of ``signature`` changed since it was installed (``auto``'s closed loop)."""
+
     def describe(self) -> str:
         """One line or more for :meth:`memfit.MemfitHandle.describe`."""
 
@@ -61,6 +67,12 @@ class FixedPlanner:
 
     def kept_bytes(self) -> Mapping[str, int] | None:
         return None
+
+    def step_finished(self, signature: Hashable) -> None:
+        return None
+
+    def replan_wanted(self, signature: Hashable) -> bool:
+        return False
 
     def describe(self) -> str:
         return ""
@@ -122,8 +134,10 @@ class Controller:
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
         if self.planner.adaptive and torch.is_grad_enabled():
+            if self._signature is not None:
+                self.planner.step_finished(self._signature)
             signature = self.planner.signature(args, kwargs)
-            if signature != self._signature:
+            if signature != self._signature or self.planner.replan_wanted(signature):
                 self._switch(signature, args, kwargs)
         self.installation.begin_forward()
 

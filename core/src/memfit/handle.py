@@ -86,6 +86,10 @@ class MemfitHandle:
             "profiles": len(getattr(self._controller.planner, "profiles", ())),  # auto: input shapes profiled
             "ffn_resyncs": installation.engine.resyncs,  # FFN sites re-resolved (PEFT replaced modules)
         } | installation.weight_stats()  # weight streaming: blocks streamed/resident, bytes uploaded, waits
+        report = getattr(self._controller.planner, "budget_report", None)
+        if report is not None:  # auto: per input shape, predicted and measured peaks, corrections
+            out["budget_bytes"] = self._controller.planner.budget_bytes
+            out["shapes"] = report()
         session = self._controller.session
         if session is None:
             return out

@@ -8,7 +8,7 @@ A worked example is ``adapters/chroma/src/memfit_chroma/__init__.py``.
 
 from memfit import BlockSpec, FamilyAdapter, Preset
 
-from .presets import build_full, build_tiny, make_inputs
+from .presets import PIXELS, build_full, build_tiny, make_inputs
 
 ADAPTER = FamilyAdapter(
     # The family name users type (`memfit list`, `memfit.get_adapter("<family>")`); the same string as the
@@ -48,6 +48,7 @@ ADAPTER = FamilyAdapter(
         "tiny": Preset(
             build=build_tiny,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=64,
             description="<n> blocks, width <w> (tests, CPU)",
         ),
@@ -55,6 +56,7 @@ ADAPTER = FamilyAdapter(
         "full": Preset(
             build=build_full,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=4096,
             description="<Published model name>, <size> (random weights)",
         ),

@@ -10,6 +10,7 @@ from typing import Any
 
 import torch
 from memfit.adapters import near_square_grid, preset_builders
+from memfit.adapters.spec import PixelGrid
 from torch import nn
 
 # Small widths, few blocks: the kit builds this model once per test class and runs ~150 steps with it.
@@ -27,6 +28,10 @@ FULL: dict[str, Any] = dict(
 # `_keep_in_fp32_modules` stay float32, which `model.to(dtype)` would get wrong. tiny: float32 on the CPU,
 # full: bfloat16 on CUDA; both take `dtype=`, `device=`, `seed=`.
 build_tiny, build_full = preset_builders("diffusers:<ModelClass>", TINY, FULL)
+
+# How a training resolution becomes tokens (`memfit fit --resolution WxH [--frames N]`): the pixels one token
+# covers along each axis (VAE downsampling x patch size) and, for video, the VAE's temporal compression.
+PIXELS = PixelGrid(16)  # e.g. PixelGrid(16, frames_per_latent=4) for a video family
 
 
 def make_inputs(
