@@ -54,6 +54,9 @@ class MemfitConfig:
     offload_attention: bool = False
     offload_pin_memory_max_buckets: int = 12
     memory_budget: int | None = None  # bytes; the ``auto`` backend's budget (None: the card's free memory)
+    stream_blocks: int | str | None = (
+        None  # blocks (count) or frozen bytes (a size) whose weights stream from host
+    )
 
     # -- construction ------------------------------------------------------------------------------------------
 
@@ -144,6 +147,7 @@ class MemfitConfig:
             object.__setattr__(
                 self, "memory_budget", _as_bytes("gradient_checkpointing_memory_budget", self.memory_budget)
             )
+        object.__setattr__(self, "stream_blocks", _as_stream_blocks(self))
 
     # -- views -------------------------------------------------------------------------------------------------
 
@@ -152,7 +156,7 @@ class MemfitConfig:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name == "memory_budget" and value is None:
+            if f.name in ("memory_budget", "stream_blocks") and value is None:
                 continue
             if isinstance(value, Backend):
                 value = value.value
@@ -248,3 +252,44 @@ def as_config(
         )
     base.update(overrides)
     return MemfitConfig.from_dict(base, strict=strict)
+
+
+def _as_stream_blocks(cfg: MemfitConfig) -> int | str | None:
+    """``gradient_checkpointing_stream_blocks``: a count of blocks (an integer >= 0) or a size (``"8GiB"``: stream
+    blocks until at least that many frozen bytes stream); ``null`` is unset. Streaming needs checkpointing on (a
+    streamed block is recomputed) and a fixed backend."""
+    key, value = f"{_PREFIX}_stream_blocks", cfg.stream_blocks
+    if value is None:
+        return None
+    bad = ConfigError(
+        f'{key} must be a number of blocks (an integer >= 0) or a positive size such as "8GiB", got {value!r}'
+    )
+    if isinstance(value, str):
+        text = value.strip()
+        if text.isascii() and text.isdigit():
+            value = int(text)
+        else:
+            try:
+                size = parse_bytes(text) if text.isascii() else 0
+            except ValueError:
+                size = 0
+            if size <= 0:
+                raise bad
+            value = text
+    elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
+        raise bad
+    if not value:
+        return value
+    if not cfg.enabled:
+        raise ConfigError(
+            f"{key}={value!r} needs memfit's checkpointing on (a block whose weights stream is recomputed in "
+            f"backward): set gradient_checkpointing: true, or unset {key}. (With it on, this means FSDP's "
+            f"activation checkpointing is already on the model and turned memfit's off: remove FSDP's checkpoint "
+            f"wrapper.)"
+        )
+    if cfg.backend is Backend.AUTO:
+        raise ConfigError(
+            f"{key} fixes how many blocks stream their weights; gradient_checkpointing_backend='auto' plans "
+            f"every block itself. Remove {key}, or pick a fixed backend ('torch', 'unsloth', ...)."
+        )
+    return value

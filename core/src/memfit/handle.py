@@ -85,7 +85,7 @@ class MemfitHandle:
             "replans": self._controller.replans,
             "profiles": len(getattr(self._controller.planner, "profiles", ())),  # auto: input shapes profiled
             "ffn_resyncs": installation.engine.resyncs,  # FFN sites re-resolved (PEFT replaced modules)
-        }
+        } | installation.weight_stats()  # weight streaming: blocks streamed/resident, bytes uploaded, waits
         report = getattr(self._controller.planner, "budget_report", None)
         if report is not None:  # auto: per input shape, predicted and measured peaks, corrections
             out["budget_bytes"] = self._controller.planner.budget_bytes
@@ -124,6 +124,8 @@ class MemfitHandle:
         installation = self._controller.installation
         self._controller.stats.reset()
         installation.engine.undeclared_block_calls = 0
+        if installation.streamer is not None:
+            installation.streamer.reset_stats()
         session = self._controller.session
         if session is not None:
             session.copy.reset_stats()

@@ -14,6 +14,9 @@ Per block policy (:class:`~memfit.plan.BlockPolicy`):
   :class:`~memfit.offload.attention.AttentionOffloader`;
 * keep, in a plan that parks anything → the block still counts as a region of the step's offload timeline
   (:func:`~memfit.offload.regions.mark_keeping_blocks`), as do recomputed regions that keep their entries.
+
+Blocks whose weights stream (:attr:`~memfit.plan.PlannedBlock.stream_weights`) also go to one
+:class:`~memfit.offload.weights.WeightStreamer`, installed before the region hooks and removed after them.
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ from memfit.errors import MemfitError, UnsupportedBoundaryError
 from memfit.offload.attention import AttentionOffloader
 from memfit.offload.regions import OffloadStash, device_stash_after_parking, mark_keeping_blocks
 from memfit.offload.session import OffloadSession
+from memfit.offload.weights import WeightStreamer, stream_api_for, weight_stats
 from memfit.plan import BlockEntry, BlockPolicy, RegionPlan
 
 
@@ -41,6 +45,7 @@ class Installation:
         plan: the plan it installs.
         engine: the region engine (block and FFN regions).
         offloader: the attention offloader, or None when no block offloads attention.
+        streamer: the weight streamer, or None when no block streams its weights.
     """
 
     def __init__(
@@ -49,17 +54,29 @@ class Installation:
         engine: RegionEngine,
         offloader: AttentionOffloader | None,
         marks: list[Any],
+        streamer: WeightStreamer | None = None,
     ) -> None:
         self.plan = plan
         self.engine = engine
         self.offloader = offloader
+        self.streamer = streamer
         self._marks = marks
 
     def begin_forward(self) -> None:
+        if self.streamer is not None:
+            self.streamer.begin_forward()
         self.engine.begin_forward()
 
     def end_forward(self, *, failed: bool) -> None:
-        self.engine.end_forward(failed=failed)
+        try:
+            self.engine.end_forward(failed=failed)
+        finally:
+            if self.streamer is not None:
+                self.streamer.end_forward(failed=failed)
+
+    def weight_stats(self) -> dict[str, Any]:
+        """Weight-streaming counters (zeros when no block streams): :func:`memfit.offload.weights.weight_stats`."""
+        return weight_stats(self.streamer, planned_blocks=len(self.plan.blocks))
 
     def remove(self) -> None:
         """Take off every hook and restore every attribute this installation touched."""
@@ -69,6 +86,8 @@ class Installation:
         self._marks.clear()
         if self.offloader is not None:
             self.offloader.remove()
+        if self.streamer is not None:
+            self.streamer.remove()
 
 
 def install(
@@ -93,9 +112,12 @@ def install(
 
     Raises:
         UnsupportedBoundaryError: a policy needs a boundary the family has not declared.
-        MemfitError: a module is declared in two regions.
+        MemfitError: a module is declared in two regions, or a streamed block is not recomputed alone.
+        NotAvailableError, HostMemoryError: weights cannot stream here (see
+            :class:`~memfit.offload.weights.WeightStreamer`).
     """
     lists = block_lists(model, adapter)
+    streamer = _weight_streamer(model, lists, plan)
     copies = any(b.policy.copies for b in plan.blocks)
     if copies and session is None:
         raise MemfitError("internal error: a plan that copies to host memory was installed without a session")
@@ -150,7 +172,14 @@ def install(
         model_switch=adapter.model_checkpoint_switch if adapter is not None else None,
         switch_off_model_checkpointing=plan.needed,  # a plan that installs nothing leaves the model untouched
     )
-    engine.install()
+    if streamer is not None:
+        streamer.install()  # its hooks first: a block's weights are in place before its region opens
+    try:
+        engine.install()
+    except BaseException:
+        if streamer is not None:
+            streamer.remove()
+        raise
     marks: list[Any] = []
     if copies and session is not None:
         keeping = [
@@ -161,7 +190,24 @@ def install(
         marks = mark_keeping_blocks(session, keeping) if keeping else []
     if offloader is not None:
         offloader.install()
-    return Installation(plan, engine, offloader, marks)
+    return Installation(plan, engine, offloader, marks, streamer)
+
+
+def _weight_streamer(
+    model: nn.Module, lists: Mapping[str, nn.ModuleList], plan: RegionPlan
+) -> WeightStreamer | None:
+    """The streamer of the plan's streamed blocks (not installed yet), or None."""
+    streamed = plan.streamed
+    if not streamed:
+        return None
+    for b in streamed:
+        if b.policy.recompute != "block" or b.chunk_length != 1:
+            raise MemfitError(
+                f"internal error: block {b.name} streams its weights but is planned as {b.policy.value} in a chunk "
+                f"of {b.chunk_length}; a streamed block must be whole-block recomputed alone"
+            )
+    modules = [(b.name, lists[b.path][b.index]) for b in streamed]
+    return WeightStreamer(model, modules, streams=stream_api_for(modules[0][1]))
 
 
 def block_lists(model: nn.Module, adapter: FamilyAdapter | None) -> dict[str, nn.ModuleList]:

@@ -9,10 +9,16 @@ turns it into hooks and frames. Where the choices come from:
 * :meth:`RegionPlan.from_config` — the fixed backends' plan: that policy per block, chunked by interval
   and stride (:func:`memfit.engine.schedule.plan_blocks`);
 * :meth:`RegionPlan.from_policies` — one policy per block by name (``auto``), no chunks.
+
+Weight streaming is orthogonal to the policy (:attr:`PlannedBlock.stream_weights`): a block whose frozen weights
+stream from host memory is whole-block recomputed (``BLOCK``, or ``BLOCK_OFFLOAD`` where the backend parks
+inputs) and a chunk of its own, so nothing but its parameters refers to its uploaded weights between its forward
+and its recompute (:mod:`memfit.offload.weights`).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import enum
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
@@ -21,6 +27,9 @@ from torch import nn
 
 from memfit.config import Backend, MemfitConfig
 from memfit.engine.schedule import plan_blocks
+from memfit.errors import ConfigError
+from memfit.offload.weights import STREAM_KEY, choose_streamed_blocks, frozen_block_bytes
+from memfit.units import format_bytes, parse_bytes
 
 
 class BlockPolicy(enum.StrEnum):
@@ -101,7 +110,8 @@ class PlannedBlock:
 
     A chunk is a run of consecutive blocks of one list recomputed as one region (one set of saved inputs);
     ``chunk_start``/``chunk_position``/``chunk_length`` say where this block sits in it (a block alone: a
-    chunk of one).
+    chunk of one). ``stream_weights``: its frozen weights live in host memory and are uploaded ahead of its
+    forward and its recompute (then its policy recomputes the whole block, alone).
     """
 
     path: str
@@ -110,6 +120,7 @@ class PlannedBlock:
     chunk_start: int
     chunk_position: int = 0
     chunk_length: int = 1
+    stream_weights: bool = False
 
     @property
     def name(self) -> str:
@@ -142,7 +153,13 @@ class RegionPlan:
         checkpoint_routed: bool = False,
     ) -> RegionPlan:
         """A fixed backend's plan: its policy on the blocks interval and stride select, chunked for whole-block
-        recompute (FFN regions are never chunked across blocks: that would save nothing more)."""
+        recompute (FFN regions are never chunked across blocks: that would save nothing more). The blocks
+        ``gradient_checkpointing_stream_blocks`` streams are whole-block recomputed alone, whatever the backend's
+        scope, interval and stride (:func:`streamed_places`).
+
+        Raises:
+            ConfigError: more blocks or bytes to stream than the blocks' frozen weights hold.
+        """
         backend = cfg.backend if cfg.enabled else None
         chosen = policy_for(backend, offload_attention=cfg.offload_attention)
         left_out = policy_for(None, offload_attention=cfg.offload_attention)
@@ -165,6 +182,17 @@ class RegionPlan:
                     )
                 else:
                     blocks.append(PlannedBlock(path, index, chosen, index))
+        if backend is not None and cfg.stream_blocks:
+            streamed = streamed_places(cfg.stream_blocks, lists)
+            alone = BlockPolicy.BLOCK_OFFLOAD if backend.offloads_inputs else BlockPolicy.BLOCK
+            blocks = _chunks_around(
+                [
+                    PlannedBlock(b.path, b.index, alone, b.index, stream_weights=True)
+                    if (b.path, b.index) in streamed
+                    else b
+                    for b in blocks
+                ]
+            )
         return cls(tuple(blocks), entry, checkpoint_routed)
 
     @classmethod
@@ -177,6 +205,11 @@ class RegionPlan:
             path, _, index = name.rpartition(".")
             blocks.append(PlannedBlock(path, int(index), policy, int(index)))
         return cls(tuple(blocks), entry)
+
+    @property
+    def streamed(self) -> tuple[PlannedBlock, ...]:
+        """The blocks whose frozen weights stream from host memory, in call order."""
+        return tuple(b for b in self.blocks if b.stream_weights)
 
     @property
     def needed(self) -> bool:
@@ -193,3 +226,58 @@ class RegionPlan:
             cached = {(b.path, b.index): b.policy for b in self.blocks}
             object.__setattr__(self, "_places", cached)
         return cached
+
+
+def streamed_places(target: int | str, lists: Mapping[str, nn.ModuleList]) -> set[tuple[str, int]]:
+    """(list path, index) of the blocks ``gradient_checkpointing_stream_blocks=target`` streams: a count of blocks,
+    or a size (stream blocks until at least that many frozen bytes stream), chosen by
+    :func:`memfit.offload.weights.choose_streamed_blocks` (spread evenly over the frozen bytes in call order).
+
+    Raises:
+        ConfigError: the blocks have no frozen weight, or fewer blocks/bytes than asked.
+    """
+    sizes = [
+        ((path, i), frozen_block_bytes(m)) for path, modules in lists.items() for i, m in enumerate(modules)
+    ]
+    total = sum(n for _, n in sizes)
+    if not total:
+        raise ConfigError(
+            f"{STREAM_KEY}={target!r}: the model's blocks have no frozen weights to stream (every weight trains). "
+            f"Freeze the base weights before memfit.apply (model.requires_grad_(False), then add LoRA), or unset "
+            f"{STREAM_KEY}."
+        )
+    try:
+        if isinstance(target, str):
+            chosen = choose_streamed_blocks(sizes, min_bytes=parse_bytes(target))
+        else:
+            chosen = choose_streamed_blocks(sizes, count=target)
+    except ValueError as exc:
+        streamable = sum(1 for _, n in sizes if n)
+        raise ConfigError(
+            f"{STREAM_KEY}={target!r}: {exc}. At most {streamable} blocks ({format_bytes(total)} of frozen "
+            f"weights) can stream; ask for fewer."
+        ) from None
+    return set(chosen)
+
+
+def _chunks_around(blocks: list[PlannedBlock]) -> list[PlannedBlock]:
+    """Whole-block chunks cut around the streamed blocks: a chunk that held one becomes the runs of consecutive
+    blocks on either side (each still one region)."""
+    streamed = {(b.path, b.index) for b in blocks if b.stream_weights}
+    out = []
+    for b in blocks:
+        if b.stream_weights or b.chunk_length == 1 or b.policy.recompute != "block":
+            out.append(b)
+            continue
+        members = range(b.chunk_start, b.chunk_start + b.chunk_length)
+        start, end = b.index, b.index
+        while start - 1 in members and (b.path, start - 1) not in streamed:
+            start -= 1
+        while end + 1 in members and (b.path, end + 1) not in streamed:
+            end += 1
+        out.append(
+            dataclasses.replace(
+                b, chunk_start=start, chunk_position=b.index - start, chunk_length=end - start + 1
+            )
+        )
+    return out

@@ -1,0 +1,245 @@
+"""Weight streaming at a family's full size: a backend unconstrained against the same backend streaming N blocks.
+
+    python -m memfit_benchmarks.streaming --out DIR                                  # GPU: Flux full, 4096 tokens
+    python -m memfit_benchmarks.streaming --blocks 0,8GiB,57 --rounds 2 --out DIR    # counts or sizes
+    python -m memfit_benchmarks.streaming --preset tiny --device cpu --backend torch --blocks 0,2,7 --out DIR
+
+One model (the preset's, random weights, bf16 on CUDA), LoRA r16 on every ``nn.Linear`` of the declared blocks,
+inputs at ``--tokens`` (default: the preset's), flash SDPA (cuDNN SDPA disabled). Per entry of ``--blocks`` one
+row: ``--backend`` (default ``unsloth``) with ``gradient_checkpointing_stream_blocks`` set to that entry (``0``:
+the unconstrained row every other row is compared with). Each row reports the median step, the peak allocated, the
+frozen bytes streaming took off the device, the bytes uploaded per step, the exposed upload wait (compute waiting
+for a copy) and the upload stream's copy time per step. Writes ``streaming.json`` and ``streaming.md`` to ``--out``.
+
+Time on an H200 (Flux full, the default 0,12,24,36,57 and one round of 1 warm-up + 3 timed steps): ~50 s to build
+the model, per row ~5 s of steps plus pinning its host masters (~2 GB/s the first time: ~11 s for all 57 blocks),
+about 2.5 minutes in all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+
+import memfit
+from memfit_benchmarks.environment import environment
+from memfit_benchmarks.families import build_lora_model
+from memfit_benchmarks.modes import Mode
+from memfit_benchmarks.options import deadline
+from memfit_benchmarks.results import write_results
+from memfit_benchmarks.rounds import measured, paired_ratio, round_robin
+from memfit_benchmarks.runner import measure_mode
+
+SDPA = "flash (cuDNN SDPA disabled)"
+KEY = "gradient_checkpointing_stream_blocks"
+DEFAULT_BLOCKS = "0,12,24,36,57"
+
+
+def parse_blocks(text: str) -> list[int | str]:
+    """``"0,12,8GiB"`` as stream targets: a block count (digits) or a size (``memfit`` validates it).
+
+    Raises:
+        ValueError: an empty list, or an entry that is neither.
+    """
+    targets: list[int | str] = []
+    for part in (p.strip() for p in text.split(",")):
+        if not part:
+            continue
+        value = memfit.MemfitConfig.from_dict({"gradient_checkpointing": True, KEY: part}).stream_blocks
+        targets.append(value or 0)
+    if not targets:
+        raise ValueError("give at least one entry (0: the unconstrained row)")
+    return targets
+
+
+def mode_for(backend: str, target: int | str) -> Mode:
+    """The row streaming ``target`` (a count or a size; 0: none) under ``backend``."""
+    config = {"gradient_checkpointing": True, "gradient_checkpointing_backend": backend}
+    if target:
+        return Mode(f"{backend} + stream {target}", {**config, KEY: target})
+    return Mode(backend, config)
+
+
+def weight_row(handle: memfit.MemfitHandle, steps: int) -> dict[str, Any]:
+    """What a row records about weight streaming (``handle.stats()`` counts the timed steps only)."""
+    s = handle.stats()
+    return {
+        "streamed_blocks": s["streamed_blocks"],
+        "resident_blocks": s["resident_blocks"],
+        "streamed_weight_bytes": s["weight_streamed_bytes"],
+        "streamed": [b.name for b in handle.region_plan.streamed],
+        "weight_pinned_bytes": s["weight_pinned_bytes"],
+        "weight_bytes_uploaded_per_step": s["weight_bytes_uploaded"] / steps,
+        "weight_uploads_per_step": s["weight_uploads"] / steps,
+        "weight_uploads_on_demand_per_step": s["weight_uploads_on_demand"] / steps,
+        "weight_exposed_wait_ms_per_step": s["weight_upload_wait_ms"] / steps,
+        "weight_copy_ms_per_step": s["weight_upload_copy_ms"] / steps,
+        "weight_uploads_alive_max": s["weight_uploads_alive_max"],
+        "weight_held_after_forward": s["weight_held_after_forward"],
+    }
+
+
+def add_comparisons(rows: list[dict[str, Any]]) -> None:
+    """Each measured row's step and peak against the unconstrained row (the first, streaming nothing)."""
+    base = next((r for r in rows if measured(r) and not r.get("streamed_blocks")), None)
+    if base is None:
+        return
+    for r in rows:
+        if not measured(r):
+            continue
+        r["x_unconstrained"] = paired_ratio(r, base) or r["step_s"] / base["step_s"]  # paired by round if any
+        if r.get("peak_allocated") and base.get("peak_allocated"):
+            r["peak_saved_bytes"] = base["peak_allocated"] - r["peak_allocated"]
+
+
+def _gib(n: float | None) -> str:
+    return "-" if n is None else f"{n / 2**30:.2f}"
+
+
+def render(payload: dict[str, Any]) -> str:
+    """The results as markdown: one headline table, then what ran."""
+    lines = [
+        f"# Weight streaming: {payload['family']} {payload['preset']}, {payload['tokens']} tokens",
+        "",
+        "| row | streamed blocks | streamed GiB | step s | × unconstrained | peak GiB | peak saved GiB "
+        "| uploaded GiB/step | exposed wait ms/step | copy ms/step | copy GB/s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for r in payload["rows"]:
+        if not measured(r):
+            lines.append(
+                f"| {r['mode']} | {'out of memory' if r.get('oom') else 'not measured'} |" + " |" * 9
+            )
+            continue
+        copy_ms = r.get("weight_copy_ms_per_step") or 0.0
+        bandwidth = r["weight_bytes_uploaded_per_step"] / (copy_ms / 1e3) / 1e9 if copy_ms else None
+        lines.append(
+            f"| {r['mode']} | {r['streamed_blocks']} of {r['streamed_blocks'] + r['resident_blocks']} "
+            f"| {_gib(r['streamed_weight_bytes'])} | {r['step_s']:.3f} | {r.get('x_unconstrained', 1.0):.3f} "
+            f"| {_gib(r.get('peak_allocated'))} | {_gib(r.get('peak_saved_bytes'))} "
+            f"| {_gib(r['weight_bytes_uploaded_per_step'])} | {r['weight_exposed_wait_ms_per_step']:.1f} "
+            f"| {copy_ms:.1f} | {'-' if bandwidth is None else f'{bandwidth:.1f}'} |"
+        )
+    lines += [
+        "",
+        f"{payload['training']}; backend `{payload['backend']}`; {payload['steps']} timed steps after "
+        f"{payload['warmup']} warm-up, median of {payload['rounds']} round(s); SDPA: {payload['sdpa_backend']}.",
+        "",
+        "Peak saved: the unconstrained row's peak minus this row's. Streaming N blocks takes their frozen weights "
+        "off the device except the one or two uploaded at a time. Exposed wait: time the compute stream waited for "
+        "an upload (copy time not hidden behind compute).",
+        "",
+        f"Device: {payload['device']}; torch {payload['torch']}, diffusers {payload.get('diffusers')}; "
+        f"pinned bandwidth {json.dumps(payload.get('pinned_bandwidth'))}; commit {payload.get('git_commit')}; "
+        f"{payload['date']}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    adapter = memfit.get_adapter(args.family)
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
+    dtype = torch.bfloat16 if cuda else torch.float32
+    tokens = args.tokens or adapter.presets[args.preset].default_tokens
+    if cuda:
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    env = environment("streaming", device, sdpa=SDPA if cuda else "default (CPU)")
+    model, batch, info = build_lora_model(
+        adapter, args.preset, dtype=dtype, device=device, rank=args.rank, tokens=tokens
+    )
+    modes = [mode_for(args.backend, t) for t in args.blocks]
+
+    def measure(mode: Mode) -> dict[str, Any]:
+        row = measure_mode(
+            model,
+            batch,
+            adapter.loss,
+            mode,
+            adapter=adapter,
+            warmup=args.warmup,
+            steps=args.steps,
+            inspect=lambda handle: weight_row(handle, args.steps),
+        )
+        summary = (
+            "OOM" if not measured(row) else f"{row['step_s']:.3f} s, peak {_gib(row['peak_allocated'])} GiB"
+        )
+        print(f"[streaming] {mode.name}: {summary}", flush=True)
+        return row
+
+    sdpa = contextlib.nullcontext()
+    if cuda:
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+
+        sdpa = sdpa_kernel([SDPBackend.FLASH_ATTENTION])
+    with sdpa:
+        rows = round_robin(modes, args.rounds, measure, iter, deadline(args.stop_at))
+    add_comparisons(rows)
+    return {
+        **env,
+        "family": args.family,
+        "preset": args.preset,
+        "tokens": tokens,
+        "backend": args.backend,
+        "training": (
+            f"{str(dtype).removeprefix('torch.')} base, PEFT LoRA r{args.rank} on every block nn.Linear, batch 1"
+        ),
+        **info,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rounds": args.rounds,
+        "rows": rows,
+    }
+
+
+def main(argv: list[str] | None = None) -> Path | None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", required=True, help="folder for streaming.json and streaming.md")
+    parser.add_argument("--family", default="flux")
+    parser.add_argument("--preset", default="full")
+    parser.add_argument("--tokens", type=int, default=None, help="default: the preset's default_tokens")
+    parser.add_argument("--device", default="cuda")
+    parser.add_argument(
+        "--backend", default="unsloth", choices=[b.value for b in memfit.Backend if b.value != "auto"]
+    )
+    parser.add_argument(
+        "--blocks", default=DEFAULT_BLOCKS, help=f"stream targets, counts or sizes (default {DEFAULT_BLOCKS})"
+    )
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--rounds", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check the options, print the rows, measure nothing"
+    )
+    args = parser.parse_args(argv)
+    try:
+        args.blocks = parse_blocks(args.blocks)
+    except (ValueError, memfit.ConfigError) as exc:
+        parser.error(f"--blocks: {exc}")
+    if args.steps < 1 or args.rounds < 1 or args.warmup < 0:
+        parser.error("--steps and --rounds must be at least 1, --warmup at least 0")
+    if args.family not in memfit.available_adapters():
+        parser.error(f"--family {args.family!r} is not installed ({sorted(memfit.available_adapters())})")
+    if args.dry_run:
+        rows = [mode_for(args.backend, t).name for t in args.blocks]
+        print(f"would measure {args.family} {args.preset}: {rows}, {args.rounds} round(s)", flush=True)
+        return None
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise SystemExit(
+            "--device cuda needs CUDA (use --device cpu --preset tiny --backend torch for a smoke run)"
+        )
+    payload = run(args)
+    return write_results(Path(args.out), payload, render)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,652 @@
+"""Weight streaming: the frozen weights of chosen blocks live in host memory and are uploaded ahead of need.
+
+Design notes (``docs/weight-streaming.md`` has the longer story)
+----------------------------------------------------------------
+What streams.  Every frozen parameter of a streamed block (``requires_grad=False``, a plain ``nn.Parameter``
+over a plain strided floating-point tensor laid out densely) gets a host master: a view into one host buffer per
+block (page-locked on CUDA), filled once at installation. Its ``param.data`` becomes a placeholder: one NaN
+element expanded to the parameter's shape, on its device, in its dtype (``.shape``, ``.dtype``, ``.device``
+answer as before; a read outside the block's forward gives NaN, never a plausible wrong number). Left resident,
+on purpose: trainable parameters (LoRA), non-floating ones, parameters whose storage another parameter or buffer
+shares (tied weights: an upload would untie them), non-dense layouts and empty ones. Refused with an error: a
+frozen parameter that is a tensor subclass (quantized weights, DTensor): its bytes are not a plain copy.
+
+Upload.  A forward pre-hook on the block points its parameters at views of one device buffer holding the block's
+bytes, uploaded in one copy; a forward post-hook puts the placeholders back. The hooks run for the forward and
+for the recompute alike. A streamed block is always whole-block recomputed (:mod:`memfit.plan`), so its forward
+saves holders only: once it returns, nothing but the parameters pointed at the upload, and it is freed. In
+backward the recompute uploads again; the recomputed saved tensors (views of the upload) keep it until the
+block's backward has used them.
+
+Ahead of need.  In forward, when streamed block ``k`` starts, the next ``ahead`` streamed blocks in call order
+are uploaded; at the end of a forward with gradients, the last ones (backward needs them first); when block
+``k``'s recompute starts, the ``ahead`` streamed blocks before it. So at most ``ahead + 1`` streamed blocks are
+on the device at once. ``ahead=1`` by default: in backward a block's recompute and backward hide the next
+upload; in forward the resident blocks between two streamed ones do (the streamed blocks are spread over the
+call order for that).
+
+Streams (CUDA).  Mirrors :mod:`memfit.offload.copy`: the device buffer is allocated on the compute stream, the
+upload stream waits for an event recorded there after the allocation, copies, and records a done event; the
+compute stream waits for that event before the parameters point at the buffer. Every upload is waited for before
+it is dropped (also one never used), so no ``record_stream`` is needed. Nothing is ever copied back: the host
+master is the truth.
+
+Without streams (a model on the CPU: tests, CPU-only machines) the same bookkeeping runs with synchronous
+copies.
+"""
+
+from __future__ import annotations
+
+import collections
+import itertools
+import math
+import warnings
+import weakref
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.distributed import is_fsdp_module
+from memfit.engine import state
+from memfit.engine.hooks import Attached, attached_hook
+from memfit.errors import HostMemoryError, MemfitError, MemfitWarning, NotAvailableError
+from memfit.offload import hostmem
+from memfit.offload.copy import StreamApi, dense_layout
+from memfit.units import format_bytes
+
+_ALIGN = 512  # bytes: where each parameter starts in a block's buffer (the caching allocator's alignment)
+UPLOADS_AHEAD = 1  # streamed blocks uploaded ahead of the one running (see "Ahead of need")
+STREAM_KEY = "gradient_checkpointing_stream_blocks"
+
+
+# -- which parameters, which blocks ---------------------------------------------------------------------------
+
+
+def streamable_parameters(block: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """The parameters of ``block`` that streaming moves to host memory (see "What streams"), by name.
+
+    Raises:
+        NotAvailableError: a frozen parameter is a tensor subclass (quantized weights, DTensor).
+    """
+    out = []
+    for name, p in block.named_parameters():
+        if p.requires_grad:
+            continue
+        if type(p) is not nn.Parameter or type(p.data) is not torch.Tensor:
+            raise NotAvailableError(
+                f"{STREAM_KEY}: the frozen parameter {name!r} of {type(block).__name__} is a "
+                f"{type(p).__name__} over {type(p.data).__name__}, not a plain tensor (quantized weights, a "
+                f"DTensor); memfit streams plain weights only. Stream fewer blocks, or keep this model's weights "
+                f"in a plain dtype (bf16/fp16/fp32)."
+            )
+        if p.layout == torch.strided and p.is_floating_point() and p.numel() > 0 and dense_layout(p.data):
+            out.append((name, p))
+    return out
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // _ALIGN) * _ALIGN
+
+
+def frozen_block_bytes(block: nn.Module) -> int:
+    """Bytes streaming ``block`` takes off the device (its host buffer's payload, padding aside)."""
+    return sum(p.numel() * p.element_size() for _, p in streamable_parameters(block))
+
+
+def choose_streamed_blocks(
+    sizes: Sequence[tuple[Any, int]], *, count: int | None = None, min_bytes: int | None = None
+) -> list[Any]:
+    """Which blocks stream: ``count`` of them, or the fewest that stream at least ``min_bytes``.
+
+    Args:
+        sizes: (key, frozen bytes) of every block, in call order.
+        count: stream this many blocks.
+        min_bytes: stream blocks until at least this many bytes stream.
+
+    Returns:
+        The chosen keys, in call order.
+
+    The blocks are spread evenly over the step's frozen bytes, not over the block count: block ``k`` of ``n`` is the
+    one whose bytes hold the point ``(k + ½) / n`` of all frozen bytes (the nearest free one where two points fall
+    in one block). A block's compute grows with its weights (the
+    linear layers dominate), so each upload hides behind about the same compute, and a block with more bytes (a Flux
+    double-stream block holds 2.4× a single-stream one) is picked proportionally more often.
+
+    Raises:
+        ValueError: neither or both of ``count``/``min_bytes``; more blocks or bytes than there are.
+    """
+    if (count is None) == (min_bytes is None):
+        raise ValueError("give exactly one of count and min_bytes")
+    candidates = [(key, nbytes) for key, nbytes in sizes if nbytes > 0]
+    total = sum(n for _, n in candidates)
+    if count is not None:
+        if count > len(candidates):
+            raise ValueError(f"{count} blocks asked, {len(candidates)} have frozen weights to stream")
+        return _spread(candidates, count)
+    assert min_bytes is not None
+    if min_bytes > total:
+        raise ValueError(
+            f"{format_bytes(min_bytes)} asked, the blocks' frozen weights are {format_bytes(total)} in all"
+        )
+    for n in range(1, len(candidates) + 1):
+        chosen = _spread(candidates, n)
+        by_key = dict(candidates)
+        if sum(by_key[k] for k in chosen) >= min_bytes:
+            return chosen
+    raise AssertionError("unreachable: every block streams at most the total")
+
+
+def _spread(candidates: list[tuple[Any, int]], n: int) -> list[Any]:
+    """``n`` of ``candidates`` spread evenly over their cumulative bytes (see :func:`choose_streamed_blocks`): the
+    block holding each point, or, where that one is taken already, the free block nearest to it."""
+    total = sum(b for _, b in candidates)
+    starts, at = [], 0
+    for _, nbytes in candidates:
+        starts.append(at)
+        at += nbytes
+    chosen: set[int] = set()
+    for k in range(n):
+        target = (k + 0.5) * total / n
+        holder = max(i for i, start in enumerate(starts) if start <= target)
+        if holder in chosen:
+            middles = {i: starts[i] + candidates[i][1] / 2 for i in range(len(candidates)) if i not in chosen}
+            holder = min(middles, key=lambda i: (abs(middles[i] - target), i))
+        chosen.add(holder)
+    return [candidates[i][0] for i in sorted(chosen)]
+
+
+# -- the streamer -----------------------------------------------------------------------------------------------
+
+
+@dataclass(eq=False)
+class _Weight:
+    """One streamed parameter: where its bytes sit in the block's buffers, and its placeholder."""
+
+    param: nn.Parameter
+    name: str  # in its block, at installation (for messages)
+    offset: int  # bytes into the block's buffers
+    shape: torch.Size
+    stride: tuple[int, ...]
+    dtype: torch.dtype
+    placeholder: torch.Tensor
+    master: torch.Tensor | None = None  # a view of the host buffer
+
+
+@dataclass(eq=False)
+class _Block:
+    """One streamed block: its weights, its host buffer, its place among the streamed blocks."""
+
+    name: str
+    module: nn.Module
+    position: int
+    weights: list[_Weight]
+    nbytes: int  # its buffers' size (each weight at an ``_ALIGN`` boundary)
+    payload: int  # the weights' own bytes
+    host: torch.Tensor | None = None
+
+
+@dataclass(eq=False)
+class _Upload:
+    """One upload of a block's weights to the device: the buffer, the parameters' views of it, its done event."""
+
+    block: _Block
+    views: list[torch.Tensor]
+    storage: weakref.ref  # the device buffer's storage: alive while any view of it is
+    done: Any = None  # the upload stream's event after the copy (None: synchronous)
+    started: Any = None  # a timing event before the copy (CUDA timing)
+    waited: bool = False
+
+
+@dataclass
+class WeightStats:
+    """Counters of one streamer (``handle.stats()`` shows them)."""
+
+    uploads: int = 0
+    bytes_uploaded: int = 0
+    uploads_on_demand: int = 0  # issued when the block was needed, not ahead of it
+    max_alive: int = 0  # most streamed blocks on the device at once (uploads alive)
+    held_after_forward: int = 0  # forward uploads still referenced when the forward returned (should stay 0)
+    wait_events: list[tuple[Any, Any]] = field(default_factory=list)
+    copy_events: list[tuple[Any, Any]] = field(default_factory=list)
+    wait_ms: float = 0.0
+    copy_ms: float = 0.0
+
+
+class WeightStreamer:
+    """Streams the frozen weights of some blocks from host memory (see the module notes).
+
+    Args:
+        model: the model (its other parameters and buffers are checked for shared storage; FSDP2 is refused).
+        blocks: (name, block) of the streamed blocks, in call order.
+        streams: the stream and event calls; ``None`` copies synchronously (a model on the CPU).
+        ahead: streamed blocks uploaded ahead of the one running (:data:`UPLOADS_AHEAD`).
+        available_host_bytes: host RAM that can still be allocated (default: :mod:`memfit.offload.hostmem`).
+        host_reserve_bytes: RAM left free for the rest of the process (default: 10% of the host, at least 2 GiB).
+        allocate: ``allocate(nbytes, pinned)`` returns a 1-D ``uint8`` CPU tensor (default: exact pinning).
+        timing: time the waits and copies with events (CUDA).
+
+    Raises:
+        NotAvailableError: the model is sharded with FSDP2, or a frozen weight is a tensor subclass.
+        MemfitError: a block has no frozen weight to stream.
+        HostMemoryError: the host masters do not fit in host RAM.
+
+    Example:
+        >>> streamer = WeightStreamer(model, [("blocks.3", model.blocks[3])])  # doctest: +SKIP
+        >>> streamer.install()  # doctest: +SKIP
+        >>> ...  # forward and backward through memfit's installation
+        >>> streamer.remove()  # doctest: +SKIP
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        blocks: Sequence[tuple[str, nn.Module]],
+        *,
+        streams: StreamApi | None = None,
+        ahead: int = UPLOADS_AHEAD,
+        available_host_bytes: Callable[[], int] | None = None,
+        host_reserve_bytes: int | None = None,
+        allocate: Callable[[int, bool], torch.Tensor] = hostmem.allocate_host,
+        timing: bool = True,
+    ) -> None:
+        if ahead < 1:
+            raise ValueError(f"ahead must be 1 or more, not {ahead}")
+        if any(is_fsdp_module(m) for m in model.modules()):
+            raise NotAvailableError(
+                f"{STREAM_KEY} does not work with FSDP2 (fully_shard): sharding already spreads the weights over "
+                f"the ranks, and a sharded weight is gathered per call, not a tensor memfit can keep in host "
+                f"memory. Unset {STREAM_KEY} (or set it to 0) under FSDP2."
+            )
+        self.model = model
+        self.streams = streams
+        self.ahead = ahead
+        self.timing = timing and streams is not None
+        self._available = available_host_bytes or hostmem.available_host_bytes
+        self._reserve = host_reserve_bytes
+        self._allocate = allocate
+        self.blocks = self._plan(blocks)
+        self._by_module = {b.module: b for b in self.blocks}
+        self.device = self.blocks[0].weights[0].param.device if self.blocks else torch.device("cpu")
+        self.stats = WeightStats()
+        self.pinned_bytes = 0
+        self.host_allocations = 0  # host buffers allocated (at installation only: none in the steady state)
+        self._pending: dict[_Block, _Upload] = {}  # uploaded ahead, not used yet
+        self._active: dict[_Block, _Upload] = {}  # the block is running on it
+        self._alive: list[weakref.ref] = []  # storages of uploads (dead ones pruned as uploads are issued)
+        self._forward_uploads: list[tuple[_Block, weakref.ref]] = []  # this forward's, checked as it returns
+        self._training = False
+        self._warned_held = False
+        self._handles: list[Any] = []
+        self._h2d: Any = None
+        self.installed = False
+
+    # -- installation ------------------------------------------------------------------------------------------
+
+    def _plan(self, blocks: Sequence[tuple[str, nn.Module]]) -> list[_Block]:
+        shared = _shared_storages(self.model)
+        planned = []
+        for position, (name, module) in enumerate(blocks):
+            weights, offset, payload = [], 0, 0
+            for pname, p in streamable_parameters(module):
+                if _storage_ptr(p) in shared:
+                    continue  # tied to another parameter or buffer: an upload would untie them
+                placeholder = torch.full((), math.nan, dtype=p.dtype, device=p.device).expand(p.shape)
+                weights.append(_Weight(p, pname, offset, p.shape, p.stride(), p.dtype, placeholder))
+                nbytes = p.numel() * p.element_size()
+                offset += _padded(nbytes)
+                payload += nbytes
+            if not weights:
+                raise MemfitError(
+                    f"{STREAM_KEY}: block {name} ({type(module).__name__}) has no frozen weight memfit can stream "
+                    f"(every weight trains, or is tied to another). Freeze the base weights before memfit.apply "
+                    f"(model.requires_grad_(False), then add LoRA), or stream fewer blocks."
+                )
+            planned.append(_Block(name, module, position, weights, offset, payload))
+        return planned
+
+    def install(self) -> None:
+        """Copy every streamed weight to its host master, swap in the placeholders and add the hooks."""
+        if self.installed:
+            return
+        need = sum(b.nbytes for b in self.blocks)
+        self._check_host_memory(need)
+        pinned = self.device.type == "cuda"
+        for block in self.blocks:
+            host = self._allocate(block.nbytes, pinned)
+            self.host_allocations += 1
+            typed: dict[torch.dtype, torch.Tensor] = {}
+            for w in block.weights:
+                w.master = _view(host, w, typed)
+                w.master.copy_(w.param.data)
+            block.host = host
+            self.pinned_bytes += block.nbytes if pinned else 0
+        if self.streams is not None and self.blocks:
+            self._h2d = self.streams.new_stream()
+        for block in self.blocks:
+            for w in block.weights:
+                w.param.data = w.placeholder
+            module = block.module
+            self._handles.append(module.register_forward_pre_hook(attached_hook(self._pre)))
+            self._handles.append(module.register_forward_hook(attached_hook(self._post), always_call=True))
+            self._handles.append(module.register_state_dict_post_hook(_StateDictHook(self._state_dict)))
+            self._handles.append(module.register_load_state_dict_pre_hook(Attached(self._refuse_load)))
+        self.installed = True
+
+    def _check_host_memory(self, need: int) -> None:
+        reserve = self._reserve if self._reserve is not None else hostmem.default_host_reserve()
+        available = int(self._available())
+        if need > available - reserve:
+            raise HostMemoryError(
+                f"{STREAM_KEY}: the frozen weights of {len(self.blocks)} streamed block(s) need "
+                f"{format_bytes(need)} of host memory, but {format_bytes(max(0, available))} is available and "
+                f"{format_bytes(reserve)} of it is kept free for the rest of the process. Stream fewer blocks "
+                f"(a smaller {STREAM_KEY}), or free host RAM (fewer dataloader workers, smaller caches)."
+            )
+
+    def remove(self) -> None:
+        """Put every streamed weight back on its device (same values, same Parameter objects); free the masters."""
+        if not self.installed:
+            return
+        for upload in [*self._pending.values(), *self._active.values()]:
+            self._settle(upload)
+        self._pending.clear()
+        self._active.clear()
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        for block in self.blocks:
+            for w in block.weights:
+                assert w.master is not None
+                restored = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
+                w.param.data = restored.copy_(w.master)
+                w.master = None
+            block.host = None
+        self.pinned_bytes = 0
+        self.installed = False
+
+    # -- step boundaries (the installation forwards the model's) ---------------------------------------------------
+
+    def begin_forward(self) -> None:
+        """The model's forward starts: drop stale uploads, upload the first streamed blocks."""
+        self._training = torch.is_grad_enabled()
+        if self.timing:  # fold the completed timing events into the totals (the lists never grow past a step)
+            self.wait_ms()
+            self.copy_ms()
+        self._forward_uploads.clear()
+        first = self.blocks[: self.ahead]
+        for block in [b for b in self._pending if b not in first]:
+            self._settle(self._pending.pop(block))
+        for block in first:
+            self._ensure(block)
+
+    def end_forward(self, *, failed: bool) -> None:
+        """The model's forward returned (or raised): check nothing kept a forward upload; upload for backward."""
+        held = [b.name for b, storage in self._forward_uploads if storage() is not None]
+        self._forward_uploads.clear()
+        if held and not failed:
+            self.stats.held_after_forward += len(held)
+            if not self._warned_held:
+                self._warned_held = True
+                warnings.warn(
+                    f"the weights of streamed block(s) {', '.join(held)} stayed on the device after their forward "
+                    f"(something outside a recomputed region saved them for backward), so streaming saves "
+                    f"nothing there. Streamed blocks must be whole-block recomputed regions. This warning is shown "
+                    f"once.",
+                    MemfitWarning,
+                    stacklevel=2,
+                )
+        if failed:
+            for block in list(self._pending):
+                self._settle(self._pending.pop(block))
+            return
+        if self._training:
+            for block in self.blocks[::-1][: self.ahead]:
+                self._ensure(block)
+
+    # -- hooks -------------------------------------------------------------------------------------------------
+
+    def _pre(self, module: nn.Module, args: tuple) -> None:
+        block = self._by_module[module]
+        recomputing = state.recomputing()
+        upload = self._pending.pop(block, None)
+        if upload is None:
+            upload = self._issue(block)
+            self.stats.uploads_on_demand += 1
+        self._wait(upload)
+        for w, view in zip(block.weights, upload.views, strict=True):
+            self._check(block, w)
+            w.param.data = view
+        self._active[block] = upload
+        if not recomputing and self._training:
+            self._forward_uploads.append((block, upload.storage))
+        step = -1 if recomputing else 1
+        for k in range(1, self.ahead + 1):
+            position = block.position + step * k
+            if 0 <= position < len(self.blocks):
+                self._ensure(self.blocks[position])
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        block = self._by_module[module]
+        for w in block.weights:
+            w.param.data = w.placeholder
+        self._active.pop(block, None)
+
+    @staticmethod
+    def _check(block: _Block, w: _Weight) -> None:
+        p = w.param
+        if p.requires_grad:
+            raise MemfitError(
+                f"{block.name}.{w.name} streams from host memory as a frozen weight, but it requires grad now; a "
+                f"streamed weight cannot train (its optimizer would update a placeholder). Call handle.remove(), "
+                f"change which weights train, and apply memfit again."
+            )
+        if p.data_ptr() != w.placeholder.data_ptr():
+            raise MemfitError(
+                f"{block.name}.{w.name} streams from host memory, but its data was replaced since memfit.apply "
+                f"(model.to(), a dtype cast, load_state_dict(assign=True)?). Call handle.remove() before changing "
+                f"the model's weights, device or dtype, then apply memfit again."
+            )
+
+    def _state_dict(self, module: nn.Module, state_dict: dict, prefix: str, local_metadata: Any) -> None:
+        """The block's entries are its host masters, never the placeholders (the names as they are now: PEFT may
+        have wrapped a layer since)."""
+        masters = {id(w.param): w.master for w in self._by_module[module].weights}
+        for name, p in module.named_parameters():
+            master = masters.get(id(p))
+            if master is not None and prefix + name in state_dict:
+                state_dict[prefix + name] = master
+
+    def _refuse_load(self, module: nn.Module, state_dict: Mapping, prefix: str, *args: Any) -> None:
+        block = self._by_module[module]
+        streamed = {id(w.param) for w in block.weights}
+        keys = [
+            prefix + n for n, p in module.named_parameters() if id(p) in streamed and prefix + n in state_dict
+        ]
+        if keys:
+            raise MemfitError(
+                f"load_state_dict would write {keys[0]}{' and others' if len(keys) > 1 else ''}, a weight memfit "
+                f"streams from host memory ({STREAM_KEY}). Load the weights before memfit.apply, or call "
+                f"handle.remove(), load, and apply memfit again. (Loading only trainable weights, such as LoRA, "
+                f"works while weights stream.)"
+            )
+
+    # -- uploads -----------------------------------------------------------------------------------------------
+
+    def _ensure(self, block: _Block) -> None:
+        """``block``'s weights are uploaded or on their way (unless it is running now)."""
+        if block not in self._pending and block not in self._active:
+            self._pending[block] = self._issue(block)
+
+    def _issue(self, block: _Block) -> _Upload:
+        assert block.host is not None
+        buffer = torch.empty(block.nbytes, dtype=torch.uint8, device=self.device)  # on the compute stream
+        api = self.streams
+        if api is None:
+            buffer.copy_(block.host)
+            upload = _Upload(block, _views(buffer, block), weakref.ref(buffer.untyped_storage()))
+        else:
+            compute = api.current_stream(self.device)
+            ready = api.new_event()
+            ready.record(compute)
+            self._h2d.wait_event(ready)  # the buffer's memory is free for the copy once compute got there
+            with api.use(self._h2d, restore=compute):
+                started = api.new_event(timing=True) if self.timing else None
+                if started is not None:
+                    started.record(self._h2d)
+                buffer.copy_(block.host, non_blocking=True)
+                done = api.new_event(timing=self.timing)
+                done.record(self._h2d)
+            if started is not None:
+                self.stats.copy_events.append((started, done))
+            upload = _Upload(
+                block, _views(buffer, block), weakref.ref(buffer.untyped_storage()), done, started
+            )
+        self.stats.uploads += 1
+        self.stats.bytes_uploaded += block.payload
+        self._alive = [ref for ref in self._alive if ref() is not None]
+        self._alive.append(upload.storage)
+        self.stats.max_alive = max(self.stats.max_alive, len(self._alive))
+        return upload
+
+    def _wait(self, upload: _Upload) -> None:
+        """The compute stream waits for ``upload``'s copy (timed when it has not landed yet)."""
+        waited, upload.waited = upload.waited, True
+        api = self.streams
+        if waited or upload.done is None or api is None or upload.done.query():
+            return
+        compute = api.current_stream(self.device)
+        if self.timing:
+            before, after = api.new_event(timing=True), api.new_event(timing=True)
+            before.record(compute)
+            compute.wait_event(upload.done)
+            after.record(compute)
+            self.stats.wait_events.append((before, after))
+        else:
+            compute.wait_event(upload.done)
+
+    def _settle(self, upload: _Upload) -> None:
+        """An upload is dropped: compute waits for its copy first, so its memory is reused only after it."""
+        if upload.done is not None and not upload.waited and not upload.done.query():
+            self.streams.current_stream(self.device).wait_event(upload.done)  # type: ignore[union-attr]
+        upload.waited = True
+
+    # -- inspection --------------------------------------------------------------------------------------------
+
+    def upload_of(self, module: nn.Module) -> _Upload | None:
+        """The upload ``module``'s parameters point at while it runs (None outside its forward and recompute)."""
+        block = self._by_module.get(module)
+        return self._active.get(block) if block is not None else None
+
+    def alive(self) -> list[str]:
+        """Names of the streamed blocks whose uploaded weights are on the device now (referenced by anything)."""
+        unique = {
+            id(ref): (b, ref) for b, ref in self._uploads_by_block()
+        }  # a running block's is listed twice
+        return [b.name for b, ref in unique.values() if ref() is not None]
+
+    def _uploads_by_block(self) -> Iterable[tuple[_Block, weakref.ref]]:
+        for upload in [*self._pending.values(), *self._active.values()]:
+            yield upload.block, upload.storage
+        yield from self._forward_uploads
+
+    def wait_ms(self) -> float:
+        """Milliseconds compute waited for uploads (the copy time not hidden behind compute)."""
+        self.stats.wait_ms += _resolve(self.stats.wait_events)
+        return self.stats.wait_ms
+
+    def copy_ms(self) -> float:
+        """Milliseconds the upload stream spent copying (bytes / this = the bandwidth reached)."""
+        self.stats.copy_ms += _resolve(self.stats.copy_events)
+        return self.stats.copy_ms
+
+    def reset_stats(self) -> None:
+        self.stats = WeightStats()
+
+    @property
+    def streamed_bytes(self) -> int:
+        """The frozen bytes streaming takes off the device (while no upload is alive)."""
+        return sum(b.payload for b in self.blocks)
+
+
+def stream_api_for(block: nn.Module) -> StreamApi | None:
+    """The stream calls for a model whose block ``block`` is: CUDA's on a CUDA device, else None (synchronous
+    copies; tests replace this function to run the stream logic over recording or delayed streams)."""
+    p = next(block.parameters(), None)
+    return StreamApi() if p is not None and p.is_cuda else None
+
+
+def weight_stats(streamer: WeightStreamer | None, *, planned_blocks: int) -> dict[str, Any]:
+    """What ``handle.stats()`` reports about weight streaming (zeros when ``streamer`` is None).
+
+    Keys: ``streamed_blocks`` / ``resident_blocks`` (of the plan's ``planned_blocks``); ``weight_streamed_bytes``
+    (the frozen bytes streaming takes off the device); ``weight_pinned_bytes`` (the host masters, with their
+    alignment); ``weight_bytes_uploaded`` and ``weight_uploads`` (host→device, cumulative);
+    ``weight_uploads_on_demand`` (uploads not issued ahead of need); ``weight_upload_wait_ms`` (compute waiting for
+    uploads: the copy time not hidden) and ``weight_upload_copy_ms`` (the upload stream's copy time);
+    ``weight_uploads_alive_max`` (most streamed blocks on the device at once); ``weight_held_after_forward``
+    (forward uploads something kept until backward: 0 unless streaming saves nothing somewhere).
+    """
+    s = streamer.stats if streamer is not None else WeightStats()
+    streamed = len(streamer.blocks) if streamer is not None else 0
+    return {
+        "streamed_blocks": streamed,
+        "resident_blocks": planned_blocks - streamed,
+        "weight_streamed_bytes": streamer.streamed_bytes if streamer is not None else 0,
+        "weight_pinned_bytes": streamer.pinned_bytes if streamer is not None else 0,
+        "weight_bytes_uploaded": s.bytes_uploaded,
+        "weight_uploads": s.uploads,
+        "weight_uploads_on_demand": s.uploads_on_demand,
+        "weight_upload_wait_ms": streamer.wait_ms() if streamer is not None else 0.0,
+        "weight_upload_copy_ms": streamer.copy_ms() if streamer is not None else 0.0,
+        "weight_uploads_alive_max": s.max_alive,
+        "weight_held_after_forward": s.held_after_forward,
+    }
+
+
+class _StateDictHook(Attached):
+    """:class:`Attached` with a ``__dict__``: ``register_state_dict_post_hook`` marks the hook it registers."""
+
+
+def _resolve(events: list[tuple[Any, Any]]) -> float:
+    """The summed milliseconds of the completed (start, end) timing pairs; they leave ``events``."""
+    total, pending = 0.0, []
+    for start, end in events:
+        if end.query():
+            total += start.elapsed_time(end)
+        else:
+            pending.append((start, end))
+    events[:] = pending
+    return total
+
+
+def _view(buffer: torch.Tensor, w: _Weight, typed: dict[torch.dtype, torch.Tensor]) -> torch.Tensor:
+    """``w``'s tensor in ``buffer`` (a block's ``uint8`` buffer): the buffer viewed as ``w``'s dtype once per dtype,
+    then one ``as_strided`` per weight."""
+    whole = typed.get(w.dtype)
+    if whole is None:
+        whole = typed[w.dtype] = buffer.view(
+            w.dtype
+        )  # a block's size is a multiple of _ALIGN: every dtype divides
+    return whole.as_strided(w.shape, w.stride, w.offset // w.dtype.itemsize)
+
+
+def _views(buffer: torch.Tensor, block: _Block) -> list[torch.Tensor]:
+    typed: dict[torch.dtype, torch.Tensor] = {}
+    return [_view(buffer, w, typed) for w in block.weights]
+
+
+def _storage_ptr(t: torch.Tensor) -> int:
+    return t.untyped_storage().data_ptr()
+
+
+def _shared_storages(model: nn.Module) -> set[int]:
+    """Storage addresses registered more than once among ``model``'s parameters and buffers (tied weights: one
+    Parameter in two places, or two over one storage)."""
+    registered = itertools.chain(
+        model.named_parameters(remove_duplicate=False), model.named_buffers(remove_duplicate=False)
+    )
+    counts = collections.Counter(_storage_ptr(t) for _, t in registered)
+    return {ptr for ptr, n in counts.items() if n > 1 and ptr}

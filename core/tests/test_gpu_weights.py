@@ -1,0 +1,248 @@
+"""Weight streaming on a GPU (``nox -s gpu``; skips on CPU machines): gradients, the peak, pinned memory, races.
+
+The toy stack runs in fp32 (cuBLAS without TF32 is deterministic for one shape, and every upload sits at a 512-byte
+boundary like the allocator's own tensors): there the comparisons are bitwise. Flux in bf16 with flash attention
+(cuDNN SDPA off) compares against the run-to-run noise of the unmodified model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+
+import pytest
+import torch
+from test_weights import frozen_toy, streamer_of
+
+import memfit
+from memfit.offload.copy import StreamApi
+from memfit.offload.weights import frozen_block_bytes
+from memfit_conformance.plugin import require_cuda
+
+from helpers import assert_same, step
+from toy import TOY
+
+pytestmark = pytest.mark.gpu
+ON = {"gradient_checkpointing": True}
+KEY = "gradient_checkpointing_stream_blocks"
+
+
+TOY_CONFIGS = {
+    "torch": {**ON, KEY: 3},
+    "torch-i2": {**ON, "gradient_checkpointing_interval": 2, KEY: 2},
+    "unsloth": {**ON, "gradient_checkpointing_backend": "unsloth", KEY: 3},
+    "torch-ffn": {**ON, "gradient_checkpointing_backend": "torch-ffn", KEY: 3},
+    "unsloth-ffn+attn": {
+        **ON,
+        "gradient_checkpointing_backend": "unsloth-ffn",
+        "gradient_checkpointing_offload_attention": True,
+        KEY: 2,
+    },
+    "all": {**ON, "gradient_checkpointing_backend": "unsloth", KEY: 6},
+}
+
+
+@pytest.mark.parametrize("name", list(TOY_CONFIGS))
+def test_toy_gradients_bitwise(name):
+    model = frozen_toy(device="cuda", dim=1024, blocks=6)
+    x = torch.randn(1, 2048, 1024, device="cuda")
+    ref = step(model, x)
+    with memfit.apply(model, TOY_CONFIGS[name], adapter=TOY, min_offload_bytes=0) as handle:
+        for _ in range(3):
+            assert_same(ref, step(model, x))
+        stats = handle.stats()
+    streamed = stats["streamed_blocks"]
+    assert stats["weight_uploads"] == 3 * 2 * streamed and stats["weight_uploads_on_demand"] == 0
+    assert stats["weight_held_after_forward"] == 0 and stats["weight_uploads_alive_max"] <= 2
+    assert stats["weight_pinned_bytes"] >= streamed * frozen_block_bytes(model.blocks[0])
+
+
+def test_flux_bf16_lora_within_noise():
+    require_cuda()
+    peft = pytest.importorskip("peft")
+    memfit_flux = pytest.importorskip("memfit_flux")
+    from test_gpu_ecosystem import assert_within_noise
+    from test_peft import TARGETS
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    torch.backends.cuda.enable_cudnn_sdp(False)
+    preset = memfit_flux.ADAPTER.presets["tiny"]
+    model = preset.build(dtype=torch.bfloat16, device="cuda")
+    model.requires_grad_(False)
+    torch.manual_seed(0)
+    model.add_adapter(
+        peft.LoraConfig(r=16, lora_alpha=16, target_modules=TARGETS, init_lora_weights="gaussian")
+    )
+    inputs = preset.inputs(model, tokens=1024, generator=torch.Generator().manual_seed(0))
+
+    def grads() -> dict[str, torch.Tensor]:
+        model.zero_grad(set_to_none=True)
+        out = model(**inputs)[0]
+        out.float().pow(2).mean().backward()
+        return {"output": out.detach()} | {
+            n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad
+        }
+
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
+        reference, again = grads(), grads()
+        for config in (
+            {**ON, "gradient_checkpointing_backend": "unsloth", KEY: 4},
+            {**ON, "gradient_checkpointing_backend": "torch-ffn", KEY: "100KiB"},
+        ):
+            with memfit.apply(model, config, min_offload_bytes=0) as handle:
+                for _ in range(2):
+                    assert_within_noise(reference, again, grads(), floor=1e-2)
+                assert handle.stats()["weight_held_after_forward"] == 0
+
+
+def test_peak_drops_by_the_streamed_weights_but_the_two_in_flight():
+    """``unsloth`` against ``unsloth`` streaming 4 of 8 blocks (fp32, 151 MiB of frozen weights each).
+
+    Both run the same regions (every block recomputed, its inputs parked), so their activations peak alike; the
+    streaming run holds 4 blocks' weights fewer, except the uploads alive at its peak (the running block's and the
+    one uploaded ahead of it: ``weight_uploads_alive_max`` says 2). So the peak drops by at least the streamed bytes
+    less two blocks, and at most by the streamed bytes. 64 MiB of slack: the parked block inputs (16 MiB each) are
+    freed when their asynchronous copy to the host completes, which can shift a few of them across the peak in one
+    run and not in the other; still far below one block (151 MiB).
+    """
+    model = frozen_toy(device="cuda", dim=2048, blocks=8)
+    x = torch.randn(1, 2048, 2048, device="cuda")
+    per_block = frozen_block_bytes(model.blocks[0])
+    peaks, stats = {}, {}
+    for name, config in (
+        ("unsloth", {**ON, "gradient_checkpointing_backend": "unsloth"}),
+        ("streaming", {**ON, "gradient_checkpointing_backend": "unsloth", KEY: 4}),
+    ):
+        with memfit.apply(model, config, adapter=TOY) as handle:
+            step(model, x)  # warm-up: the pools fill
+            torch.cuda.synchronize()
+            gc.collect()
+            torch.cuda.reset_peak_memory_stats()
+            for _ in range(2):
+                step(model, x)
+            torch.cuda.synchronize()
+            peaks[name] = torch.cuda.max_memory_allocated()
+            stats[name] = handle.stats()
+        model.zero_grad(set_to_none=True)
+    streamed = 4 * per_block
+    assert stats["streaming"]["weight_uploads_alive_max"] == 2
+    saved = peaks["unsloth"] - peaks["streaming"]
+    slack = 64 << 20
+    assert streamed - 2 * per_block - slack <= saved <= streamed + slack, (
+        f"peak saved {saved / 2**20:.0f} MiB; {streamed / 2**20:.0f} MiB streamed, {per_block / 2**20:.0f} MiB "
+        f"per block"
+    )
+
+
+def test_no_new_pinned_memory_and_no_leak_after_the_first_step():
+    model = frozen_toy(device="cuda", dim=1024, blocks=6)
+    x = torch.randn(1, 2048, 1024, device="cuda")
+    config = {**ON, "gradient_checkpointing_backend": "unsloth", KEY: 3}
+    with memfit.apply(model, config, adapter=TOY, min_offload_bytes=0) as handle:
+        streamer = streamer_of(handle)
+
+        def counters(steps: int) -> tuple[int, int, int]:
+            for _ in range(steps):
+                step(model, x)
+            torch.cuda.synchronize()
+            gc.collect()
+            return (
+                streamer.host_allocations,
+                handle.stats()["pinned_allocations"],
+                torch.cuda.memory_allocated(),
+            )
+
+        before = counters(2)
+        after = counters(10)
+        assert streamer.alive() == []
+    assert (
+        before[0] == 3 and after[:2] == before[:2]
+    )  # one host buffer per streamed block, made at installation
+    assert after[2] - before[2] < 2 << 20  # one block's upload left behind per step would be 10 x 37 MiB
+
+
+class _DelayedCopies(StreamApi):
+    """CUDA's streams, with the upload stream put to sleep before every copy: an upload lands long after compute
+    asked for it, so a missing wait reads a half-written buffer."""
+
+    def __init__(self, cycles: int) -> None:
+        self.cycles = cycles
+
+    @contextlib.contextmanager
+    def use(self, stream, *, restore):
+        with super().use(stream, restore=restore):
+            torch.cuda._sleep(self.cycles)
+            yield
+
+
+@pytest.mark.parametrize("delayed", ["copies", "compute"])
+def test_delayed_streams_still_give_identical_gradients(monkeypatch, delayed):
+    """``copies``: every upload waits ~5 ms on its stream. ``compute``: compute sleeps after each block's FFN, so
+    uploads issued ahead by the host overwrite memory compute freed only in its stream order (the ready event)."""
+    model = frozen_toy(device="cuda", dim=1024, blocks=6)
+    x = torch.randn(1, 2048, 1024, device="cuda")
+    hooks = []
+    if delayed == "copies":
+        monkeypatch.setattr(memfit.install, "stream_api_for", lambda block: _DelayedCopies(10_000_000))
+    else:
+        hooks = [
+            b.ff_out.register_forward_hook(lambda *_: torch.cuda._sleep(2_000_000)) for b in model.blocks
+        ]
+    ref = step(model, x)
+    for config in (
+        {**ON, KEY: 3},
+        {**ON, "gradient_checkpointing_backend": "unsloth", KEY: 6},
+        {**ON, "gradient_checkpointing_backend": "torch-ffn", KEY: 2},
+    ):
+        with memfit.apply(model, config, adapter=TOY, min_offload_bytes=0) as handle:
+            for _ in range(2):
+                assert_same(ref, step(model, x))
+            stats = handle.stats()
+        if delayed == "copies":
+            assert stats["weight_upload_wait_ms"] > 0  # compute did wait for the late uploads
+    for h in hooks:
+        h.remove()
+
+
+def test_inductor_compiled_blocks_stream_without_recompiles():
+    require_cuda()
+    peft = pytest.importorskip("peft")
+    memfit_flux = pytest.importorskip("memfit_flux")
+    from test_gpu_ecosystem import assert_within_noise
+    from test_peft import TARGETS
+    from torch._dynamo.utils import counters
+
+    preset = memfit_flux.ADAPTER.presets["tiny"]
+
+    def build_lora():
+        model = preset.build(dtype=torch.float32, device="cuda")
+        model.requires_grad_(False)
+        torch.manual_seed(0)
+        model.add_adapter(
+            peft.LoraConfig(r=4, lora_alpha=8, target_modules=TARGETS, init_lora_weights="gaussian")
+        )
+        return model
+
+    def grads(model, inputs):
+        model.zero_grad(set_to_none=True)
+        memfit_flux.ADAPTER.loss(model(**inputs)).backward()
+        return {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
+
+    model = build_lora()
+    inputs = preset.inputs(model, tokens=256, generator=torch.Generator().manual_seed(0))
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+        reference, again = grads(model, inputs), grads(model, inputs)
+        torch._dynamo.reset()
+        counters.clear()
+        config = {**ON, "gradient_checkpointing_backend": "unsloth", KEY: 4}
+        with memfit.apply(model, config, min_offload_bytes=0) as handle:
+            model.compile_repeated_blocks()
+            graphs = []
+            for _ in range(3):
+                # Inductor's fusions reassociate fp32 sums (see test_gpu_ecosystem): 1e-5 of the magnitude
+                assert_within_noise(reference, again, grads(model, inputs), floor=1e-5)
+                graphs.append(counters["stats"]["unique_graphs"])
+            stats = handle.stats()
+    assert graphs[0] > 0 and graphs[1] == graphs[2] == graphs[0], f"recompiled on later steps: {graphs}"
+    assert not counters["recompiles"], dict(counters["recompiles"])
+    assert stats["weight_uploads"] == 3 * 2 * stats["streamed_blocks"]
