@@ -15,6 +15,7 @@ from torch import nn
 
 import memfit
 from memfit import BlockSpec, FamilyAdapter
+from memfit.engine.frame import CUT_TAIL_WEIGHTS
 from memfit_conformance.base import cpu_copy_engine
 
 from test_engine import assert_same, step
@@ -54,10 +55,20 @@ def counted_step(model, x, config, *, offload=False):
     return result, stats, counts
 
 
+def wide_input(dim: int) -> torch.Tensor:
+    return torch.randn(2, 8, dim, generator=torch.Generator().manual_seed(1))
+
+
+# Width 512: ff_out's weight has 512 x 2048 = CUT_TAIL_WEIGHTS elements, enough to cut a call short before it; at
+# width 16 (the toy's default) cutting would cost more than the projection it skips.
+WIDE = 512
+assert WIDE * 4 * WIDE >= CUT_TAIL_WEIGHTS > 16 * 4 * 16
+
+
 @pytest.mark.parametrize("offload", [False, True], ids=["torch-ffn", "unsloth-ffn"])
 def test_trailing_frozen_projection_of_an_ffn_chain_is_skipped(x, offload):
     """The chain ff_in -> act -> ff_out with ff_out frozen: ff_out saves only its weight (kept, not recomputed),
-    so each FFN recompute stops inside act (after its saved input) and never runs ff_out."""
+    so each FFN recompute ends with act and never runs ff_out."""
     model = build()
     freeze_ff_out(model)
     ref = step(model, x)
@@ -69,43 +80,61 @@ def test_trailing_frozen_projection_of_an_ffn_chain_is_skipped(x, offload):
     frames = stats["frames"]
     assert frames == 6 and stats["recomputes"] == 6
     assert stats["calls_skipped_early_stop"] == frames  # ff_out, once per FFN region
-    assert stats["calls_cut_early_stop"] == frames  # act stopped after saving its input, before its kernel
+    assert (
+        stats["calls_cut_early_stop"] == 0
+    )  # act is the last call needed, and nothing follows its saved input
     assert counts["ff_out:entered"] == 6  # forward only: never replayed
-    assert counts["act:entered"] == 12 and counts["act:returned"] == 6
+    assert counts["act:entered"] == 12 and counts["act:returned"] == 12
 
 
-def test_trainable_trailing_projection_is_replayed_up_to_its_saved_input(x):
-    model = build()
+@pytest.mark.parametrize(("dim", "cut"), [(16, False), (WIDE, True)])
+def test_trainable_trailing_projection_is_cut_after_its_input_when_large(dim, cut):
+    """ff_out trainable saves its input, then its weight (kept): the replay of ff_out stops after the input when the
+    matmul it skips is large, and runs to its end when it is not."""
+    model = build(dim=dim, blocks=3)
+    x = wide_input(dim)
     ref = step(model, x)
     got, stats, counts = counted_step(model, x, {**ON, "gradient_checkpointing_backend": "torch-ffn"})
     assert_same(ref, got)
     assert stats["calls_skipped_early_stop"] == 0
-    assert (
-        stats["calls_cut_early_stop"] == 6
-    )  # ff_out's matmul is not run: its input was the last tensor needed
-    assert counts["ff_out:entered"] == 12 and counts["ff_out:returned"] == 6
-    assert counts["act:entered"] == 12 and counts["act:returned"] == 12
+    assert stats["calls_cut_early_stop"] == (3 if cut else 0)
+    assert counts["ff_out:entered"] == 6 and counts["ff_out:returned"] == (3 if cut else 6)
+    assert counts["act:entered"] == 6 and counts["act:returned"] == 6
 
 
 @pytest.mark.parametrize("interval", [1, 3])
 @pytest.mark.parametrize("offload", [False, True], ids=["torch", "unsloth"])
-def test_block_recompute_stops_inside_the_last_block(x, interval, offload):
-    """Whole blocks (and chunks of 3): the last block of each frame is replayed only up to its last saved tensor
-    still needed (act's input, ff_out being frozen); the blocks before it run in full (their outputs feed it)."""
-    model = build()
+def test_block_recompute_stops_inside_the_last_block(interval, offload):
+    """Whole blocks (and a chunk of 3): the last block of each frame is replayed only up to its last saved tensor
+    still needed (act's input, ff_out being frozen and large); the blocks before it run in full (their outputs
+    feed it)."""
+    model = build(dim=WIDE, blocks=3)
     freeze_ff_out(model)
+    x = wide_input(WIDE)
     ref = step(model, x)
     backend = "unsloth" if offload else "torch"
     cfg = {**ON, "gradient_checkpointing_backend": backend, "gradient_checkpointing_interval": interval}
     got, stats, counts = counted_step(model, x, cfg, offload=offload)
     assert_same(ref, got)
-    frames = 6 // interval
+    frames = 3 // interval
     assert stats["frames"] == stats["recomputes"] == frames
     assert stats["calls_skipped_early_stop"] == 0
     assert stats["calls_cut_early_stop"] == frames
-    # forward: 6; recompute: every block but each frame's last reaches ff_out
-    assert counts["ff_out:entered"] == 6 + (6 - frames)
-    assert counts["act:entered"] == 12 and counts["act:returned"] == 12 - frames
+    # forward: 3; recompute: every block but each frame's last reaches ff_out
+    assert counts["ff_out:entered"] == 3 + (3 - frames)
+    # act: entered by each replayed block, stopped (its input saved, its kernel not run) in each frame's last
+    assert counts["act:entered"] == 6 and counts["act:returned"] == 6 - frames
+
+
+def test_small_trailing_projection_is_not_worth_a_cut(x):
+    """Width 16: what follows act's saved input (a 16 x 64 frozen projection) is cheaper than cutting the call."""
+    model = build()
+    freeze_ff_out(model)
+    ref = step(model, x)
+    got, stats, counts = counted_step(model, x, ON)
+    assert_same(ref, got)
+    assert stats["calls_cut_early_stop"] == stats["calls_skipped_early_stop"] == 0
+    assert counts["ff_out:entered"] == counts["ff_out:returned"] == 12
 
 
 class FrozenHead(nn.Module):
@@ -177,7 +206,7 @@ def test_retained_graph_replays_each_time_with_early_stop(x):
     assert stats["recomputes"] == 12 and stats["calls_skipped_early_stop"] == 12
 
 
-def test_model_code_that_swallows_the_stop_signal_stays_correct(x):
+def test_model_code_that_swallows_the_stop_signal_stays_correct():
     """A module that catches every Exception around its body (the stop signal is one, as torch's) still gives
     the same gradients: the recompute keeps stopping at each later saved tensor."""
 
@@ -192,12 +221,13 @@ def test_model_code_that_swallows_the_stop_signal_stays_correct(x):
             except Exception:
                 return torch.tanh(x) * 2  # saves its output: ignored once the recompute stopped
 
-    model = build()
+    model = build(dim=WIDE, blocks=3)
     freeze_ff_out(model)
     for block in model.blocks:
         block.act = Swallowing(block.act)
+    x = wide_input(WIDE)
     ref = step(model, x)
     with memfit.apply(model, {**ON, "gradient_checkpointing_backend": "torch"}, adapter=TOY) as handle:
         got = step(model, x)
-        assert handle.stats()["calls_cut_early_stop"] == 6
+        assert handle.stats()["calls_cut_early_stop"] == 3
     assert_same(ref, got)

@@ -28,16 +28,18 @@ recomputes again.
 
 Early stop.  The recompute only has to fill the holders backward can still unpack:
 those still alive (autograd drops a holder when the node that saved it has run or was
-freed). It replays calls up to the last one with a live holder, and inside that call
-stops as soon as its last live holder is filled, by raising from the saved-tensor hook
-(:class:`_StopRecompute`, caught by the frame) — the same as ``torch.utils.checkpoint``'s
-non-reentrant early stop. Autograd saves an op's inputs before running its kernel, so
-the op that saves the last needed tensor is itself not run. Trailing calls that saved
-nothing (a frozen projection without LoRA saves only its weight, which is kept, not a
-holder) are never replayed, nor are trailing ops of the last needed call (the frozen
-projection at the end of a block). Calls are the unit of the frame's bookkeeping (the
-hooks sit on module boundaries), so whole calls are skipped; within the last needed call
-the stop is at op level. Entries only trailing calls read are not fetched.
+freed). It replays calls up to the last one with a live holder; trailing calls that saved
+nothing needed are never replayed (a frozen projection without LoRA saves only its
+weight, which is kept, not a holder). Calls are the unit of the frame's bookkeeping (the
+hooks sit on module boundaries), and skipping them costs nothing. Inside the last
+needed call the replay can also stop at op level, as ``torch.utils.checkpoint``'s
+non-reentrant early stop does: raising from the saved-tensor hook once its last live
+holder is filled (:class:`_StopRecompute`, caught by the frame). Autograd saves an op's
+inputs before running its kernel, so the op that saves the last needed tensor is itself
+not run: the frozen projection at the end of a block. That exception costs host time,
+so the frame cuts a call only when the forward kept large parameters after the call's
+last needed holder (:data:`CUT_TAIL_WEIGHTS`), or when holders after it are dead.
+Entries only skipped calls read are not fetched.
 
 Safety checks (each raises :class:`~memfit.errors.MemfitError` instead of producing wrong
 gradients): a call that edits an entry in place; an entry edited after being recorded;
@@ -45,7 +47,8 @@ a parameter or buffer of a replayed module edited between forward and recompute,
 kept parameter edited before backward used it; a recompute that saves a different number
 of tensors, or a tensor of a different shape, dtype or device, than the forward saved
 (a different attention kernel, an autocast or grad-mode change, data-dependent control
-flow); PEFT adapters added or deleted between forward and backward.
+flow); parameters of a replayed module gone (a PEFT adapter unloaded) or PEFT adapters
+deleted between forward and backward.
 
 Not detectable cheaply: a forward pre-hook on a region's module that edits the module's
 input through ``.data`` (no version bump) runs again in the recompute, on the already
@@ -67,17 +70,29 @@ from memfit.engine.replay import TREES, CallContext, ModuleTree
 from memfit.engine.stash import Stash
 from memfit.errors import MemfitError
 
+# A saved tensor that is a parameter or a view of one (a linear saves ``weight.t()``) is kept as is:
+# ``type(t) is _PARAMETER or type(t._base) is _PARAMETER`` in both saved-tensor hooks (``isinstance`` on
+# Parameter is a Python-level check, and these hooks run for every saved tensor).
 _PARAMETER = torch.nn.Parameter
+
+# Cutting the last needed call short costs an exception through the module stack (tens of microseconds of host
+# time). It pays when what it skips holds a large projection: the forward kept at least this many parameter
+# elements (a 1024 x 1024 weight; LoRA factors are far smaller) after the call's last saved tensor still needed.
+# Calls after the last needed one are skipped whatever their size (that costs nothing).
+CUT_TAIL_WEIGHTS = 1 << 20
 
 
 class _Holder:
-    """What autograd keeps instead of a saved tensor; filled by the recompute."""
+    """What autograd keeps instead of a saved tensor; filled by the recompute.
 
-    __slots__ = ("__weakref__", "frame", "call_index", "value")
+    ``meta``: (shape, dtype, device) of the tensor the forward saved, to check the recomputed one against.
+    """
 
-    def __init__(self, frame: Frame, call_index: int) -> None:
+    __slots__ = ("__weakref__", "frame", "meta", "value")
+
+    def __init__(self, frame: Frame, meta: tuple) -> None:
         self.frame = frame
-        self.call_index = call_index
+        self.meta = meta
         self.value: torch.Tensor | None = None
 
 
@@ -92,14 +107,6 @@ class _StopRecompute(Exception):  # noqa: N818 - a control-flow signal, not an e
 
     An ``Exception`` (as ``torch.utils.checkpoint``'s), so ``always_call`` forward hooks still see the call end.
     """
-
-
-def _is_parameter(tensor: torch.Tensor) -> bool:
-    """A parameter or a view of one (``type`` checks: ``isinstance`` on Parameter is a Python-level check)."""
-    if type(tensor) is _PARAMETER:
-        return True
-    base = tensor._base
-    return base is not None and type(base) is _PARAMETER
 
 
 @dataclass
@@ -118,8 +125,8 @@ class _Call:
     context: CallContext
     tree: ModuleTree
     holders: list[weakref.ref] = field(default_factory=list)
-    # (shape, dtype, device) of each saved tensor a holder stands for, in pack order
-    metas: list[tuple] = field(default_factory=list)
+    # parameter elements the forward kept after the call's last holder (the projections a cut would skip)
+    tail: int = 0
     # versions of ``tree.tensors`` when the call returned (parameters and buffers it read)
     versions: tuple[int, ...] = ()
     # weak references to this call's output tensors and their versions, for chaining detection
@@ -128,11 +135,7 @@ class _Call:
 
 @dataclass
 class FrameStats:
-    """Counters shared by all frames of one installed engine.
-
-    It also holds the engine's lease on :data:`~memfit.engine.replay.TREES`' invalidation hooks (released when
-    the engine's stats are garbage collected).
-    """
+    """Counters shared by all frames of one installed engine."""
 
     frames: int = 0
     calls: int = 0
@@ -152,9 +155,6 @@ class FrameStats:
     calls_skipped_early_stop: int = 0
     calls_cut_early_stop: int = 0
     by_scope: dict[str, int] = field(default_factory=dict)
-
-    def __post_init__(self) -> None:
-        weakref.finalize(self, TREES.lease())
 
     def reset(self) -> None:
         """Zero every counter in place (live frames keep updating this same object)."""
@@ -247,6 +247,7 @@ class Frame:
         if hooks is not None:
             hooks.__exit__(None, None, None)
         call = self.calls[-1]
+        self.stats.holders += len(call.holders)
         for leaf in call.leaves:
             if leaf[0] == "entry":
                 entry = self.entries[leaf[1]]
@@ -267,6 +268,7 @@ class Frame:
 
     def abort_call(self) -> None:
         """The call raised: stop swapping and make sure nothing more joins this frame."""
+        self.stats.holders += len(self.calls[-1].holders)
         state.exit_region_call()
         hooks, self._hooks = self._hooks, None
         if hooks is not None:
@@ -305,12 +307,12 @@ class Frame:
         return index
 
     def _pack(self, call: _Call, tensor: torch.Tensor) -> _Holder | _Kept:
-        if _is_parameter(tensor):
+        if type(tensor) is _PARAMETER or type(tensor._base) is _PARAMETER:  # a parameter or a view of one
+            call.tail += tensor.numel()
             return _Kept((tensor, tensor._version, self))
-        holder = _Holder(self, len(self.calls) - 1)
+        holder = _Holder(self, (tensor.shape, tensor.dtype, tensor.device))
         call.holders.append(weakref.ref(holder))
-        call.metas.append((tensor.shape, tensor.dtype, tensor.device))
-        self.stats.holders += 1
+        call.tail = 0
         return holder
 
     # -- backward -----------------------------------------------------------------------------------------------
@@ -346,6 +348,9 @@ class Frame:
                 "memfit does not support backward inside a model's forward."
             )
         last, stop_at = self._last_needed()
+        holders = self.calls[last].holders
+        if stop_at == len(holders) - 1 and self.calls[last].tail < CUT_TAIL_WEIGHTS:
+            stop_at = -1  # what follows the last holder is cheaper than cutting the call short
         self.stats.recomputes += 1
         self._recomputed[0] = True
         if self.on_recompute is not None:
@@ -365,13 +370,14 @@ class Frame:
                 args, kwargs = tree_unflatten(flat, call.spec)
                 filler.begin(index, stop_at if index == last else -1)
                 try:
-                    with call.context.restored(self.describe(index)):
+                    with call.context.restored(functools.partial(self.describe, index)):
                         out = call.module(*args, **kwargs)
                 except _StopRecompute:
                     if not filler.stopped:  # pragma: no cover - only the filler raises it
                         raise
                 finally:
-                    call.versions = call.tree.versions()  # the replay may update buffers (running statistics)
+                    if call.tree.buffers:  # the replay may update buffers again (running statistics)
+                        call.versions = call.tree.versions()
                 if filler.stopped:
                     break
                 filler.end()
@@ -457,37 +463,40 @@ def _on_frame_freed(stats: FrameStats, recomputed: list[bool], release: Any) -> 
 class _Filler:
     """Saved-tensor hooks active during a recompute: route each saved tensor to its holder.
 
-    Each tensor is checked against what the forward saved at the same position (shape, dtype, device) before a
-    holder gets it: a mismatch would hand autograd a tensor its backward formula does not expect.
+    Each tensor a live holder gets is checked against what the forward saved at the same position (shape, dtype,
+    device) first: a mismatch would hand autograd a tensor its backward formula does not expect.
     """
 
     def __init__(self, frame: Frame) -> None:
         self.frame = frame
         self.call_index = -1
+        self.holders: list[weakref.ref] = []
         self.count = 0
         self.stop_at = -1  # position of the last holder still needed in this call (-1: the whole call)
         self.stopped = False
 
     def begin(self, call_index: int, stop_at: int) -> None:
         self.call_index = call_index
+        self.holders = self.frame.calls[call_index].holders
         self.count = 0
         self.stop_at = stop_at
 
     def pack(self, tensor: torch.Tensor) -> None:
         if self.stopped:  # the model caught the stop signal and went on: keep stopping
             raise _StopRecompute
-        if _is_parameter(tensor):  # kept by the forward, not a holder
+        if (
+            type(tensor) is _PARAMETER or type(tensor._base) is _PARAMETER
+        ):  # kept by the forward, not a holder
             return None
-        call = self.frame.calls[self.call_index]
         position = self.count
-        if position >= len(call.holders):
-            raise self._mismatch(len(call.holders), position + 1)
-        meta = (tensor.shape, tensor.dtype, tensor.device)
-        if meta != call.metas[position]:
-            raise self._different(position, call.metas[position], meta)
+        if position >= len(self.holders):
+            raise self._mismatch(len(self.holders), position + 1)
         self.count = position + 1
-        holder = call.holders[position]()
-        if holder is not None:
+        holder = self.holders[position]()
+        if holder is not None:  # still needed by backward: it gets this tensor, which must be what was saved
+            meta = (tensor.shape, tensor.dtype, tensor.device)
+            if meta != holder.meta:
+                raise self._different(position, holder.meta, meta)
             holder.value = tensor.detach()
         if position == self.stop_at:
             self.stopped = True

@@ -18,7 +18,8 @@ backward would make the recompute use the new values).
 Cost. Everything above is read per call, so it is kept flat: the module's parameters,
 buffers and tuner layers come from :data:`TREES`, a cache that is only rebuilt after a
 module, parameter or buffer was registered somewhere (PEFT's ``add_adapter``, a model
-built): no module-tree walk per call.
+built, a weight replaced): no module-tree walk per call. Importing memfit registers the
+three global registration hooks this needs (each only bumps a counter).
 
 Random numbers and threads. The recompute sets the process-wide generator to the state
 captured before the call and restores the caller's afterwards, as ``torch.utils.checkpoint``
@@ -49,41 +50,30 @@ VERSION = operator.attrgetter("_version")
 # -- SDPA backend selection ---------------------------------------------------------------------------------------
 # ``torch.nn.attention.sdpa_kernel`` flips these process-wide flags; the names differ across torch versions, so the
 # getters and setters are looked up once.
-_SDPA_NAMES = ("flash", "mem_efficient", "math", "cudnn", "overrideable", "fa3", "fa4")
-_SDPA = tuple(
-    (getattr(torch._C, f"_get_{n}_sdp_enabled"), getattr(torch._C, f"_set_sdp_use_{n}"))
-    for n in _SDPA_NAMES
-    if hasattr(torch._C, f"_get_{n}_sdp_enabled") and hasattr(torch._C, f"_set_sdp_use_{n}")
+_SDPA_ACCESSORS = (
+    *(
+        (f"_get_{n}_sdp_enabled", f"_set_sdp_use_{n}")
+        for n in ("flash", "mem_efficient", "math", "cudnn", "overrideable", "fa3", "fa4")
+    ),
+    ("_get_sdp_priority_order", "_set_sdp_priority_order"),
+    ("_get_math_sdp_allow_fp16_bf16_reduction", "_set_math_sdp_allow_fp16_bf16_reduction"),
 )
-_SDPA_GET = tuple(get for get, _ in _SDPA)
-_SDPA_SET = tuple(set_ for _, set_ in _SDPA)
-_SDPA_PRIORITY = (
-    (torch._C._get_sdp_priority_order, torch._C._set_sdp_priority_order)
-    if hasattr(torch._C, "_get_sdp_priority_order") and hasattr(torch._C, "_set_sdp_priority_order")
-    else None
+_SDPA_STATE = tuple(
+    (getattr(torch._C, get), getattr(torch._C, set_))
+    for get, set_ in _SDPA_ACCESSORS
+    if hasattr(torch._C, get) and hasattr(torch._C, set_)
 )
-_SDPA_REDUCTION = (
-    (torch._C._get_math_sdp_allow_fp16_bf16_reduction, torch._C._set_math_sdp_allow_fp16_bf16_reduction)
-    if hasattr(torch._C, "_get_math_sdp_allow_fp16_bf16_reduction")
-    else None
-)
+_SDPA_STATE_GET = tuple(get for get, _ in _SDPA_STATE)
 
 
 def _sdpa_state() -> tuple:
-    flags = tuple(get() for get in _SDPA_GET)
-    priority = tuple(_SDPA_PRIORITY[0]()) if _SDPA_PRIORITY is not None else None
-    reduction = _SDPA_REDUCTION[0]() if _SDPA_REDUCTION is not None else None
-    return flags, priority, reduction
+    """Every SDPA selection flag, the priority order and the math reduction flag (one C call each)."""
+    return tuple(map(operator.call, _SDPA_STATE_GET))
 
 
 def _set_sdpa_state(sdpa: tuple) -> None:
-    flags, priority, reduction = sdpa
-    for set_, on in zip(_SDPA_SET, flags, strict=True):
-        set_(on)
-    if priority is not None and _SDPA_PRIORITY is not None:
-        _SDPA_PRIORITY[1](list(priority))
-    if reduction is not None and _SDPA_REDUCTION is not None:
-        _SDPA_REDUCTION[1](reduction)
+    for (_, set_), value in zip(_SDPA_STATE, sdpa, strict=True):
+        set_(value)
 
 
 # -- what a module's call reads: parameters, buffers, tuner layers (cached) -------------------------------------------
@@ -92,23 +82,22 @@ def _set_sdpa_state(sdpa: tuple) -> None:
 class ModuleTree:
     """What one module's call reads, for the checks and the replay: built once per module, per generation."""
 
-    __slots__ = ("generation", "tensors", "names", "tuners", "finalizer")
+    __slots__ = ("generation", "tensors", "names", "buffers", "tuners")
 
     def __init__(self, module: nn.Module, generation: int) -> None:
         self.generation = generation
-        tensors: list[torch.Tensor] = []
-        names: list[str] = []
-        for name, tensor in (*module.named_parameters(), *module.named_buffers()):
-            if tensor is not None:
-                tensors.append(tensor)
-                names.append(name)
-        self.tensors = tuple(tensors)
-        self.names = tuple(names)
+        params = [(n, t) for n, t in module.named_parameters() if t is not None]
+        buffers = [(n, t) for n, t in module.named_buffers() if t is not None]
+        self.tensors = tuple(t for _, t in params + buffers)
+        self.names = tuple(n for n, _ in params + buffers)
+        self.buffers = len(buffers)  # a module may update its buffers itself (running statistics)
         base = _tuner_base()
-        self.tuners: tuple[nn.Module, ...] = (
-            tuple(m for m in module.modules() if isinstance(m, base)) if base is not None else ()
+        layers = tuple(m for m in module.modules() if isinstance(m, base)) if base is not None else ()
+        scaled = tuple(m for m in layers if type(m.__dict__.get("scaling")) is dict)
+        # PEFT tuner layers (all, and those with a LoRA-style ``scaling`` dict); empty without PEFT
+        self.tuners: tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]] | None = (
+            (scaled, layers) if layers else None
         )
-        self.finalizer: Any = None
 
     def versions(self) -> tuple[int, ...]:
         return tuple(map(VERSION, self.tensors))
@@ -129,60 +118,42 @@ def _tuner_base() -> type | None:
 
 
 class ModuleTrees:
-    """Per-module :class:`ModuleTree` cache, invalidated when any module, parameter or buffer is registered.
+    """Per-module :class:`ModuleTree` cache, dropped whenever a module, parameter or buffer is registered anywhere.
 
-    The invalidation uses torch's global registration hooks (``register_module_*_registration_hook``), held only
-    while at least one lease is (an installed engine holds one): no module-tree walk per call, and nothing left
-    registered once memfit is gone. Without a lease every lookup rebuilds (correct, slow).
+    The invalidation uses torch's global registration hooks (``register_module_*_registration_hook``), registered
+    once, when memfit is imported: they only count (``generation``) and drop the cache, so a replaced parameter is
+    never kept alive by it; the cache holds modules weakly. :meth:`close` takes them off.
     """
 
     def __init__(self) -> None:
         self.generation = 0
-        self._cache: dict[int, tuple[weakref.ref, ModuleTree]] = {}
-        self._leases = 0
-        self._handles: list[Any] = []
+        self._cache: weakref.WeakKeyDictionary[nn.Module, ModuleTree] = weakref.WeakKeyDictionary()
+        mod = torch.nn.modules.module
+        self._handles = [
+            mod.register_module_module_registration_hook(self._changed),
+            mod.register_module_parameter_registration_hook(self._changed),
+            mod.register_module_buffer_registration_hook(self._changed),
+        ]
 
     def of(self, module: nn.Module) -> ModuleTree:
-        hit = self._cache.get(id(module))
-        if hit is not None and self._leases:
-            ref, tree = hit
-            if tree.generation == self.generation and ref() is module:
-                return tree
-        tree = ModuleTree(module, self.generation)
-        if hit is not None and hit[0]() is module:
-            tree.finalizer = hit[1].finalizer
-        else:
-            tree.finalizer = weakref.finalize(module, self._cache.pop, id(module), None)
-        self._cache[id(module)] = (weakref.ref(module), tree)
+        tree = self._cache.get(module)
+        if tree is None:
+            tree = ModuleTree(module, self.generation)
+            if self._handles:  # kept only while changes are watched
+                self._cache[module] = tree
         return tree
 
-    def lease(self) -> Callable[[], None]:
-        """Keep the registration hooks on until the returned function is called (idempotent)."""
-        if not self._leases:
-            self.generation += 1  # anything may have changed while nobody watched
-            mod = torch.nn.modules.module
-            self._handles = [
-                mod.register_module_module_registration_hook(self._changed),
-                mod.register_module_parameter_registration_hook(self._changed),
-                mod.register_module_buffer_registration_hook(self._changed),
-            ]
-        self._leases += 1
-        released = [False]
+    def close(self) -> None:
+        """Remove the registration hooks: every later lookup walks its module again, and a module changed between
+        a forward and its recompute is no longer noticed."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._changed(None, "", None)
 
-        def release() -> None:
-            if released[0]:
-                return
-            released[0] = True
-            self._leases -= 1
-            if not self._leases:
-                for handle in self._handles:
-                    handle.remove()
-                self._handles = []
-
-        return release
-
-    def _changed(self, module: nn.Module, name: str, value: Any) -> None:
+    def _changed(self, module: nn.Module | None, name: str, value: Any) -> None:
         self.generation += 1
+        self._cache.clear()
 
 
 TREES = ModuleTrees()
@@ -208,11 +179,11 @@ class CallContext:
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.sdpa = _sdpa_state()
         self.tuners = tree.tuners
-        self.tuner_state = _tuner_state(tree.tuners) if tree.tuners else ()
+        self.tuner_state = _tuner_state(tree.tuners) if tree.tuners is not None else ()
 
     @contextlib.contextmanager
-    def restored(self, region: str) -> Iterator[None]:
-        """Run the recompute of this call under the captured state; ``region`` names it in errors."""
+    def restored(self, where: Callable[[], str]) -> Iterator[None]:
+        """Run the recompute of this call under the captured state; ``where()`` names the call in errors."""
         devices = [d for d, _ in self.cuda_rng]
         with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as stack:
             torch.set_rng_state(self.cpu_rng)
@@ -228,44 +199,43 @@ class CallContext:
             if sdpa != self.sdpa:
                 _set_sdpa_state(self.sdpa)
                 stack.callback(_set_sdpa_state, sdpa)
-            if self.tuners:
+            if self.tuners is not None:
                 now = _tuner_state(self.tuners)
                 if now != self.tuner_state:
-                    _check_same_adapters(self.tuner_state, now, region)
+                    _check_same_adapters(self.tuner_state, now, where)
                     _set_tuner_state(self.tuners, self.tuner_state)
                     stack.callback(_set_tuner_state, self.tuners, now)
             yield
 
 
-# PEFT tuner layers: ``scaling`` (a dict adapter -> float, LoRA and its relatives), ``_active_adapter``,
-# ``_disable_adapters``. Read per call; written back only when they differ at the recompute.
-_TUNER_ATTRS = operator.attrgetter("_disable_adapters", "_active_adapter")
+# PEFT tuner layers: ``scaling`` (a dict adapter -> float: LoRA and its relatives; other tuners have none),
+# ``_disable_adapters``, ``_active_adapter``. Read per call; written back only when they differ at the recompute.
+_TUNER_FLAGS = operator.attrgetter("_disable_adapters", "_active_adapter")
+_SCALING = operator.attrgetter("scaling")
 
 
-def _tuner_state(tuners: tuple[nn.Module, ...]) -> tuple:
-    return tuple(
-        (
-            dict(scaling) if isinstance(scaling := layer.__dict__.get("scaling"), dict) else None,
-            *_TUNER_ATTRS(layer),
-        )
-        for layer in tuners
-    )
+def _tuner_state(tuners: tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]) -> tuple:
+    """(copies of the scaling dicts of the layers that have one, (disabled, active) of every tuner layer)."""
+    scaled, layers = tuners
+    return tuple(map(dict.copy, map(_SCALING, scaled))), tuple(map(_TUNER_FLAGS, layers))
 
 
-def _set_tuner_state(tuners: tuple[nn.Module, ...], state: tuple) -> None:
-    for layer, (scaling, disabled, active) in zip(tuners, state, strict=True):
-        if scaling is not None:
-            layer.__dict__["scaling"].update(scaling)
+def _set_tuner_state(tuners: tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]], state: tuple) -> None:
+    scaled, layers = tuners
+    scalings, flags = state
+    for layer, scaling in zip(scaled, scalings, strict=True):
+        layer.scaling.update(scaling)
+    for layer, (disabled, active) in zip(layers, flags, strict=True):
         layer._disable_adapters = disabled
         layer._active_adapter = active
 
 
-def _check_same_adapters(then: tuple, now: tuple, region: str) -> None:
+def _check_same_adapters(then: tuple, now: tuple, where: Callable[[], str]) -> None:
     """Adapters the forward used must still exist (one added since is inactive in the replay: harmless)."""
-    for (scaling_then, *_), (scaling_now, *_) in zip(then, now, strict=True):
-        gone = sorted(set(scaling_then or ()) - set(scaling_now or ()))
+    for scaling_then, scaling_now in zip(then[0], now[0], strict=True):
+        gone = sorted(set(scaling_then) - set(scaling_now))
         if gone:
             raise MemfitError(
-                f"the PEFT adapter(s) {gone} of {region} were deleted between the forward and the backward, so the "
+                f"the PEFT adapter(s) {gone} of {where()} were deleted between the forward and the backward, so the "
                 f"region cannot be recomputed as it ran. Delete adapters after backward()."
             )
