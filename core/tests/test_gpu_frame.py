@@ -42,22 +42,15 @@ def test_sdpa_kernel_of_the_forward_is_replayed_on_cuda(around):
     """Math attention around only the forward (or only the backward) of a tiny Flux in fp32: without the replayed
     selection the recompute would run the efficient kernel, which saves other tensors."""
     memfit_flux = pytest.importorskip("memfit_flux")
+    from test_misuse import flux_step
+
     preset = memfit_flux.ADAPTER.presets["tiny"]
     model = preset.build(dtype=torch.float32, device="cuda")
     inputs = preset.inputs(model, tokens=1024, generator=torch.Generator().manual_seed(0))
-
-    def run() -> dict[str, torch.Tensor]:
-        model.zero_grad(set_to_none=True)
-        with sdpa_kernel(SDPBackend.MATH) if around == "forward" else torch.enable_grad():
-            loss = model(**inputs)[0].pow(2).mean()
-        with sdpa_kernel(SDPBackend.MATH) if around == "backward" else torch.enable_grad():
-            loss.backward()
-        return {n: p.grad.clone() for n, p in model.named_parameters()}
-
     with sdpa_kernel([SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]):
-        ref = run()
+        ref = flux_step(model, inputs, around=around)
         with memfit.apply(model, ON) as handle:
-            got = run()
+            got = flux_step(model, inputs, around=around)
             assert handle.stats()["recomputes"] > 0
     for name, grad in ref.items():
         torch.testing.assert_close(got[name], grad, rtol=1e-4, atol=1e-5, msg=name)
