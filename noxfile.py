@@ -1,7 +1,9 @@
 """nox sessions for memfit.
 
 CPU sessions (``lint``, ``tests``, ``conformance``) run inside the uv workspace environment
-(``uv run --all-packages``), so no second multi-GB torch install is made. The GPU sessions
+(``uv run --all-packages``), so no second multi-GB torch install is made. Plain ``nox`` runs ``lint`` and
+``tests``: every CPU test once (``tests`` includes every adapter's kit; ``conformance-<adapter>`` reruns one
+adapter's kit alone, for work on that adapter). The GPU sessions
 (``gpu``, ``bench``) run on the interpreter that runs nox — on a GPU machine that is the
 machine's own Python, with memfit's wheels installed next to it; no venv is created and
 nothing is downloaded (see benchmarks/README.md for the exact command).
@@ -17,7 +19,7 @@ from pathlib import Path
 import nox
 
 ROOT = Path(__file__).parent
-nox.options.sessions = ["lint", "tests", "conformance"]
+nox.options.sessions = ["lint", "tests"]
 nox.options.default_venv_backend = "none"
 
 ADAPTERS = sorted(
@@ -36,8 +38,9 @@ def _workspace_python(session: nox.Session) -> list[str]:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """ruff over the whole workspace."""
+    """ruff over the whole workspace: lint rules and formatting (as .ci/run checks them)."""
     session.run(*_workspace_python(session), "-m", "ruff", "check", ".", external=True)
+    session.run(*_workspace_python(session), "-m", "ruff", "format", "--check", ".", external=True)
 
 
 @nox.session
@@ -49,7 +52,7 @@ def tests(session: nox.Session) -> None:
 @nox.session
 @nox.parametrize("adapter", ADAPTERS)
 def conformance(session: nox.Session, adapter: str) -> None:
-    """The conformance kit against one adapter at a time."""
+    """The conformance kit against one adapter at a time (not a default session: ``tests`` runs every kit)."""
     session.run(
         *_workspace_python(session),
         "-m",
@@ -87,8 +90,9 @@ def gpu(session: nox.Session, adapter: str) -> None:
 def bench(session: nox.Session) -> None:
     """Benchmark sweeps on a GPU machine; results as JSON + markdown + PNG under benchmarks/results/.
 
-    ``nox -s bench -- --regime all`` runs the synthetic sweep in the three regimes; ``nox -s bench --
-    --suite families --family all`` runs every family at its published size (memfit_benchmarks.families).
+    ``nox -s bench -- --configs all --rounds 3`` runs the synthetic sweep (memfit and its peers) in every
+    training config; ``nox -s bench -- --suite families --family all`` runs every family at its published size
+    (memfit_benchmarks.families). The one-call H200 peer job is benchmarks/tools/device_job.sh.
     """
     session.run(
         sys.executable,

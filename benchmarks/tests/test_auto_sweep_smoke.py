@@ -80,18 +80,18 @@ def test_auto_sweep_tiny_flux_cpu(tmp_path):
     from memfit_benchmarks import auto_sweep
 
     written = auto_sweep.main([*ARGS, "--out", str(tmp_path)])
-    assert len(written) == 1 and written[0].name.startswith("auto-flux-tiny-")
+    assert [p.name for p in written] == ["auto-flux-tiny.json"]
     data = _check_output(written[0], tmp_path)
     for r in data["auto_rows"]:
         if not r.get("unreachable"):
             assert {"policies", "predicted_peak_bytes", "budget_bytes"} <= set(r["plan"])
     # the fixed rows are also the family sweep's results for flux (same builder, inputs and modes)
-    family = json.loads(next((tmp_path / "families").glob("family-flux-tiny-*.json")).read_text())
-    assert (
-        family["suite"] == "families" and family["family"] == "flux" and family["rows"] == data["fixed_rows"]
-    )
-    assert family["skipped"] == data["skipped"] and family["tokens"] == data["tokens"]
-    assert next((tmp_path / "families").glob("family-flux-tiny-*.md")).read_text().count("| none |") == 1
+    family = json.loads((tmp_path / "families" / "family-flux-tiny.json").read_text())
+    (entry,) = family["results"]
+    assert family["suite"] == "families" and family["family"] == "flux" and entry["config"] == "lora-all"
+    assert entry["rows"] == data["fixed_rows"] and entry["skipped"] == data["skipped"]
+    assert family["tokens"] == entry["tokens"] == data["tokens"]
+    assert (tmp_path / "families" / "family-flux-tiny.md").read_text().count("| none |") == 1
 
 
 class _StandInBudgetError(RuntimeError):
@@ -235,7 +235,7 @@ def test_budgets_and_fastest_fitting_fixed_mode():
 
 
 def test_checks_tolerance_and_peaks():
-    from memfit_benchmarks.report import auto_checks
+    from memfit_benchmarks.auto_report import auto_checks
 
     def row(budget, auto_s, fixed_s, peak):
         return {

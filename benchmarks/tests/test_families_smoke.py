@@ -1,4 +1,4 @@
-"""The families runner and the renderer on CPU: tiny Flux + LoRA, non-offload modes, one timed step."""
+"""The families runner and the renderer on CPU: tiny Flux + LoRA, non-offload modes and the peers, one timed step."""
 
 from __future__ import annotations
 
@@ -25,29 +25,54 @@ def test_families_tiny_flux_cpu_and_render(tmp_path):
             "1",
             "--warmup",
             "1",
+            "--configs",
+            "lora-all,lora-attn",
             "--out",
             str(tmp_path),
             "--no-render",
         ]
     )
-    assert len(written) == 1
+    assert [p.name for p in written] == ["family-flux-tiny.json"]
     data = json.loads(written[0].read_text())
     assert data["family"] == "flux" and data["preset"] == "tiny" and data["tokens"] == 64
     assert "error" not in data, data.get("traceback")
-    assert data["lora_targets_count"] > 0 and data["trainable_params"] > 0
-    modes = [r["mode"] for r in data["rows"]]
-    assert modes == ["none", "torch-ffn", "torch", "torch interval 2", "torch interval 2 stride 4"]
-    assert set(data["skipped"]) == {
-        "unsloth-ffn",
-        "unsloth",
-        "offload_attention",
-        "torch-ffn + offload_attention",
-    }
-    for r in data["rows"]:
-        assert (
-            not r["oom"] and r["step_s"] > 0 and r["peak_allocated"] is None and r["timing"] == "perf_counter"
-        )
-        assert "x_none" in r and "x_torch" in r
+    assert data["complete"] and [e["config"] for e in data["results"]] == ["lora-all", "lora-attn"]
+    every_linear, attention_only = data["results"]
+    assert every_linear["lora_targets_count"] > attention_only["lora_targets_count"] > 0
+    assert every_linear["trainable_params"] > attention_only["trainable_params"] > 0
+    for entry in data["results"]:
+        modes = [r["mode"] for r in entry["rows"]]
+        assert modes == [
+            "none",
+            "torch-ffn",
+            "ckpt-ffn",
+            "torch",
+            "ckpt-block",
+            "diffusers-ckpt",
+            "torch interval 2",
+            "torch interval 2 stride 4",
+        ]
+        assert set(entry["skipped"]) == {
+            "unsloth-ffn",
+            "unsloth",
+            "offload_attention",
+            "torch-ffn + offload_attention",
+        }
+        by = {r["mode"]: r for r in entry["rows"]}
+        for r in entry["rows"]:
+            assert (
+                not r["oom"]
+                and r["step_s"] > 0
+                and r["peak_allocated"] is None
+                and r["timing"] == "perf_counter"
+            )
+            assert "x_none" in r and "x_torch" in r and r["grad_bytes"] > 0
+        # every memfit row against its peer; Flux has diffusers' checkpointing, which torch is compared with
+        assert by["torch"]["vs_peer"] == "diffusers-ckpt" and "ckpt-block" in by["torch"]["x_peers"]
+        assert by["torch-ffn"]["vs_peer"] == "ckpt-ffn" and by["torch-ffn"]["x_peer"] > 0
+        # the checkpoint peers counted their regions: 3 double + 4 single blocks; 3 × (ff, ff_context) + 4 MLPs
+        assert by["ckpt-block"]["checkpointed_calls_per_step"] == 7
+        assert by["ckpt-ffn"]["checkpointed_calls_per_step"] == 10
 
     files = render.main([str(written[0])])
     md = (tmp_path / f"{written[0].stem}.md").read_text()
@@ -94,7 +119,7 @@ def test_rounds_measure_every_mode_round_robin_and_report_the_median(tmp_path, m
     )
     data = json.loads(written[0].read_text())
     assert order == ["none", "torch"] * 3 and data["rounds"] == 3
-    none, torch_row = data["rows"]
+    none, torch_row = data["results"][0]["rows"]
     assert none["step_s_rounds"] == [0.5, 0.4, 0.6] and none["step_s"] == 0.5
     assert torch_row["step_s"] == 1.1 and torch_row["peak_allocated"] == 106  # the largest peak of its rounds
     assert torch_row["x_none"] == 1.1 / 0.5
@@ -157,7 +182,7 @@ def test_render_synthetic_with_oom_row(tmp_path):
     md = (tmp_path / "synthetic-full-x.md").read_text()
     # full regime without a forward+backward peak: the equal-or-higher peak may be AdamW's, so a NOTE
     assert "| unsloth | OOM |" in md and "- NOTE torch" in md
-    assert (tmp_path / "synthetic-full-x-s-1.png").exists()
+    assert (tmp_path / "synthetic-full-x.png").exists()
     # with it, the verdict is on the activation peak
     rows = payload["results"][0]["rows"]
     rows[0]["peak_allocated_before_optimizer"], rows[1]["peak_allocated_before_optimizer"] = 2**30, 2**30
@@ -166,13 +191,15 @@ def test_render_synthetic_with_oom_row(tmp_path):
     assert "- BUG torch" in (tmp_path / "synthetic-full-x.md").read_text()
 
 
-def test_synthetic_all_regimes_cpu(tmp_path):
+def test_synthetic_every_config_cpu(tmp_path):
     from memfit_benchmarks.__main__ import main
 
     written = main(
         [
-            "--regime",
+            "--configs",
             "all",
+            "--modes",
+            "none,torch-ffn,torch",
             "--device",
             "cpu",
             "--shapes",
@@ -185,13 +212,12 @@ def test_synthetic_all_regimes_cpu(tmp_path):
             str(tmp_path),
         ]
     )
-    assert [json.loads(p.read_text())["regime"] for p in written] == ["lora", "frozen", "full"]
-    for p in written:
-        rows = json.loads(p.read_text())["results"][0]["rows"]
-        assert [r["mode"] for r in rows][:3] == ["none", "torch-ffn", "torch"] and not any(
-            r["oom"] for r in rows
-        )
-        assert (tmp_path / f"{p.stem}.md").exists()
+    data = json.loads(written[0].read_text())
+    assert [e["config"] for e in data["results"]] == ["lora-all", "lora-attn", "frozen", "full"]
+    for entry in data["results"]:
+        assert [r["mode"] for r in entry["rows"]] == ["none", "torch-ffn", "torch"]
+        assert not any(r["oom"] for r in entry["rows"])
+    assert (tmp_path / f"{written[0].stem}.md").exists()
 
 
 def test_host_ram_exhaustion_is_an_oom_row_not_a_crash(monkeypatch):
@@ -201,6 +227,7 @@ def test_host_ram_exhaustion_is_an_oom_row_not_a_crash(monkeypatch):
 
     import memfit
     from memfit_benchmarks import runner
+    from memfit_benchmarks.modes import Mode
     from memfit_benchmarks.report import row_table
 
     def apply(*args, **kwargs):
@@ -208,7 +235,7 @@ def test_host_ram_exhaustion_is_an_oom_row_not_a_crash(monkeypatch):
 
     monkeypatch.setattr(runner.memfit, "apply", apply)
     model = torch.nn.Linear(4, 4)
-    mode = runner.Mode("offload_attention", {"gradient_checkpointing_offload_attention": True})
+    mode = Mode("offload_attention", {"gradient_checkpointing_offload_attention": True})
     row = runner.measure_mode(
         model, {"input": torch.randn(2, 4)}, lambda out: out.sum(), mode, adapter=None, warmup=1, steps=1
     )

@@ -1,4 +1,4 @@
-"""The issue-8 FSDP2 script on CPU: 2 gloo ranks, tiny Flux + LoRA, smallest run (tokens 16, one step)."""
+"""The FSDP2 script on CPU: 2 gloo ranks, tiny Flux + LoRA, smallest run (tokens 16, one step)."""
 
 from __future__ import annotations
 

@@ -5,10 +5,8 @@ import tarfile
 
 import pytest
 
-from memfit_benchmarks import lease
 
-
-def test_parse_phase_groups_jobs_into_gpu_lanes():
+def test_parse_phase_groups_jobs_into_gpu_lanes(lease):
     assert lease.parse_phase("0:gpu 1:families=flux,wan 0:bench-lora fsdp2") == {
         "0": ["gpu", "bench-lora"],
         "1": ["families=flux,wan"],
@@ -16,25 +14,28 @@ def test_parse_phase_groups_jobs_into_gpu_lanes():
     }
 
 
-def test_job_commands(tmp_path):
+def test_job_commands(lease, tmp_path):
     assert lease.job_command("gpu-flux", tmp_path)[-1] == "gpu(adapter='flux')"
-    assert lease.job_command("bench-lora,full", tmp_path)[-4:] == [
-        "--regime",
-        "lora,full",
+    assert lease.job_command("bench-lora-all,full", tmp_path)[-4:] == [
+        "--configs",
+        "lora-all,full",
         "--out",
         str(tmp_path / "synthetic"),
     ]
     assert "wan,flux" in lease.job_command("families=wan,flux", tmp_path)
-    assert lease.job_command("bench-lora,rounds=3", tmp_path)[-6:] == [
-        "--regime",
-        "lora",
+    assert lease.job_command("bench-lora-all,rounds=3", tmp_path)[-6:] == [
+        "--configs",
+        "lora-all",
         "--out",
         str(tmp_path / "synthetic"),
         "--rounds",
         "3",
     ]
-    assert lease.job_command("bench-lora,frozen,rounds=2", tmp_path)[-6:-4] == ["--regime", "lora,frozen"]
-    assert lease.job_command("bench-lora,shapes=0+2,rounds=4", tmp_path)[-4:] == [
+    assert lease.job_command("bench-lora-attn,frozen,rounds=2", tmp_path)[-6:-4] == [
+        "--configs",
+        "lora-attn,frozen",
+    ]
+    assert lease.job_command("bench-lora-all,shapes=0+2,rounds=4", tmp_path)[-4:] == [
         "--rounds",
         "4",
         "--shapes",
@@ -73,7 +74,7 @@ def test_job_commands(tmp_path):
         "--no-adjacent",
     ]
     assert lease.job_command("auto=wan,3,no-gaps", tmp_path)[-5:-2] == ["--budgets", "3", "--no-gaps"]
-    assert lease.job_command("bench-lora,shapes=0,steps=20", tmp_path)[-4:] == [
+    assert lease.job_command("bench-lora-all,shapes=0,steps=20", tmp_path)[-4:] == [
         "--shapes",
         "0",
         "--steps",
@@ -128,7 +129,7 @@ def test_job_commands(tmp_path):
         lease.job_command("benchh", tmp_path)
 
 
-def test_deadline_cuts_jobs_and_everything_is_packed(tmp_path, monkeypatch):
+def test_deadline_cuts_jobs_and_everything_is_packed(lease, tmp_path, monkeypatch):
     scripts = {"fast": "print('done fast')", "slow": "import time; time.sleep(60)"}
     monkeypatch.setattr(lease, "job_command", lambda job, out: [sys.executable, "-c", scripts[job]])
     run = lease.Lease(tmp_path, budget_s=3, min_job_s=0.5)

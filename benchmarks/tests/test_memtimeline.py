@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from memfit_benchmarks.lease import job_command
 from memfit_benchmarks.memtimeline import _MARKER, replay
 
 MODEL = [
@@ -67,7 +66,8 @@ def test_a_block_freed_on_request_but_completed_later_counts_until_completed_in_
     assert replay(trace, baseline=0, free_action="free_completed")["peak"] == 200
 
 
-def test_the_lease_job_names_its_modes_and_shape(tmp_path):
+def test_the_lease_job_names_its_modes_and_shape(lease, tmp_path):
+    job_command = lease.job_command
     cmd = job_command("memtimeline=torch+unsloth+offload_attention,shape=1", tmp_path)
     assert cmd[cmd.index("--modes") + 1] == "torch,unsloth,offload_attention"
     assert cmd[cmd.index("--shape") + 1] == "1"

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from memfit_benchmarks.report import render_family_markdown, render_markdown
+from memfit_benchmarks.report import render_markdown
 from memfit_benchmarks.rounds import merge_rounds, paired_ratio, per_round_ratios, step_ratio
 from memfit_benchmarks.runner import add_ratios
 
@@ -39,7 +39,8 @@ def _target(md: str, label: str) -> str:
 def test_per_round_ratios_need_the_same_rounds_on_both_rows():
     a, b = {"step_s_rounds": [2.0, 3.0, 4.0]}, {"step_s_rounds": [1.0, 2.0, 2.0]}
     assert per_round_ratios(a, b) == [2.0, 1.5, 2.0] and paired_ratio(a, b) == 2.0
-    assert per_round_ratios(a, {"step_s_rounds": [1.0, 2.0]}) is None
+    # a run cut by its deadline leaves one mode a round short: the rounds both ran in still pair
+    assert per_round_ratios(a, {"step_s_rounds": [1.0, 2.0]}) == [2.0, 1.5]
     assert (
         per_round_ratios({"step_s_rounds": [2.0]}, {"step_s_rounds": [1.0]}) is None
     )  # one round: nothing to pair
@@ -107,13 +108,13 @@ def test_family_targets_check_the_paired_ratio_and_one_round_is_unchanged():
         "rounds": 3,
         "rows": _rows(ROUNDS),
     }
-    md = render_family_markdown(payload)
+    md = render_markdown(payload)
     assert _target(md, "unsloth ≤ 1.02× torch").startswith("- FAIL unsloth ≤ 1.02× torch step time: 1.036× (")
     assert _target(md, "unsloth-ffn ≤ 1.03×").startswith(
         "- PASS unsloth-ffn ≤ 1.03× torch-ffn step time: 1.000× ("
     )
     payload.update(rounds=1, rows=_rows({mode: steps[2:] for mode, steps in ROUNDS.items()}))
-    md = render_family_markdown(payload)
+    md = render_markdown(payload)
     assert _target(md, "unsloth ≤ 1.02× torch") == "- PASS unsloth ≤ 1.02× torch step time: 0.925×"
     assert _target(md, "unsloth-ffn ≤ 1.03×") == "- FAIL unsloth-ffn ≤ 1.03× torch-ffn step time: 1.136×"
     assert "round-robin" not in md
@@ -139,10 +140,22 @@ def test_synthetic_rounds_measure_every_mode_round_robin(tmp_path, monkeypatch):
 
     monkeypatch.setattr(runner, "measure_mode", fake_measure)
     written = bench.main(
-        ["--regime", "frozen", "--device", "cpu", "--shapes", "tiny", "--rounds", "3", "--out", str(tmp_path)]
+        [
+            "--configs",
+            "frozen",
+            "--device",
+            "cpu",
+            "--shapes",
+            "tiny",
+            "--rounds",
+            "3",
+            "--out",
+            str(tmp_path),
+        ]
     )
     data = json.loads(written[0].read_text())
     modes = [r["mode"] for r in data["results"][0]["rows"]]
+    assert data["results"][0]["config"] == "frozen" and "ckpt-block" in modes
     assert order == modes * 3 and data["rounds"] == 3
     by = {r["mode"]: r for r in data["results"][0]["rows"]}
     assert by["torch"]["step_s_rounds"] == [1.3, 1.5, 1.6] and by["torch"]["step_s"] == 1.5

@@ -10,10 +10,10 @@ from hypothesis import example, given, settings
 from hypothesis import strategies as st
 
 from memfit.auto import BlockPolicy, BlockProfile, ModelProfile, plan_policies
-from memfit.auto.planner import block_choices, reloaded_ahead
+from memfit.auto.cost import block_choices
 from memfit.auto.policy import allowed_policies
 from memfit.errors import BudgetError
-from memfit.offload.session import PREFETCH_DEPTH
+from memfit.offload.ahead import PREFETCH_DEPTH, bytes_ahead
 
 MiB = 1 << 20
 
@@ -193,7 +193,7 @@ def test_a_shorter_backward_hides_less_of_the_reload():
     assert exposed(1.0) > exposed(2.0) > 0
 
 
-def test_peak_counts_the_regions_reloaded_ahead():
+def test_peak_counts_the_regions_bytes_ahead():
     """In backward the copy engine reloads up to PREFETCH_DEPTH regions ahead of the one running: their bytes
     are on the device at the same time, so the predicted peak carries them (each at most the largest copy)."""
     prof = profile([block(i, 100, 40, 30) for i in range(6)], bandwidth=1e12)
@@ -307,7 +307,7 @@ def test_a_recomputed_region_counts_its_input_once():
 @given(copies=st.lists(st.sampled_from([0, 3, 24, 27, 100, 198]), max_size=8))
 def test_the_searchs_two_copy_state_reloads_what_the_rule_reloads(copies):
     """The search carries only the two nearest copies before a block; with them it must reload ahead exactly
-    what :func:`reloaded_ahead` (the copy engine's rule) reloads given every copy before the block."""
+    what :func:`bytes_ahead` (the copy engine's rule) reloads given every copy before the block."""
     from memfit.auto import search
 
     choices = [
@@ -325,17 +325,17 @@ def test_the_searchs_two_copy_state_reloads_what_the_rule_reloads(copies):
     state = 0
     for b, c in enumerate(copies):
         before = [x * MiB for x in reversed(copies[:b])]
-        assert states.ahead(state) == reloaded_ahead(before, PREFETCH_DEPTH)
+        assert states.ahead(state) == bytes_ahead(before, PREFETCH_DEPTH)
         state = states.after(state, c * MiB)
 
 
 def test_reloads_ahead_follow_the_copy_engine_rule():
     """The next block that copies is reloaded ahead; a second one only when the first is smaller (a short
     backward cannot hide a larger reload), never more than PREFETCH_DEPTH."""
-    assert reloaded_ahead([0, 27, 27, 27], PREFETCH_DEPTH) == 27
-    assert reloaded_ahead([27, 198, 198], PREFETCH_DEPTH) == 27 + 198
-    assert reloaded_ahead([198, 27], PREFETCH_DEPTH) == 198
-    assert reloaded_ahead([3, 24, 100], 1) == 3 and reloaded_ahead([], PREFETCH_DEPTH) == 0
+    assert bytes_ahead([0, 27, 27, 27], PREFETCH_DEPTH) == 27
+    assert bytes_ahead([27, 198, 198], PREFETCH_DEPTH) == 27 + 198
+    assert bytes_ahead([198, 27], PREFETCH_DEPTH) == 198
+    assert bytes_ahead([3, 24, 100], 1) == 3 and bytes_ahead([], PREFETCH_DEPTH) == 0
 
 
 def test_a_block_adds_its_own_peak_to_what_the_blocks_before_it_keep():

@@ -17,7 +17,7 @@ import torch
 import memfit
 from memfit_conformance.streams import order_checking_copy_engine
 
-from test_engine import assert_same, step
+from helpers import assert_same, step
 from toy import TOY
 
 

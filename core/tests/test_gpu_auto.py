@@ -110,7 +110,7 @@ def test_auto_peaks_stay_within_budgets_with_exact_gradients():
 
 def test_the_bandwidth_probe_measures_a_pinned_copy_rate():
     """A PCIe or NVLink-C2C host link: between 1 GB/s and 1 TB/s, and near a plain timed pinned copy."""
-    from memfit.auto.controller import _probe_bandwidth
+    from memfit.auto.budget_planner import _probe_bandwidth
 
     rate = _probe_bandwidth(torch.device("cuda"))
     assert 1e9 < rate < 1e12, rate

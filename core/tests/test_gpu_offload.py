@@ -9,7 +9,7 @@ import torch
 
 import memfit
 
-from test_engine import assert_same, step
+from helpers import assert_same, step
 from toy import TOY, build
 
 pytestmark = pytest.mark.gpu
@@ -121,7 +121,7 @@ def test_200_steps_with_alternating_shapes_leak_nothing():
         "gradient_checkpointing_offload_attention": True,
     }
     with memfit.apply(model, config, adapter=TOY, min_offload_bytes=0) as handle:
-        pool = handle._session.copy.pool
+        pool = handle.session.copy.pool
         for i in range(200):
             step(model, torch.randn(*shapes[i % 2], device="cuda"))
             if i == 49:  # past every one-time allocation (per-thread cuBLAS workspaces, pool warm-up)

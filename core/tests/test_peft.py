@@ -118,8 +118,10 @@ def test_lora_gradients_bitwise(name, reference):
         stats = handle.stats()
     if CONFIGS[name].get("gradient_checkpointing"):
         assert stats["recomputes"] > 0 and stats["recomputes"] == stats["frames"] - stats["unused"]
-    if "offload" in name or "attn" in name or ("unsloth" in name and stats["frames"] > 2):
-        # (the step's last two regions keep their entries: two regions or fewer park nothing)
+    strided = "gradient_checkpointing_segment_stride" in CONFIGS[name]
+    if "offload" in name or "attn" in name or ("unsloth" in name and (stats["frames"] > 2 or strided)):
+        # (the step's last two regions keep their entries: two regions or fewer park nothing; the blocks a
+        # stride leaves out are regions of the step too)
         assert stats["bytes_offloaded"] > 0
     elif "unsloth" in name:
         assert stats["bytes_offloaded"] == 0
@@ -169,7 +171,9 @@ def test_adapter_unloaded_and_deleted_after_apply():
     stats = handle.stats()
     handle.remove()
     assert {k: stats[k] for k in expected_plain} == expected_plain
-    assert handle._engine.resyncs == 1  # LoRA was added before apply; unload_lora replaced modules once
+    assert (
+        handle.stats()["ffn_resyncs"] == 1
+    )  # LoRA was added before apply; unload_lora replaced modules once
     # remove() took every hook and eager-forward wrapper off, from current and replaced modules alike
     for m in model.modules():
         assert not m._forward_pre_hooks and not m._forward_hooks

@@ -1,8 +1,8 @@
 """<Family> passes the memfit conformance kit."""
 
-import memfit_template
-
 from memfit_conformance import AdapterConformance
+
+import memfit_template
 
 
 class TestTemplateConformance(AdapterConformance):

@@ -20,8 +20,8 @@ Targets (default order: the most important first, so a run cut by a deadline kee
 ``synthetic-4096`` (3072 wide × 15 blocks, 4096 tokens, PEFT LoRA r16, flash SDPA), ``flux`` and ``wan``
 (the family preset with PEFT LoRA r16 on every block linear, the preset's default tokens),
 ``synthetic-16384``. Any installed family name is a target. ``--preset tiny``: each family's tiny preset,
-the synthetic stack's CPU smoke shape. Writes ``auto-<target>-<preset>-<date>.json`` (rewritten after every
-row; ``complete`` turns true at the end), then its markdown (table + the issue-6 checks) and PNG as soon as the
+the synthetic stack's CPU smoke shape. Writes ``auto-<target>-<preset>.json`` (rewritten after every
+row; ``complete`` turns true at the end), then its markdown (table + the checks) and PNG as soon as the
 target is done.
 """
 
@@ -42,24 +42,22 @@ import torch
 import memfit
 from memfit.adapters.spec import FamilyAdapter
 from memfit.units import parse_bytes
-from memfit_benchmarks.families import (
-    _environment,
-    _progress,
-    build_lora_model,
-    family_payload,
-    lora_regime_description,
-    skip_reason,
-)
-from memfit_benchmarks.report import AUTO_NOISE, auto_checks, fmt_bytes
-from memfit_benchmarks.runner import MODES, Mode, add_ratios, measure_mode, pinned_bandwidth
+from memfit_benchmarks.auto_report import AUTO_NOISE, auto_checks, fmt_bytes
+from memfit_benchmarks.environment import environment
+from memfit_benchmarks.families import _progress, build_lora_model, family_payload, skip_reason
+from memfit_benchmarks.modes import MODES, Mode
+from memfit_benchmarks.results import write_json
+from memfit_benchmarks.runner import add_ratios, measure_mode
+from memfit_benchmarks.training import TrainingConfig, describe, prepare
 
 SYNTHETIC_TARGETS = {
     "synthetic-1024": 0,
     "synthetic-4096": 1,
     "synthetic-16384": 2,
     "synthetic-4096w": 3,
-}  # name -> index into __main__.SHAPES
+}  # name -> index into synthetic.SHAPES
 DEFAULT_TARGETS = ["synthetic-4096", "flux", "wan", "synthetic-16384"]
+SDPA = "default dispatch, cuDNN SDPA disabled (flash on the synthetic stack)"
 
 
 def auto_config(budget: int) -> dict[str, Any]:
@@ -113,14 +111,13 @@ def best_fixed(rows: list[dict[str, Any]], budget: int) -> dict[str, Any] | None
 def build_target(name: str, preset: str, device: torch.device, dtype: torch.dtype, rank: int):
     """(model, inputs, adapter, info) of one target; ``info`` goes into the payload."""
     if name.startswith("synthetic"):
-        from memfit_benchmarks.__main__ import REGIMES, SHAPES, TINY_SHAPE, prepare
+        from memfit_benchmarks.shapes import SHAPES, TINY_SHAPE
         from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
 
         label, width, depth, tokens = TINY_SHAPE if preset == "tiny" else SHAPES[SYNTHETIC_TARGETS[name]]
         model = build(dim=width, depth=depth, dtype=dtype, device=str(device))
         batch = inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
-        prepare(model, batch, "lora")
-        dtype_name = str(dtype).removeprefix("torch.")
+        prepare(model, batch, TrainingConfig.LORA_ALL, SYNTHETIC, dtype=dtype, rank=rank)
         return (
             model,
             batch,
@@ -130,7 +127,8 @@ def build_target(name: str, preset: str, device: torch.device, dtype: torch.dtyp
                 "width": width,
                 "depth": depth,
                 "tokens": tokens,
-                "regime_description": REGIMES["lora"].format(dtype=dtype_name),
+                "config": TrainingConfig.LORA_ALL.value,
+                "config_description": describe(TrainingConfig.LORA_ALL, dtype=dtype, rank=rank),
                 "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
                 "total_params": sum(p.numel() for p in model.parameters()),
             },
@@ -149,7 +147,8 @@ def build_target(name: str, preset: str, device: torch.device, dtype: torch.dtyp
             "tokens": tokens,
             "lora_rank": rank,
             **info,
-            "regime_description": lora_regime_description(dtype, rank),
+            "config": TrainingConfig.LORA_ALL.value,
+            "config_description": describe(TrainingConfig.LORA_ALL, dtype=dtype, rank=rank),
         },
     )
 
@@ -232,8 +231,8 @@ class _Measure:
         row["memory_bytes"] = memory
         row["within_budget"] = None if memory is None else memory <= budget
         if best is not None and row.get("step_s"):
-            # Step times of one mode drift by several % over a run (Flux `unsloth` and an identical auto plan
-            # differed by 12% minutes apart): compare against the fixed mode measured again right after, and
+            # Step times of one mode drift by several % over a run: compare against the fixed mode measured again
+            # right after, and
             # with --pairs N > 1 alternate the two N times and compare medians.
             fixed_steps: list[float] = []
             auto_steps = [row["step_s"]]
@@ -333,7 +332,6 @@ def run_target(
         "preset": args.preset,
         "dtype": str(dtype).removeprefix("torch."),
         "batch": 1,
-        "regime": "lora",
         "steps": args.steps,
         "warmup": args.warmup,
         "memory_metric": "peak_allocated" if cuda else "held_bytes",
@@ -490,13 +488,12 @@ def main(argv: list[str] | None = None) -> list[Path]:
         torch.backends.cuda.enable_cudnn_sdp(False)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    env = {**_environment(device), "suite": "auto", "noise_tolerance": AUTO_NOISE}
-    env["pinned_bandwidth"] = pinned_bandwidth() if device.type == "cuda" else None
+    env = {**environment("auto", device, sdpa=SDPA), "noise_tolerance": AUTO_NOISE}
     print(json.dumps(env, indent=1), flush=True)
     written: list[Path] = []
     family_files: list[Path] = []  # a family target's fixed rows, also written as that family's results
     for name in args.targets:
-        path = out / f"auto-{name}-{args.preset}-{env['date'][:10]}.json"
+        path = out / f"auto-{name}-{args.preset}.json"
 
         def save(payload: dict[str, Any], path: Path = path) -> None:
             path.write_text(json.dumps(payload, indent=1, default=str))
@@ -519,26 +516,37 @@ def write_family_rows(
     payload: dict[str, Any], args: argparse.Namespace, env: dict[str, Any], out: Path
 ) -> Path:
     """A family target's fixed rows are the family sweep's rows (same builder, inputs, modes and timing):
-    write them as that family's results too, so one run serves both tables."""
+    write them as that family's results too (its ``lora-all`` entry), so one run serves both tables."""
     name = payload["target"]
+    dtype = getattr(torch, payload["dtype"])
     family = family_payload(
         name,
         args.preset,
         {k: v for k, v in env.items() if k != "noise_tolerance"},
-        dtype=getattr(torch, payload["dtype"]),
+        dtype=dtype,
         tokens=payload["tokens"],
         rank=args.rank,
-        steps=args.steps,
-        warmup=args.warmup,
     )
-    for key in ("lora_targets_count", "trainable_params", "total_params", "input_shapes"):
+    entry = {
+        "config": TrainingConfig.LORA_ALL.value,
+        "config_description": describe(TrainingConfig.LORA_ALL, dtype=dtype, rank=args.rank),
+        "label": family["preset_description"] or args.preset,
+        "tokens": payload["tokens"],
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "rows": payload["fixed_rows"],
+        "skipped": payload["skipped"],
+    }
+    for key in ("lora_targets_count", "trainable_params", "total_params"):
         if key in payload:
-            family[key] = payload[key]
-    family["rows"], family["skipped"] = payload["fixed_rows"], payload["skipped"]
-    family["measured_by"] = "memfit_benchmarks.auto_sweep (its fixed modes, before the auto rows)"
-    path = out / "families" / f"family-{name}-{args.preset}-{env['date'][:10]}.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(family, indent=1, default=str))
+            entry[key] = payload[key]
+    family.update(
+        configs=[entry["config"]],
+        results=[entry],
+        input_shapes=payload.get("input_shapes"),
+        measured_by="memfit_benchmarks.auto_sweep (its fixed modes, before the auto rows)",
+    )
+    path = write_json(out / "families" / f"family-{name}-{args.preset}.json", family)
     print(f"wrote {path}", flush=True)
     return path
 

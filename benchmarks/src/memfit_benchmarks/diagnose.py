@@ -38,7 +38,7 @@ from memfit.offload.pool import PinnedBucketPool
 from memfit.units import parse_bytes
 from memfit_benchmarks.auto_sweep import SYNTHETIC_TARGETS, auto_config, build_target
 from memfit_benchmarks.families import build_lora_model
-from memfit_benchmarks.runner import MODES, Mode, is_offload
+from memfit_benchmarks.modes import MODES, Mode, is_offload
 
 VARIANTS = {
     # name: (mode name, apply() keyword arguments built from the parsed config)

@@ -1,27 +1,28 @@
-"""Every family at its published size: frozen bf16 base + PEFT LoRA r16, every memfit mode the family supports.
+"""Every family at its published size: memfit against its peers, per training config.
 
     python -m memfit_benchmarks.families --family all --out benchmarks/results            # GPU, preset full
+    python -m memfit_benchmarks.families --family flux --configs lora-all,lora-attn --modes torch,diffusers-ckpt
     python -m memfit_benchmarks.families --family flux --preset tiny --device cpu --out /tmp/f   # CPU smoke
     python -m memfit_benchmarks --suite families ...                                      # same, via nox bench
 
 ``--family all`` is every installed diffusion family (the ``hf-decoder*`` LLM adapters only when named).
 One process runs all requested families one after the other, freeing each model before the next. Per
-family: the preset's model with random weights (nothing downloaded), LoRA on every ``nn.Linear`` inside the
-adapter's declared blocks (found with ``iter_blocks``), inputs at ``--tokens`` (default: the preset's
-``default_tokens``). Modes: ``runner.MODES``, minus ``*-ffn`` where the family declares no FFN boundary,
-offload modes off CUDA, ``offload_attention`` without attention regions and intervals where the family
-does not support them (listed under ``skipped``). A mode that runs out of memory is an ``oom`` row.
-Writes ``family-<name>-<preset>-<date>.json`` per family to ``--out``, then renders markdown and PNGs.
+family: the preset's model with random weights (nothing downloaded), inputs at ``--tokens`` (default: the
+preset's ``default_tokens``), and per training config (``--configs``, default ``lora-all``;
+``memfit_benchmarks.training``: LoRA on every ``nn.Linear`` of the declared blocks, LoRA on the declared
+attention regions only, frozen base with input gradients, full fine-tune) every mode of ``--modes`` the
+family supports: memfit's (``*-ffn`` only with an FFN boundary, offload modes only on CUDA, intervals where
+the family supports them) and the peers' (``diffusers-ckpt`` where the model has diffusers' checkpointing);
+the others are listed under ``skipped``. A mode that runs out of memory is an ``oom`` row. Writes
+``family-<name>-<preset>.json`` per family to ``--out`` (rewritten after each config), then renders markdown
+and a plot unless ``--no-render``.
 """
 
 from __future__ import annotations
 
 import argparse
-import datetime as dt
 import gc
 import json
-import os
-import platform
 import traceback
 from pathlib import Path
 from typing import Any
@@ -30,9 +31,16 @@ import torch
 from torch import nn
 
 import memfit
-from memfit.adapters.spec import FamilyAdapter
-from memfit_benchmarks.rounds import add_rounds_option
-from memfit_benchmarks.runner import MODES, Mode, is_offload, measure_modes, pinned_bandwidth
+from memfit import FamilyAdapter
+from memfit_benchmarks import peers
+from memfit_benchmarks.environment import environment
+from memfit_benchmarks.modes import Mode, is_offload, select_modes
+from memfit_benchmarks.options import add_sweep_options, deadline, step_count
+from memfit_benchmarks.results import write_json
+from memfit_benchmarks.runner import measure_modes
+from memfit_benchmarks.training import TrainingConfig, prepare
+
+SDPA = "default dispatch, cuDNN SDPA disabled"
 
 
 def _progress(iterable, **kw):
@@ -47,8 +55,14 @@ def default_families() -> list[str]:
     return sorted(n for n in memfit.available_adapters() if not n.startswith("hf-decoder"))
 
 
-def skip_reason(mode: Mode, adapter: FamilyAdapter, device: torch.device) -> str | None:
-    """Why ``mode`` is not run for ``adapter`` on ``device`` (None: it runs)."""
+def skip_reason(
+    mode: Mode, adapter: FamilyAdapter, device: torch.device, model: nn.Module | None = None
+) -> str | None:
+    """Why ``mode`` is not run for ``adapter`` on ``device`` (None: it runs). A peer needs ``model``."""
+    if mode.peer is not None:
+        if model is None:
+            raise ValueError(f"skip_reason: the peer {mode.name!r} needs the model to judge")
+        return peers.unsupported(mode.peer, model, adapter)
     cfg = mode.config or {}
     backend = str(cfg.get("gradient_checkpointing_backend", ""))
     if backend.endswith("-ffn") and not adapter.has_ffn:
@@ -62,34 +76,13 @@ def skip_reason(mode: Mode, adapter: FamilyAdapter, device: torch.device) -> str
     return None
 
 
-def lora_targets(model: nn.Module, adapter: FamilyAdapter) -> list[str]:
-    """Qualified names of every ``nn.Linear`` inside the adapter's declared blocks."""
-    prefix = {id(m): n for n, m in model.named_modules()}
-    targets = []
-    for _path, _index, block in adapter.iter_blocks(model):
-        base = prefix[id(block)]
-        for name, module in block.named_modules():
-            if isinstance(module, nn.Linear):
-                targets.append(f"{base}.{name}" if name else base)
-    return targets
-
-
-def add_lora(
-    model: nn.Module, adapter: FamilyAdapter, rank: int, dtype: torch.dtype
-) -> tuple[nn.Module, list[str]]:
-    from peft import LoraConfig, inject_adapter_in_model
-
-    model.requires_grad_(False)
-    targets = lora_targets(model, adapter)
-    if not targets:
-        raise RuntimeError(f"family {adapter.name!r}: no nn.Linear inside the declared blocks")
-    model = inject_adapter_in_model(LoraConfig(r=rank, lora_alpha=rank, target_modules=targets), model)
-    for name, p in model.named_parameters():
-        is_lora = "lora_" in name
-        p.requires_grad_(is_lora)
-        if is_lora and p.dtype != dtype:
-            p.data = p.data.to(dtype)
-    return model, targets
+def _batch_on(adapter: FamilyAdapter, preset_name: str, model: nn.Module, tokens: int, device: torch.device):
+    batch = adapter.presets[preset_name].inputs(
+        model, tokens=tokens, batch=1, generator=torch.Generator().manual_seed(0)
+    )
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    shapes = {k: list(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)}
+    return batch, shapes
 
 
 def build_lora_model(
@@ -101,127 +94,93 @@ def build_lora_model(
     rank: int,
     tokens: int,
 ) -> tuple[nn.Module, dict[str, Any], dict[str, Any]]:
-    """The preset's model (random weights) with LoRA, its inputs on ``device`` (seed 0), and what to record:
-    ``lora_targets_count``, ``trainable_params``, ``total_params``, ``input_shapes``."""
-    preset = adapter.presets[preset_name]
-    model = preset.build(dtype=dtype, device=device)
-    model, targets = add_lora(model, adapter, rank, dtype)
-    batch = preset.inputs(model, tokens=tokens, batch=1, generator=torch.Generator().manual_seed(0))
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    info = {
-        "lora_targets_count": len(targets),
-        "trainable_params": sum(p.numel() for p in model.parameters() if p.requires_grad),
-        "total_params": sum(p.numel() for p in model.parameters()),
-        "input_shapes": {k: list(v.shape) for k, v in batch.items() if isinstance(v, torch.Tensor)},
-    }
-    return model, batch, info
-
-
-def lora_regime_description(dtype: torch.dtype, rank: int) -> str:
-    """What a family row measures (also the auto sweep's family targets)."""
-    return (
-        f"frozen {str(dtype).removeprefix('torch.')} base + PEFT LoRA r{rank} on every nn.Linear of the declared "
-        f"blocks, batch 1, adapter loss, forward+backward"
-    )
-
-
-def _environment(device: torch.device) -> dict[str, Any]:
-    try:
-        import diffusers
-
-        diffusers_version = diffusers.__version__
-    except ImportError:
-        diffusers_version = None
-    cuda = device.type == "cuda"
-    return {
-        "suite": "families",
-        "date": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
-        "device": torch.cuda.get_device_name(device)
-        if cuda
-        else f"cpu ({platform.processor() or platform.machine()})",
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "diffusers": diffusers_version,
-        "python": platform.python_version(),
-        "git_commit": os.environ.get("MEMFIT_GIT_COMMIT"),
-        "sdpa_backend": "default dispatch, cuDNN SDPA disabled" if cuda else "default (CPU)",
-    }
+    """The preset's model (random weights) with LoRA on every block linear (``lora-all``), its inputs on
+    ``device`` (seed 0), and what to record: ``lora_targets_count``, ``trainable_params``, ``total_params``,
+    ``input_shapes``."""
+    model = adapter.presets[preset_name].build(dtype=dtype, device=device)
+    batch, shapes = _batch_on(adapter, preset_name, model, tokens, device)
+    training = prepare(model, batch, TrainingConfig.LORA_ALL, adapter, dtype=dtype, rank=rank)
+    info = {k: v for k, v in training.info().items() if not k.startswith("config")}
+    return model, batch, {**info, "input_shapes": shapes}
 
 
 def family_payload(
-    name: str,
-    preset: str,
-    env: dict[str, Any],
-    *,
-    dtype: torch.dtype,
-    tokens: int,
-    rank: int,
-    steps: int,
-    warmup: int,
+    name: str, preset: str, env: dict[str, Any], *, dtype: torch.dtype, tokens: int, rank: int
 ) -> dict[str, Any]:
-    """The header of one family's results (rows and skipped modes still empty); the auto sweep, whose fixed
-    rows are measured the same way, writes its family targets' rows under this header too."""
+    """The header of one family's results (no entries yet); the auto sweep, whose fixed rows are measured the
+    same way, writes its family targets' rows under this header too."""
     return {
         **env,
         "suite": "families",
         "family": name,
         "preset": preset,
-        "preset_description": memfit.available_adapters()[name].presets[preset].description,
+        "preset_description": memfit.get_adapter(name).presets[preset].description,
         "dtype": str(dtype).removeprefix("torch."),
         "tokens": tokens,
         "batch": 1,
         "lora_rank": rank,
-        "regime": "lora",
-        "regime_description": lora_regime_description(dtype, rank),
-        "steps": steps,
-        "warmup": warmup,
-        "rows": [],
-        "skipped": {},
+        "configs": [],
+        "results": [],
     }
 
 
 def run_family(
-    name: str, args: argparse.Namespace, device: torch.device, env: dict[str, Any]
+    name: str, args: argparse.Namespace, device: torch.device, env: dict[str, Any], path: Path
 ) -> dict[str, Any]:
-    adapter = memfit.available_adapters()[name]
-    preset = adapter.presets[args.preset]
+    """Build the family's model once and measure every config on it; ``path`` is rewritten after each config."""
+    adapter = memfit.get_adapter(name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tokens = args.tokens or preset.default_tokens
-    payload = family_payload(
-        name,
-        args.preset,
-        env,
-        dtype=dtype,
-        tokens=tokens,
-        rank=args.rank,
-        steps=args.steps,
-        warmup=args.warmup,
-    )
-    payload["rounds"] = args.rounds
+    tokens = args.tokens or adapter.presets[args.preset].default_tokens
+    payload = family_payload(name, args.preset, env, dtype=dtype, tokens=tokens, rank=args.rank)
+    payload.update(rounds=args.rounds, configs=[c.value for c in args.configs], complete=False)
+    stop = deadline(args.stop_at)
     model = batch = None
     try:
-        model, batch, info = build_lora_model(
-            adapter, args.preset, dtype=dtype, device=device, rank=args.rank, tokens=tokens
-        )
-        payload.update(info)
-        modes = [m for m in MODES if args.modes is None or m.name in args.modes]
-        for mode in modes:
-            reason = skip_reason(mode, adapter, device)
-            if reason is not None:
-                payload["skipped"][mode.name] = reason
-        modes = [m for m in modes if m.name not in payload["skipped"]]
-        payload["rows"] = measure_modes(
-            model,
-            batch,
-            adapter.loss,
-            modes,
-            adapter=adapter,
-            rounds=args.rounds,
-            warmup=args.warmup,
-            steps=args.steps,
-            tag=f"[{name}]",
-            progress=lambda it: _progress(it, desc=name, unit="row"),
-        )
+        model = adapter.presets[args.preset].build(dtype=dtype, device=device)
+        batch, payload["input_shapes"] = _batch_on(adapter, args.preset, model, tokens, device)
+        skipped = {
+            m.name: reason
+            for m in args.modes
+            if (reason := skip_reason(m, adapter, device, model)) is not None
+        }
+        modes = [m for m in args.modes if m.name not in skipped]
+        for config in args.configs:
+            entry = {
+                "config": config.value,
+                "label": payload["preset_description"] or args.preset,
+                "tokens": tokens,
+                "steps": args.steps,
+                "warmup": args.warmup,
+                "skipped": skipped,
+                "rows": [],
+            }
+            try:
+                training = prepare(model, batch, config, adapter, dtype=dtype, rank=args.rank)
+            except ValueError as exc:  # e.g. lora-attn on a family without attention regions
+                entry["error"] = str(exc)
+            else:
+                entry.update(training.info())
+                try:
+                    entry["rows"] = measure_modes(
+                        model,
+                        batch,
+                        adapter.loss,
+                        modes,
+                        adapter=adapter,
+                        rounds=args.rounds,
+                        warmup=args.warmup,
+                        steps=args.steps,
+                        optimizer_factory=training.optimizer_factory,
+                        tag=f"[{name}] [{config.value}]",
+                        progress=lambda it, label=config.value: _progress(
+                            it, desc=f"{name} {label}", unit="row"
+                        ),
+                        stop=stop,
+                    )
+                finally:
+                    training.undo()
+            payload["results"].append(entry)
+            write_json(path, payload)
     except torch.OutOfMemoryError as exc:  # the model or its inputs do not fit at all
         payload["error"] = f"OOM before the modes ran: {str(exc).splitlines()[0]}"
     except Exception as exc:  # one broken family must not cost the others their GPU time
@@ -233,6 +192,7 @@ def run_family(
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
+    payload["complete"] = "error" not in payload
     return payload
 
 
@@ -246,35 +206,50 @@ def main(argv: list[str] | None = None) -> list[Path]:
     parser.add_argument("--preset", default="full")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rank", type=int, default=16)
-    parser.add_argument("--steps", type=int, default=5)
-    parser.add_argument("--warmup", type=int, default=2)
-    add_rounds_option(parser)
-    parser.add_argument(
-        "--modes", default=None, help="comma-separated mode names (default: all of runner.MODES)"
+    # save_on_cpu only when named: a video family's activations at full size would not fit in pinned host RAM
+    add_sweep_options(
+        parser,
+        default_config="lora-all",
+        default_modes="memfit,ckpt-block,ckpt-ffn,diffusers-ckpt",
+        per_shape=False,
     )
     parser.add_argument("--no-render", action="store_true", help="write JSON only")
     args = parser.parse_args(argv)
-    args.modes = None if args.modes is None else [m.strip() for m in args.modes.split(",")]
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda needs CUDA (use --device cpu --preset tiny for a smoke run)")
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    try:
+        args.modes = select_modes(args.modes)
+        args.steps, args.warmup = step_count(args.steps), step_count(args.warmup)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if args.steps < 1:
+        parser.error("--steps: at least one timed step per measurement")
     families = default_families() if args.family == "all" else [f.strip() for f in args.family.split(",")]
     installed = memfit.available_adapters()
     missing = [f for f in families if f not in installed]
     if missing:
         raise SystemExit(f"not installed: {missing} (installed: {sorted(installed)})")
+    unknown = [f for f in families if args.preset not in installed[f].presets]
+    if unknown:
+        parser.error(f"--preset {args.preset!r}: {unknown} have no such preset")
+    if args.dry_run:
+        print(
+            f"would measure {families} ({args.preset}): configs {[c.value for c in args.configs]}, {args.rounds} "
+            f"rounds of {args.warmup} warm-up + {args.steps} timed steps, modes {[m.name for m in args.modes]} "
+            "(less those a family does not support)",
+            flush=True,
+        )
+        return []
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda needs CUDA (use --device cpu --preset tiny for a smoke run)")
+        torch.backends.cuda.enable_cudnn_sdp(False)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = _environment(device)
-    env["pinned_bandwidth"] = pinned_bandwidth() if device.type == "cuda" else None
+    env = environment("families", device, sdpa=SDPA)
     print(json.dumps(env, indent=1), flush=True)
     written = []
     for name in families:
-        payload = run_family(name, args, device, env)
-        path = out / f"family-{name}-{args.preset}-{env['date'][:10]}.json"
-        path.write_text(json.dumps(payload, indent=1))
+        path = out / f"family-{name}-{args.preset}.json"
+        write_json(path, run_family(name, args, device, env, path))
         written.append(path)
         print(f"wrote {path}", flush=True)
     if not args.no_render:

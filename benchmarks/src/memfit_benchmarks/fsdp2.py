@@ -1,6 +1,6 @@
 """FSDP2 + memfit on N ranks: LoRA Flux sharded with ``fully_shard``, every memfit mode vs. no memfit.
 
-    python -m memfit_benchmarks.fsdp2 --nproc 2 --preset full --out benchmarks/results/fsdp2-h200x2
+    python -m memfit_benchmarks.fsdp2 --nproc 2 --preset full --out benchmarks/results/fsdp2
     python -m memfit_benchmarks.fsdp2 --nproc 2 --preset tiny --out /tmp/fsdp2   # CPU, gloo
 
 NCCL on CUDA (one GPU per rank, NVLink multicast off), gloo otherwise. Per mode: loss and LoRA gradients

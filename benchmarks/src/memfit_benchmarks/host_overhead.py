@@ -11,7 +11,7 @@ what they get: the floor any per-tensor Python hook costs.
 
 Every mode is measured ``--rounds`` times round-robin; each row reports its median round and the extra time
 over its baseline (``unsloth`` over ``torch``, ``offload_attention`` over ``none``…) as the median of the
-per-round differences, per step and per saved tensor parked. Writes ``host-overhead-<date>.json`` and ``.md``.
+per-round differences, per step and per saved tensor parked. Writes ``host-overhead.json`` and ``.md``.
 """
 
 from __future__ import annotations
@@ -29,9 +29,11 @@ import torch
 import memfit
 from memfit.offload.copy import CopyEngine, StreamApi
 from memfit.offload.pool import PinnedBucketPool
-from memfit_benchmarks.report import run_stamp, write_results
-from memfit_benchmarks.runner import MODES, Mode, is_offload
+from memfit_benchmarks.environment import run_stamp
+from memfit_benchmarks.modes import MODES, Mode, is_offload
+from memfit_benchmarks.results import write_results
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
+from memfit_benchmarks.training import TrainingConfig, prepare
 
 NOOP_HOOKS = "none + no-op hooks"
 BASELINES = {
@@ -160,10 +162,8 @@ def _measure(model, batch, name: str, steps: int) -> dict[str, Any]:
 def run(*, rounds: int, steps: int, depth: int = 15, width: int = 64, tokens: int = 64) -> dict[str, Any]:
     torch.set_num_threads(1)
     model = build(dim=width, depth=depth, dtype=torch.float32, device="cpu")
-    from memfit_benchmarks.__main__ import add_lora
-
-    add_lora(model)
     batch = inputs(model, tokens=tokens)
+    prepare(model, batch, TrainingConfig.LORA_ALL, SYNTHETIC, dtype=torch.float32)
     per_round: dict[str, list[dict[str, Any]]] = {n: [] for n in NAMES}
     for _ in range(rounds):
         for name in NAMES:

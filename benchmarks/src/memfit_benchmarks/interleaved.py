@@ -1,18 +1,16 @@
-"""Issue 3's step-time ratios measured step by step: two copies of the model, one per mode, stepped in turn.
+"""Offload step-time ratios measured step by step: two copies of the model, one per mode, stepped in turn.
 
     python -m memfit_benchmarks.interleaved --out DIR [--shape 0] [--steps 200] [--compile inductor]
-    # lease job: interleaved[=SHAPE][,steps=N][,compile=BACKEND]
 
-At 1024 tokens the step is bound by host time, and the host's speed wanders: at 17a3ff3 the `none` step's
-median over a 20-step round went from 31.7 to 54.3 ms between rounds, so ratios of rounds measured seconds
-apart spread from 0.81 to 1.27. Here mode A runs on one copy of the model and mode B on another (same weights,
+At 1024 tokens the step is bound by host time, and the host's speed wanders: the `none` step's median over a
+20-step round can move by half between rounds, so ratios of rounds measured seconds apart spread widely. Here mode A runs on one copy of the model and mode B on another (same weights,
 each with its memfit handle applied once), and their steps alternate A, B, A, B…; each A step is compared with
 the mean of the B steps on either side of it, so a drift slower than one step cancels. The copies swap modes
 halfway, so a difference between the copies cancels too. Reported per pair: the median of those per-step
 ratios with its interquartile range, and each mode's median step.
 
-Pairs: ``unsloth`` / ``torch``, ``unsloth-ffn`` / ``torch-ffn``, ``offload_attention`` / ``none`` (issue 3's three
-step-time targets; the bound of the last also needs D/B, which the synthetic sweep reports). Off CUDA (a smoke
+Pairs: ``unsloth`` / ``torch``, ``unsloth-ffn`` / ``torch-ffn``, ``offload_attention`` / ``none`` (the three
+offload step-time targets; the bound of the last also needs D/B, which the synthetic sweep reports). Off CUDA (a smoke
 run) steps are timed with ``perf_counter`` and the offload modes park through streams that do nothing
 (``host_overhead.NullStreams``): their host time only.
 """
@@ -31,9 +29,12 @@ from typing import Any
 import torch
 
 import memfit
-from memfit_benchmarks.report import run_stamp, write_results
-from memfit_benchmarks.runner import MODES, Mode
+from memfit_benchmarks.environment import run_stamp
+from memfit_benchmarks.modes import MODES, Mode
+from memfit_benchmarks.results import write_results
+from memfit_benchmarks.shapes import SHAPES, TINY_SHAPE
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
+from memfit_benchmarks.training import TrainingConfig, prepare
 
 PAIRS = [("unsloth", "torch", 1.02), ("unsloth-ffn", "torch-ffn", 1.03), ("offload_attention", "none", None)]
 
@@ -200,8 +201,6 @@ def render(payload: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    from memfit_benchmarks.__main__ import SHAPES, TINY_SHAPE, add_lora
-
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
@@ -232,7 +231,7 @@ def main(argv: list[str] | None = None) -> Path:
     dtype = torch.bfloat16 if cuda else torch.float32
     model = build(dim=width, depth=depth, dtype=dtype, device=args.device)
     batch = inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
-    add_lora(model)
+    prepare(model, batch, TrainingConfig.LORA_ALL, SYNTHETIC, dtype=dtype)
     models = (model, copy.deepcopy(model))
     if args.compile:
         for m in models:

@@ -1,9 +1,8 @@
 """Where a step's peak comes from: the caching allocator's history of one step, per mode, and what is alive at its peak.
 
-    python -m memfit_benchmarks.memtimeline --out DIR [--shape 0] [--modes torch,unsloth]   # lease job: memtimeline
+    python -m memfit_benchmarks.memtimeline --out DIR [--shape 0] [--modes torch,unsloth]
 
-Issue 3 asks ``unsloth``'s peak to sit 0.9 × (bytes of the offloaded block inputs) below ``torch``'s; at 1024 tokens
-it missed by 11 MiB. A peak figure alone does not say which tensors make it. Here each mode runs its warm-up steps,
+A peak figure alone does not say which tensors make it. Here each mode runs its warm-up steps,
 then one step under ``torch.cuda.memory._record_memory_history`` (Python frames); the step's allocations and frees are
 replayed to find the peak — in forward or backward (a marker allocation separates them) — and the blocks alive there
 that the step allocated are grouped by size and by the innermost frame outside torch. The weights and anything else
@@ -23,9 +22,12 @@ from typing import Any
 import torch
 
 import memfit
-from memfit_benchmarks.report import run_stamp, write_results
-from memfit_benchmarks.runner import MODES
+from memfit_benchmarks.environment import run_stamp
+from memfit_benchmarks.modes import MODES
+from memfit_benchmarks.results import write_results
+from memfit_benchmarks.shapes import SHAPES
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
+from memfit_benchmarks.training import TrainingConfig, prepare
 
 _MARKER = "_forward_done_marker"
 MiB = 1 << 20
@@ -158,14 +160,12 @@ def render(payload: dict[str, Any], *, rows: int = 14) -> str:
 
 
 def main(argv: list[str] | None = None) -> Path:
-    from memfit_benchmarks.__main__ import SHAPES, add_lora
-
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--shape", type=int, default=0, help="index into the sweep's shapes (0: 1024 tokens)")
-    parser.add_argument("--modes", default="torch,unsloth", help="comma-separated mode names (runner.MODES)")
+    parser.add_argument("--modes", default="torch,unsloth", help="comma-separated mode names (modes.MODES)")
     parser.add_argument("--warmup", type=int, default=2)
     args = parser.parse_args(argv)
     modes = {m.name: m for m in MODES}
@@ -178,7 +178,7 @@ def main(argv: list[str] | None = None) -> Path:
     label, width, depth, tokens = SHAPES[args.shape]
     model = build(dim=width, depth=depth, dtype=torch.bfloat16, device="cuda")
     batch = inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
-    add_lora(model)
+    prepare(model, batch, TrainingConfig.LORA_ALL, SYNTHETIC, dtype=torch.bfloat16)
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     results = []

@@ -1,85 +1,99 @@
 """``python -m memfit_benchmarks.render results/*.json``: markdown tables and PNG plots from results JSON.
 
-For each JSON file, ``<stem>.md`` is written next to it (or under ``--out``): the synthetic kind through
-``report.render_markdown``, a family through ``report.render_family_markdown``, an ``auto`` sweep target
-through ``report.render_auto_markdown``; rows whose peak is at or above the ``none`` row's are listed as ``BUG``
-lines. One PNG per shape (synthetic) or per family: peak allocated GiB against step time, one labelled point
-per mode, OOM modes named in the title; per ``auto`` target: step time against budget for ``auto`` and for the
-fastest fixed mode that fits, the fixed modes as labelled points at their peak.
+For each JSON file, ``<stem>.md`` is written next to it (or under ``--out``): a synthetic or families file through
+``report.render_markdown`` (every training config and shape, with the checks against the peers), an ``auto``
+sweep target through ``auto_report.render_auto_markdown``; rows whose peak is at or above the ``none`` row's are
+listed as ``BUG`` lines. One PNG per file: for a sweep, one panel per (config, shape) entry, peak allocated GiB
+against step time, one labelled point per mode (peers in grey), OOM modes named in the panel's title; for an
+``auto`` target, step time against budget for ``auto`` and for the fastest fixed mode that fits, the fixed modes
+as labelled points at their peak.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
-import json
-import re
+import math
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from memfit_benchmarks.report import (
-    GIB,
-    auto_unit,
-    render_auto_markdown,
-    render_family_markdown,
-    render_markdown,
-)
-
-
-def _slug(text: str) -> str:
-    return re.sub(r"[^A-Za-z0-9]+", "-", text).strip("-").lower()
+from memfit_benchmarks.auto_report import auto_unit, render_auto_markdown
+from memfit_benchmarks.report import GIB, measured, render_markdown
+from memfit_benchmarks.results import entries, load
 
 
 @contextlib.contextmanager
-def _figure(path: Path) -> Iterator[Any]:
-    """One plot's axes; the figure is written to ``path`` when the block ends, and closed either way."""
+def _figure(path: Path, panels: int = 1) -> Iterator[list[Any]]:
+    """The axes of one figure (``panels`` of them, two columns); written to ``path`` when the block ends, and
+    closed either way."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(8, 5.5))
+    cols = 1 if panels == 1 else 2
+    rows = math.ceil(panels / cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(8 * cols, 5.5 * rows), squeeze=False)
     try:
-        yield ax
+        flat = list(axes.flat)
+        for ax in flat[panels:]:
+            ax.set_visible(False)
+        yield flat[:panels]
         fig.tight_layout()
-        fig.savefig(path, dpi=120)
+        fig.savefig(path, dpi=100)
     finally:
         plt.close(fig)
 
 
-def plot_rows(rows: list[dict[str, Any]], title: str, path: Path) -> Path:
+def _plot_rows(ax: Any, rows: list[dict[str, Any]], title: str) -> None:
     """Peak allocated memory vs step time, one labelled point per mode; OOM modes in the title."""
     ooms = [r["mode"] for r in rows if r.get("oom")]
-    measured = [r for r in rows if not r.get("oom") and "step_s" in r]
-    with _figure(path) as ax:
-        no_peak = [r for r in measured if r.get("peak_allocated") is None]
-        for r in measured:
-            if r.get("peak_allocated") is None:
-                continue
-            x, y = r["step_s"] * 1e3, r["peak_allocated"] / GIB
-            ax.scatter([x], [y], s=30, color="tab:red" if r["mode"] == "none" else "tab:blue")
-            ax.annotate(r["mode"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8)
-        none = next((r for r in measured if r["mode"] == "none" and r.get("peak_allocated")), None)
-        if none is not None:
-            ax.axhline(none["peak_allocated"] / GIB, color="tab:red", linestyle=":", linewidth=0.8)
-        if no_peak:
-            ax.text(
-                0.5,
-                0.5,
-                "peak memory not measured on this device:\n"
-                + ", ".join(f"{r['mode']} {r['step_s'] * 1e3:.1f} ms" for r in no_peak),
-                transform=ax.transAxes,
-                ha="center",
-                va="center",
-                fontsize=8,
-                wrap=True,
+    timed = [r for r in rows if measured(r)]
+    no_peak = [r for r in timed if r.get("peak_allocated") is None]
+    for r in timed:
+        if r.get("peak_allocated") is None:
+            continue
+        x, y = r["step_s"] * 1e3, r["peak_allocated"] / GIB
+        color = "tab:red" if r["mode"] == "none" else "tab:gray" if r.get("peer") else "tab:blue"
+        ax.scatter([x], [y], s=30, color=color)
+        ax.annotate(r["mode"], (x, y), textcoords="offset points", xytext=(4, 4), fontsize=8, color=color)
+    none = next((r for r in timed if r["mode"] == "none" and r.get("peak_allocated")), None)
+    if none is not None:
+        ax.axhline(none["peak_allocated"] / GIB, color="tab:red", linestyle=":", linewidth=0.8)
+    if no_peak:
+        ax.text(
+            0.5,
+            0.5,
+            "peak memory not measured on this device:\n"
+            + ", ".join(f"{r['mode']} {r['step_s'] * 1e3:.1f} ms" for r in no_peak),
+            transform=ax.transAxes,
+            ha="center",
+            va="center",
+            fontsize=8,
+            wrap=True,
+        )
+    ax.set_xlabel("step time (ms, median of timed steps)")
+    ax.set_ylabel("peak allocated (GiB)")
+    ax.grid(True, alpha=0.3)
+    ax.set_title(title + (f"\nOOM: {', '.join(ooms)}" if ooms else ""), fontsize=10)
+
+
+def plot_entries(payload: dict[str, Any], path: Path) -> Path | None:
+    """One panel per entry with rows (None when no entry has any)."""
+    shown = [e for e in entries(payload) if e.get("rows")]
+    if not shown:
+        return None
+    what = (
+        "synthetic"
+        if payload.get("suite") == "synthetic"
+        else f"{payload.get('family')} ({payload.get('preset')})"
+    )
+    with _figure(path, len(shown)) as axes:
+        for ax, entry in zip(axes, shown, strict=True):
+            _plot_rows(
+                ax, entry["rows"], f"{what} {entry.get('label')}, {entry.get('config')} — {payload['device']}"
             )
-        ax.set_xlabel("step time (ms, median of timed steps)")
-        ax.set_ylabel("peak allocated (GiB)")
-        ax.grid(True, alpha=0.3)
-        full_title = title + (f"\nOOM: {', '.join(ooms)}" if ooms else "")
-        ax.set_title(full_title, fontsize=10)
     return path
 
 
@@ -88,7 +102,7 @@ def plot_auto(payload: dict[str, Any], path: Path) -> Path:
     fixed mode as a labelled point at its own peak (held bytes off CUDA)."""
     scale, unit = auto_unit(payload)
     rows = payload.get("auto_rows", [])
-    with _figure(path) as ax:
+    with _figure(path) as (ax,):
         for r in payload.get("fixed_rows", []):
             memory = r.get("peak_allocated") if r.get("peak_allocated") is not None else r.get("held_bytes")
             if r.get("oom") or memory is None:
@@ -159,28 +173,15 @@ def plot_auto(payload: dict[str, Any], path: Path) -> Path:
 
 
 def render_payload(payload: dict[str, Any], stem: str, out: Path) -> tuple[Path, list[Path]]:
-    """Write ``<stem>.md`` and the PNGs of one payload under ``out``; returns their paths."""
+    """Write ``<stem>.md`` and the PNG of one payload under ``out``; returns their paths."""
     out.mkdir(parents=True, exist_ok=True)
-    pngs = []
+    png = out / f"{stem}.png"
     if payload.get("suite") == "auto":
         text = render_auto_markdown(payload)
-        if payload.get("auto_rows"):
-            pngs.append(plot_auto(payload, out / f"{stem}.png"))
-    elif payload.get("suite") == "families":
-        text = render_family_markdown(payload)
-        if payload.get("rows"):
-            title = (
-                f"{payload['family']} ({payload['preset']}, {payload['tokens']} tokens) — {payload['device']}"
-            )
-            pngs.append(plot_rows(payload["rows"], title, out / f"{stem}.png"))
+        pngs = [plot_auto(payload, png)] if payload.get("auto_rows") else []
     else:
         text = render_markdown(payload)
-        regime = payload.get("regime") if payload.get("regime") in ("lora", "frozen", "full") else None
-        for shape in payload["results"]:
-            title = (
-                f"synthetic {shape['shape']}" + (f" ({regime})" if regime else "") + f" — {payload['device']}"
-            )
-            pngs.append(plot_rows(shape["rows"], title, out / f"{stem}-{_slug(shape['shape'])}.png"))
+        pngs = [p for p in (plot_entries(payload, png),) if p is not None]
     if pngs:
         text += "\n" + "\n".join(f"![{p.stem}]({p.name})" for p in pngs) + "\n"
     md = out / f"{stem}.md"
@@ -192,7 +193,7 @@ def render_files(paths: list[Path | str], out: Path | str | None = None) -> list
     """Render each results JSON; returns every file written."""
     written: list[Path] = []
     for path in map(Path, paths):
-        payload = json.loads(path.read_text())
+        payload = load(path)
         md, pngs = render_payload(payload, path.stem, Path(out) if out is not None else path.parent)
         written += [md, *pngs]
         print(f"rendered {path} -> {md}" + (f" + {len(pngs)} PNG" if pngs else ""), flush=True)

@@ -8,40 +8,34 @@ modes' median rounds does not. Pure Python (no torch): the report imports it too
 
 from __future__ import annotations
 
-import argparse
 import statistics
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from memfit_benchmarks.runner import Mode
+from memfit_benchmarks.modes import Mode
 
 Row = dict[str, Any]
+NOT_MEASURED = "not_measured"  # a row's key: why no round of the mode ran (the value says)
+FAILED = "failed"  # a row's key: the error a peer raised (memfit's own errors are raised, not recorded)
 
 
-def _at_least_one(text: str) -> int:
-    value = int(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError("must be at least 1")
-    return value
+def measured(row: Row) -> bool:
+    """Whether the row has a step time (not out of memory, failed or left out)."""
+    return not row.get("oom") and "step_s" in row
 
 
-def add_rounds_option(parser: argparse.ArgumentParser) -> None:
-    """``--rounds N`` (default 1), as the synthetic and the family sweeps take it."""
-    parser.add_argument(
-        "--rounds",
-        type=_at_least_one,
-        default=1,
-        help="measure every mode this many times, round-robin; a row reports the median round's "
-        "step (each round's in step_s_rounds) and target ratios are paired round by round",
-    )
+def stopped(row: Row) -> bool:
+    """A round after which the mode is not measured again: out of memory, or a peer that failed."""
+    return bool(row.get("oom") or row.get(FAILED))
 
 
 def merge_rounds(rows: list[Row]) -> Row:
     """One mode's rows from several rounds as one row: the median step time (each round's kept in
     ``step_s_rounds``), the largest peaks; the rest from the first round. A mode out of memory in any round is
     that round's ``oom`` row."""
-    oom = next((r for r in rows if r.get("oom")), None)
+    if not rows:
+        raise ValueError("merge_rounds needs at least one measured round")
+    oom = next((r for r in rows if stopped(r)), None)
     if oom is not None:
         return oom
     if len(rows) == 1:
@@ -61,27 +55,43 @@ def round_robin(
     rounds: int,
     measure: Callable[[Mode], Row],
     progress: Callable[[Iterable[int]], Iterable[int]] = iter,
+    stop: Callable[[], bool] = lambda: False,
 ) -> list[Row]:
     """``measure`` every mode ``rounds`` times, round-robin (every mode once per round, in ``modes`` order), and
     merge each mode's rounds (``merge_rounds``): one row per mode, in ``modes`` order. A mode out of memory once
-    is not measured again. ``progress`` wraps the iteration over all measurements (e.g. a progress bar)."""
+    is not measured again. ``progress`` wraps the iteration over all measurements (e.g. a progress bar). Once
+    ``stop()`` is true no further measurement starts: a mode with fewer rounds keeps those it has, a mode with
+    none is a ``not_measured`` row."""
     measured: dict[str, list[Row]] = {m.name: [] for m in modes}
     for i in progress(range(rounds * len(modes))):
+        if stop():
+            break
         mode = modes[i % len(modes)]
         done = measured[mode.name]
-        if done and done[-1].get("oom"):
+        if done and stopped(done[-1]):
             continue  # out of memory once is out of memory
         done.append(measure(mode))
-    return [merge_rounds(measured[m.name]) for m in modes]
+    return [
+        merge_rounds(measured[m.name])
+        if measured[m.name]
+        else {
+            "mode": m.name,
+            "config": m.config,
+            "peer": m.peer.value if m.peer else None,
+            NOT_MEASURED: "the run's deadline passed first",
+        }
+        for m in modes
+    ]
 
 
 def per_round_ratios(row: Row, ref: Row) -> list[float] | None:
-    """Round k of ``row`` / round k of ``ref`` for every round, when both carry ``step_s_rounds`` with the same
-    number (more than one) of rounds; else None."""
+    """Round k of ``row`` / round k of ``ref`` for every round both were measured in (a run cut by its deadline
+    can leave one mode a round short), when that is more than one round; else None."""
     steps, ref_steps = row.get("step_s_rounds") or [], ref.get("step_s_rounds") or []
-    if len(steps) < 2 or len(steps) != len(ref_steps):
+    common = min(len(steps), len(ref_steps))
+    if common < 2:
         return None
-    return [s / r for s, r in zip(steps, ref_steps, strict=True)]
+    return [s / r for s, r in zip(steps[:common], ref_steps[:common], strict=True)]
 
 
 def paired_ratio(row: Row, ref: Row) -> float | None:

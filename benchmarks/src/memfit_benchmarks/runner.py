@@ -1,101 +1,39 @@
-"""Measure training steps under each memfit mode, side by side in one process.
+"""Measure training steps under each memfit mode and each peer baseline, side by side in one process.
 
 Every row of one shape is measured in the same process on the same model, one mode after
-the other (``memfit.apply`` → warm-up steps → timed steps → ``remove``), so ratios between
-rows are like for like. Step time is the median of CUDA-event timings (``perf_counter`` off CUDA); peaks come from
-the caching allocator; offload rows also report bytes parked per step, exposed copy time
-(the compute stream's waits on copies) and the pinned pool's counters.
+the other (``memfit.apply`` or the peer's installation → warm-up steps → timed steps → ``remove``), so ratios
+between rows are like for like. Step time is the median of CUDA-event timings (``perf_counter`` off CUDA); peaks
+come from the caching allocator; offload rows also report bytes parked per step, exposed copy time
+(the compute stream's waits on copies) and the pinned pool's counters. Every row also records the floor under
+its peak: what was allocated when the step began plus the gradients alive when backward ends.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import statistics
 import time
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
 import memfit
-from memfit.adapters.spec import FamilyAdapter
-from memfit_benchmarks.rounds import paired_ratio, round_robin
-
-
-@dataclass(frozen=True)
-class Mode:
-    name: str
-    config: dict[str, Any] | None
-
-
-def _cfg(backend: str | None = None, **extra: Any) -> dict[str, Any]:
-    cfg: dict[str, Any] = {}
-    if backend is not None:
-        cfg = {"gradient_checkpointing": True, "gradient_checkpointing_backend": backend}
-    for key, value in extra.items():
-        cfg[f"gradient_checkpointing_{key}"] = value
-    return cfg
-
-
-MODES = [
-    Mode("none", None),
-    Mode("torch-ffn", _cfg("torch-ffn")),
-    Mode("unsloth-ffn", _cfg("unsloth-ffn")),
-    Mode("torch", _cfg("torch")),
-    Mode("unsloth", _cfg("unsloth")),
-    Mode("torch interval 2", _cfg("torch", interval=2)),
-    Mode("torch interval 2 stride 4", _cfg("torch", interval=2, segment_stride=4)),
-    Mode("offload_attention", _cfg(offload_attention=True)),
-    Mode("torch-ffn + offload_attention", _cfg("torch-ffn", offload_attention=True)),
-]
-
-
-def pinned_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
-    """Measured pinned host<->device copy bandwidth in GB/s (each way, and both at once)."""
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    dev2 = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    s1, s2 = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def timed(fn: Callable[[], None], moved: int) -> float:
-        fn()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(repeats):
-            fn()
-        for s in (s1, s2):
-            torch.cuda.current_stream().wait_stream(s)
-        end.record()
-        torch.cuda.synchronize()
-        return moved * repeats / (start.elapsed_time(end) / 1e3) / 1e9
-
-    def d2h() -> None:
-        host.copy_(dev, non_blocking=True)
-
-    def h2d() -> None:
-        dev.copy_(host, non_blocking=True)
-
-    def both() -> None:
-        s1.wait_stream(torch.cuda.current_stream())
-        s2.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(s1):
-            host.copy_(dev, non_blocking=True)
-        with torch.cuda.stream(s2):
-            dev2.copy_(host2, non_blocking=True)
-
-    return {"d2h_gbs": timed(d2h, nbytes), "h2d_gbs": timed(h2d, nbytes), "both_gbs": timed(both, 2 * nbytes)}
-
-
-def is_offload(mode: Mode) -> bool:
-    """Whether a mode parks tensors in pinned host memory (needs CUDA)."""
-    cfg = mode.config or {}
-    return str(cfg.get("gradient_checkpointing_backend", "")).startswith("unsloth") or bool(
-        cfg.get("gradient_checkpointing_offload_attention")
-    )
+from memfit import FamilyAdapter
+from memfit_benchmarks import peers
+from memfit_benchmarks.modes import PEERS_OF, Mode
+from memfit_benchmarks.report import oom_cell
+from memfit_benchmarks.rounds import (
+    FAILED,
+    NOT_MEASURED,
+    measured,
+    paired_ratio,
+    per_round_ratios,
+    round_robin,
+)
+from memfit_benchmarks.training import grad_leaves
 
 
 def _device_of(model: nn.Module, inputs: dict[str, Any]) -> torch.device:
@@ -120,6 +58,14 @@ def _segments_allocated() -> int:
     return int(torch.cuda.memory_stats().get("segment.all.allocated", 0))
 
 
+def _grad_bytes(model: nn.Module, leaves: list[torch.Tensor]) -> int:
+    """Bytes of every gradient alive now (parameters and input leaves)."""
+    tensors = [p for p in model.parameters() if p.grad is not None] + [
+        t for t in leaves if t.grad is not None
+    ]
+    return sum(t.grad.numel() * t.grad.element_size() for t in tensors)
+
+
 def measure_mode(
     model: nn.Module,
     inputs: dict[str, Any],
@@ -132,11 +78,15 @@ def measure_mode(
     optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None,
     inspect: Callable[[Any], dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One row: median step time, peaks, offload telemetry. OOM is recorded, not raised (GPU memory, or host RAM
-    for the offload pool: ``oom_where: "host"``).
+    """One row: median step time, peaks, the floor under the peak, offload telemetry. OOM is recorded, not raised
+    (GPU memory, or host RAM for the offload pool: ``oom_where: "host"``).
 
-    On CUDA the step is timed with CUDA events and peaks come from the caching allocator; on any other
-    device the step is timed with ``time.perf_counter`` and the peaks are ``None`` (CPU smoke runs).
+    A memfit mode goes on through ``memfit.apply``; a peer through :func:`peers.install` (its step context wraps
+    each step's forward and loss; checkpoint peers count their checkpointed calls). On CUDA the step is timed
+    with CUDA events and peaks come from the caching allocator; on any other device the step is timed with
+    ``time.perf_counter`` and the peaks are ``None`` (CPU smoke runs). ``peak_floor_bytes`` (CUDA) = allocated
+    bytes when the last timed step began (weights, inputs, optimizer state) + ``grad_bytes``, the gradients alive
+    when its backward ended: no mode's peak can be below it.
     ``optimizer_factory``: when given, a fresh optimizer is made for this row and its ``step()`` runs
     inside every (timed) step, after backward; it and its state are freed when the row ends.
     ``inspect``: called with the handle after the timed steps (before ``remove``); the dict it returns is merged
@@ -147,22 +97,33 @@ def measure_mode(
     _free(cuda)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
-    handle = None
+    handle = installation = None
     optimizer = None
     oom = False
     host_error: str | None = None
+    failure: str | None = None
     try:
-        handle = memfit.apply(model, mode.config, adapter=adapter) if mode.config else None
+        if mode.peer is not None:
+            installation = peers.install(mode.peer, model, adapter)
+        elif mode.config:
+            handle = memfit.apply(model, mode.config, adapter=adapter)
+        step_context = installation.step_context if installation is not None else contextlib.nullcontext
         optimizer = optimizer_factory() if optimizer_factory is not None else None
-        leaf_inputs = [v for v in inputs.values() if isinstance(v, torch.Tensor) and v.requires_grad]
+        leaf_inputs = grad_leaves(inputs)
 
         backward_peaks: list[int] = []
+        resident: list[int] = []
 
         def step() -> None:
             model.zero_grad(set_to_none=True)
             for tensor in leaf_inputs:
                 tensor.grad = None
-            loss_fn(model(**inputs)).backward()
+            if cuda:
+                resident.append(torch.cuda.memory_allocated())
+            with step_context():
+                loss = loss_fn(model(**inputs))
+            loss.backward()
+            del loss
             if optimizer is not None:
                 if cuda:  # the activation peak, before the optimizer step adds its own (full regime)
                     backward_peaks.append(torch.cuda.max_memory_allocated())
@@ -177,6 +138,7 @@ def measure_mode(
             torch.cuda.reset_peak_memory_stats()
         if handle is not None:
             handle.reset_stats()
+        calls_before = installation.checkpointed_calls() if installation is not None else None
         retries_before = _alloc_retries() if cuda else 0
         segments_before = _segments_allocated() if cuda else 0
         times = []
@@ -197,15 +159,20 @@ def measure_mode(
                 t0 = time.perf_counter()
                 step()
                 times.append(time.perf_counter() - t0)
+        grad_bytes = _grad_bytes(model, leaf_inputs)
         row: dict[str, Any] = {
             "mode": mode.name,
             "config": mode.config,
+            "peer": mode.peer.value if mode.peer is not None else None,
             "step_s": statistics.median(times),
             "peak_allocated": max(p for p, _ in peaks) if cuda else None,
             "peak_reserved": max(r for _, r in peaks) if cuda else None,
             "peak_allocated_warmup": warmup_peak,
             # full regime: the peak of forward+backward alone (the optimizer step's own peak comes after)
             "peak_allocated_before_optimizer": max(backward_peaks) if backward_peaks else None,
+            "resident_bytes_at_step_start": resident[-1] if resident else None,
+            "grad_bytes": grad_bytes,
+            "peak_floor_bytes": resident[-1] + grad_bytes if resident else None,
             "timing": "cuda-events" if cuda else "perf_counter",
             # the caching allocator freed its cache and retried a cudaMalloc (slow: a device sync each time)
             "alloc_retries_in_timed_steps": _alloc_retries() - retries_before if cuda else None,
@@ -213,6 +180,8 @@ def measure_mode(
             "step_times_s": times,  # each timed step, in order (a first step slower than the rest: warm-up left)
             "oom": False,
         }
+        if calls_before is not None and steps:
+            row["checkpointed_calls_per_step"] = (installation.checkpointed_calls() - calls_before) / steps
         if handle is not None:
             s = handle.stats()
             row["frames_per_step"] = s["frames"] / steps
@@ -237,35 +206,43 @@ def measure_mode(
         memfit.HostMemoryError
     ) as exc:  # the offload pool ran out of host RAM: this mode does not fit either
         oom, host_error = True, str(exc)
+    except Exception as exc:
+        if mode.peer is None:
+            raise  # memfit's own failure is a bug to see, not a row
+        failure = (
+            f"{type(exc).__name__}: {exc}"  # a peer that breaks on this model is recorded, the run goes on
+        )
     finally:
         model.zero_grad(set_to_none=True)
-        for value in inputs.values():
-            if isinstance(value, torch.Tensor) and value.requires_grad:
-                value.grad = None
+        for tensor in grad_leaves(inputs):
+            tensor.grad = None
         if optimizer is not None:
             optimizer.state.clear()
         optimizer = None
         if handle is not None:
             handle.remove()
+        if installation is not None:
+            installation.remove()
         _free(cuda)
-    assert oom
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    row = {
+        "mode": mode.name,
+        "config": mode.config,
+        "peer": mode.peer.value if mode.peer else None,
+        "oom": oom,
+    }
+    if failure is not None:
+        row[FAILED] = failure
     if host_error is not None:
-        return {
-            "mode": mode.name,
-            "config": mode.config,
-            "oom": True,
-            "oom_where": "host",
-            "error": host_error,
-        }
-    return {"mode": mode.name, "config": mode.config, "oom": True}
+        row.update(oom_where="host", error=host_error)
+    return row
 
 
 def _row_summary(row: dict[str, Any]) -> str:
     """One measured row as a progress line: ``OOM``, or its step time and peak."""
-    if row.get("oom"):
-        return "OOM (host RAM)" if row.get("oom_where") == "host" else "OOM"
+    if not measured(row):
+        return oom_cell(row)
     peak = row.get("peak_allocated")
     return f"{row['step_s']:.4f} s, peak " + ("n/a" if peak is None else f"{peak / 2**30:.2f} GiB")
 
@@ -283,10 +260,12 @@ def measure_modes(
     optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None,
     tag: str = "",
     progress: Callable[[Iterable[int]], Iterable[int]] = iter,
+    stop: Callable[[], bool] = lambda: False,
 ) -> list[dict[str, Any]]:
     """Every mode of ``modes`` (``measure_mode``) in ``rounds`` round-robin rounds (``rounds.round_robin``), each
     measurement printed as it ends (after ``tag``): one row per mode, in ``modes`` order, with its ratios
-    (``add_ratios``). ``progress`` wraps the iteration over all measurements (e.g. a progress bar)."""
+    (``add_ratios``). ``progress`` wraps the iteration over all measurements (e.g. a progress bar); once
+    ``stop()`` is true no further measurement starts."""
 
     def measure(mode: Mode) -> dict[str, Any]:
         row = measure_mode(
@@ -302,7 +281,7 @@ def measure_modes(
         print(f"{tag} {mode.name}: {_row_summary(row)}", flush=True)
         return row
 
-    rows = round_robin(modes, rounds, measure, progress)
+    rows = round_robin(modes, rounds, measure, progress, stop)
     add_ratios(rows)
     return rows
 
@@ -311,10 +290,11 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
     """Step-time ratios ``x_none`` / ``x_torch`` / ``x_torch_ffn`` (ratios of the median rounds' steps), with
     ``x_none_paired`` / ``x_torch_paired`` / ``x_torch_ffn_paired`` (the median of per-round ratios,
     ``rounds.paired_ratio``) where both rows were measured in the same rounds, and peak ratios ``peak_x_none`` /
-    ``peak_x_torch`` (when peaks were measured) to the rows of the same run."""
-    by = {r["mode"]: r for r in rows if not r.get("oom") and "step_s" in r}
+    ``peak_x_torch`` (when peaks were measured) to the rows of the same run; then each memfit row's ratios to its
+    peer (``add_peer_ratios``)."""
+    by = {r["mode"]: r for r in rows if measured(r)}
     for r in rows:
-        if r.get("oom") or "step_s" not in r:
+        if not measured(r):
             continue
         for ref in ("none", "torch", "torch-ffn"):
             if ref not in by:
@@ -326,3 +306,37 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
                 r[f"x_{key}_paired"] = paired
             if ref != "torch-ffn" and r.get("peak_allocated") and by[ref].get("peak_allocated"):
                 r[f"peak_x_{key}"] = r["peak_allocated"] / by[ref]["peak_allocated"]
+    add_peer_ratios(rows)
+
+
+def add_peer_ratios(rows: list[dict[str, Any]]) -> None:
+    """For each measured memfit row with a peer among ``rows`` (``modes.PEERS_OF``, the first measured one):
+    ``vs_peer`` (its name), ``x_peer`` (the median of per-round step ratios where both ran in two or more of the
+    same rounds, ``x_peer_paired`` true; else the ratio of the two steps), ``x_peer_rounds`` (the per-round
+    ratios), ``peak_x_peer``, and ``x_peers`` (the step ratio to every measured peer). A peer out of memory where
+    the memfit row fits: ``vs_peer`` with ``peer_oom`` true; a peer that failed: ``peer_failed`` (its error)."""
+    all_rows = {r["mode"]: r for r in rows}
+    for r in rows:
+        candidates = [all_rows[p] for p in PEERS_OF.get(r["mode"], ()) if p in all_rows]
+        candidates = [c for c in candidates if NOT_MEASURED not in c]
+        if not measured(r) or not candidates:
+            continue
+        timed = [c for c in candidates if measured(c)]
+        if not timed:
+            ref = candidates[0]
+            r.update(
+                vs_peer=ref["mode"],
+                **({"peer_failed": ref[FAILED]} if ref.get(FAILED) else {"peer_oom": True}),
+            )
+            continue
+        ref = timed[0]
+        ratios = per_round_ratios(r, ref)
+        r.update(
+            vs_peer=ref["mode"],
+            x_peer=statistics.median(ratios) if ratios else r["step_s"] / ref["step_s"],
+            x_peer_paired=ratios is not None,
+            x_peer_rounds=ratios,
+            x_peers={c["mode"]: paired_ratio(r, c) or r["step_s"] / c["step_s"] for c in timed},
+        )
+        if r.get("peak_allocated") and ref.get("peak_allocated"):
+            r["peak_x_peer"] = r["peak_allocated"] / ref["peak_allocated"]

@@ -22,11 +22,13 @@ from memfit.errors import (
     UnsupportedBoundaryError,
 )
 from memfit.handle import MemfitHandle
+from memfit.plan import BlockPolicy, RegionPlan
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Backend",
+    "BlockPolicy",
     "BudgetError",
     "BlockSpec",
     "ConfigError",
@@ -38,6 +40,7 @@ __all__ = [
     "MemfitWarning",
     "NotAvailableError",
     "Preset",
+    "RegionPlan",
     "SavedBytesMeter",
     "UnsupportedBoundaryError",
     "apply",

@@ -14,24 +14,34 @@ that says how to fix it, before any collective runs.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterable
 
 from torch import nn
 
 from memfit.errors import MemfitError
 
-try:  # torch >= 2.6 exports it publicly
-    from torch.distributed.fsdp import FSDPModule as _FSDPModule
-except ImportError:  # pragma: no cover - torch without distributed / older layout
-    try:
-        from torch.distributed._composable.fsdp import FSDPModule as _FSDPModule
-    except ImportError:
-        _FSDPModule = None
+# Where FSDP2's module class lives: the public package (torch >= 2.6), and the older composable layout.
+_FSDP_PACKAGES = ("torch.distributed.fsdp", "torch.distributed._composable.fsdp")
+
+
+def _fsdp_module_class() -> type | None:
+    """FSDP2's ``FSDPModule`` if FSDP has been imported, else None.
+
+    Looked up in ``sys.modules`` instead of imported: importing ``torch.distributed.fsdp`` costs more than a
+    second, and no module can have been passed to ``fully_shard`` before FSDP itself was imported.
+    """
+    for package in _FSDP_PACKAGES:
+        cls = getattr(sys.modules.get(package), "FSDPModule", None)
+        if cls is not None:
+            return cls
+    return None
 
 
 def is_fsdp_module(module: nn.Module) -> bool:
-    """Whether ``fully_shard`` has been applied to ``module``."""
-    return _FSDPModule is not None and isinstance(module, _FSDPModule)
+    """Whether ``fully_shard`` has been applied to ``module`` (never imports FSDP)."""
+    cls = _fsdp_module_class()
+    return cls is not None and isinstance(module, cls)
 
 
 class ShardOrderGuard:

@@ -2,22 +2,31 @@
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from torch import nn
 
-from memfit.auto.controller import AutoController
-from memfit.auto.planner import Plan
-from memfit.auto.profile import ModelProfile
 from memfit.config import MemfitConfig
-from memfit.engine.install import RegionEngine
+from memfit.plan import RegionPlan
+
+if TYPE_CHECKING:
+    from memfit.auto.planner import Plan
+    from memfit.auto.profile import ModelProfile
+    from memfit.controller import Controller
+    from memfit.offload.session import OffloadSession
 
 
 class MemfitHandle:
     """What memfit installed on one model.
 
     Use :meth:`remove` (or a ``with`` block) to restore the model exactly as it was.
+
+    Attributes:
+        model: the model.
+        config: the effective configuration (after the interaction rules of SPEC §1).
+        family: the adapter's family name (None on the generic diffusers path).
     """
 
     def __init__(
@@ -25,49 +34,44 @@ class MemfitHandle:
         model: nn.Module,
         config: MemfitConfig,
         family: str | None,
-        engine: RegionEngine | None,
+        controller: Controller,
         on_remove: Callable[[], None],
-        session: Any = None,
-        offloader: Any = None,
-        auto: AutoController | None = None,
     ) -> None:
         self.model = model
-        self._session = session
-        self._fixed_offloader = offloader
         self.config = config
         self.family = family
-        self._fixed_engine = engine
-        self._auto = auto
+        self._controller = controller
         self._on_remove = on_remove
         self.removed = False
 
-    # The ``auto`` backend swaps engines when it re-plans; the handle always reads the current one.
     @property
-    def _engine(self) -> RegionEngine:
-        if self._auto is not None:
-            return self._auto.engine
-        assert self._fixed_engine is not None
-        return self._fixed_engine
+    def region_plan(self) -> RegionPlan:
+        """What each block does now (every backend; ``auto``: the plan of the latest input shape)."""
+        return self._controller.installation.plan
 
     @property
-    def _offloader(self) -> Any:
-        return self._auto.offloader if self._auto is not None else self._fixed_offloader
+    def session(self) -> OffloadSession | None:
+        """The offload session (None when nothing is offloaded): its step timeline and copy engine, for tools
+        that inspect what was parked."""
+        return self._controller.session
 
     @property
     def plan(self) -> Plan | None:
-        """The ``auto`` backend's plan for the latest input shape (None before its first forward, or for a
-        fixed backend)."""
-        return self._auto.plan if self._auto is not None else None
+        """The ``auto`` backend's plan for the latest input shape, with its predictions (None before its first
+        forward, or for a fixed backend)."""
+        return getattr(self._controller.planner, "plan", None) if self._controller.planner.adaptive else None
 
     @property
     def profile(self) -> ModelProfile | None:
         """The profile behind :attr:`plan` (per-block bytes, FLOPs, measured peaks; None as for ``plan``)."""
-        return self._auto.profile if self._auto is not None else None
+        return getattr(self._controller.planner, "profile", None)
 
     def stats(self) -> dict[str, Any]:
-        """Counters since :meth:`apply` (or the last :meth:`reset_stats`): frames, calls, recomputes, entries."""
-        s = self._engine.stats
-        return {
+        """Counters since :meth:`apply` (or the last :meth:`reset_stats`): frames, calls, recomputes, entries,
+        and for the offload backends bytes parked and reloaded, pool and copy counters."""
+        installation = self._controller.installation
+        s = self._controller.stats
+        out = {
             "frames": s.frames,
             "frames_by_scope": dict(s.by_scope),
             "calls": s.calls,
@@ -79,17 +83,21 @@ class MemfitHandle:
             "entries": s.entries,
             "entry_bytes": s.entry_bytes,
             "saved_tensors_replaced": s.holders,
-            "undeclared_block_calls": self._engine.undeclared_block_calls,
-            **({"replans": self._auto.replans} if self._auto is not None else {}),
-            **self._offload_stats(),
+            "undeclared_block_calls": installation.engine.undeclared_block_calls,
+            "replans": self._controller.replans,
+            "profiles": len(getattr(self._controller.planner, "profiles", ())),  # auto: input shapes profiled
+            "ffn_resyncs": installation.engine.resyncs,  # FFN sites re-resolved (PEFT replaced modules)
         }
-
-    def _offload_stats(self) -> dict[str, Any]:
-        if self._session is None:
-            return {}
-        copy = self._session.copy
+        report = getattr(self._controller.planner, "budget_report", None)
+        if report is not None:  # auto: per input shape, predicted and measured peaks, corrections
+            out["budget_bytes"] = self._controller.planner.budget_bytes
+            out["shapes"] = report()
+        session = self._controller.session
+        if session is None:
+            return out
+        copy = session.copy
         pool = copy.pool.stats()
-        out = {
+        out |= {
             "bytes_offloaded": copy.stats.bytes_offloaded,
             "bytes_reloaded": copy.stats.bytes_reloaded,
             "reloads_skipped": copy.stats.reloads_skipped,
@@ -106,54 +114,58 @@ class MemfitHandle:
             "pool_waits": pool.waits,
             "pool_overflows": pool.overflows,  # past max_buckets with nothing to evict: pageable, synchronous
             "host_buffers_in_use": pool.buffers_in_use,
+            # regions of the latest step's timeline (the last two of them never park)
+            "step_regions": session.regions_started,
         }
-        if self._offloader is not None:
-            out["attention_calls_offloaded"] = self._offloader.calls
-            out["attention_tensors_parked"] = self._offloader.tensors_parked
+        offloader = installation.offloader  # None when no block offloads attention (or all are recomputed)
+        out["attention_calls_offloaded"] = offloader.calls if offloader is not None else 0
+        out["attention_tensors_parked"] = offloader.tensors_parked if offloader is not None else 0
         return out
 
     def reset_stats(self) -> None:
-        self._engine.stats.reset()
-        self._engine.undeclared_block_calls = 0
-        if self._session is not None:
-            self._session.copy.reset_stats()
-            self._session.copy.pool.reset_counters()
-        if self._offloader is not None:
-            self._offloader.calls = self._offloader.tensors_parked = 0
+        installation = self._controller.installation
+        self._controller.stats.reset()
+        installation.engine.undeclared_block_calls = 0
+        session = self._controller.session
+        if session is not None:
+            session.copy.reset_stats()
+            session.copy.pool.reset_counters()
+        if installation.offloader is not None:
+            installation.offloader.calls = installation.offloader.tensors_parked = 0
 
     def describe(self) -> str:
-        """One line per region site kind: what is checkpointed where."""
-        e = self._engine
-        chunks = {site.key for site in e.block_sites.values()}
-        ffn = {site.key for site in e.hook_sites.values()}
+        """What is checkpointed or offloaded where: one line per kind of region, and ``auto``'s plan."""
+        plan = self.region_plan
+        engine = self._controller.installation.engine
         who = self.family or f"{type(self.model).__name__} (generic diffusers path)"
         parts = [f"family: {who}", f"config: {self.config.to_dict()}"]
-        if e.block_sites:
-            parts.append(
-                f"whole-block regions: {len(chunks)} chunk(s) over {len(e.block_sites)} block(s), "
-                f"entered through {e.block_entry}"
-            )
-        elif e.block_entry == "diffusers":
+        if plan.checkpoint_routed:
             parts.append("whole-block regions: every block the model checkpoints (diffusers path)")
+        elif engine.block_sites:
+            chunks = {site.key for site in engine.block_sites.values()}
+            parts.append(
+                f"whole-block regions: {len(chunks)} chunk(s) over {len(engine.block_sites)} block(s), "
+                f"entered through {engine.block_entry.value}"
+            )
+        ffn = {site.key for site in engine.hook_sites.values()}
         if ffn:
             parts.append(f"FFN regions: {len(ffn)}")
-        if self._auto is not None:
-            parts.append(self._auto.describe())
+        policies = Counter(b.policy.value for b in plan.blocks if b.policy.value != "keep")
+        if policies:
+            parts.append("policies: " + ", ".join(f"{p} × {n}" for p, n in sorted(policies.items())))
+        if self._controller.planner.adaptive:
+            parts.append(self._controller.planner.describe())
         return "\n".join(parts)
 
     def remove(self) -> None:
         """Remove every hook and restore every attribute memfit touched. Idempotent."""
         if self.removed:
             return
-        if self._auto is not None:
-            self._auto.remove()
-        else:
-            self._engine.remove()
-            if self._offloader is not None:
-                self._offloader.remove()
-        if self._session is not None:
-            self._session.close()
-            self._session.copy.pool.clear()  # give idle pinned buffers back to the host
+        self._controller.remove()
+        session = self._controller.session
+        if session is not None:
+            session.close()
+            session.copy.pool.clear()  # give idle pinned buffers back to the host
         self.removed = True
         self._on_remove()
 

@@ -1,16 +1,18 @@
 """memfit adapter for <Family>: declarations only — the core executes.
 
-Rename ``memfit_template`` to ``memfit_<family>`` and fill in every ``<...>`` below. Write down here, for the
+Rename ``memfit_template`` to ``memfit_<family>`` and fill in every ``<...>`` below (the presets module is
+imported relatively, so the rename needs no edit here). Write down here, for the
 next reader, *why* each boundary is safe: which lines of the model's forward you read, in which version.
 A worked example is ``adapters/chroma/src/memfit_chroma/__init__.py``.
 """
 
 from memfit import BlockSpec, FamilyAdapter, Preset
-from memfit_template.presets import build_full, build_tiny, make_inputs
+
+from .presets import PIXELS, build_full, build_tiny, make_inputs
 
 ADAPTER = FamilyAdapter(
     # The family name users type (`memfit list`, `memfit.get_adapter("<family>")`); the same string as the
-    # entry-point name in pyproject.toml.
+    # entry-point name in pyproject.toml (the kit fails when they differ).
     name="template",
     # Model class names this adapter serves; matched against the model's MRO, so subclasses match too.
     model_classes=("<ModelClass>",),
@@ -23,6 +25,9 @@ ADAPTER = FamilyAdapter(
     # calls one right after the other, each consuming the previous one's output and nothing in between
     # needing their activations, e.g. ("proj_mlp", "act_mlp") for `act_mlp(proj_mlp(x))`. A module may belong
     # to one region only. `ffn=()` means "no safe FFN boundary": `*-ffn` backends then fail explicitly.
+    # The kit runs one forward and checks each region: a chain's modules consume each other's outputs, an
+    # attention region calls scaled_dot_product_attention (else say why: `attention_without_sdpa="..."`),
+    # an FFN region frees more bytes than its recompute keeps.
     blocks={
         "<BlockClass>": BlockSpec(
             ffn=(("ff",),),  # e.g. `ff_output = self.ff(norm_hidden_states)`
@@ -43,6 +48,7 @@ ADAPTER = FamilyAdapter(
         "tiny": Preset(
             build=build_tiny,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=64,
             description="<n> blocks, width <w> (tests, CPU)",
         ),
@@ -50,6 +56,7 @@ ADAPTER = FamilyAdapter(
         "full": Preset(
             build=build_full,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=4096,
             description="<Published model name>, <size> (random weights)",
         ),

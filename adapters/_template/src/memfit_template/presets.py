@@ -1,6 +1,7 @@
 """Model sizes and dummy inputs for <Family> (random weights; nothing is downloaded).
 
-Fill in the three functions. A worked example is ``adapters/chroma/src/memfit_chroma/presets.py``.
+Fill in ``TINY``, ``FULL``, the model class and ``make_inputs``. A worked example is
+``adapters/flux/src/memfit_flux/presets.py`` in the memfit repository.
 """
 
 from __future__ import annotations
@@ -8,9 +9,9 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from memfit.adapters import near_square_grid, preset_builders
+from memfit.adapters.spec import PixelGrid
 from torch import nn
-
-# from diffusers import <ModelClass>
 
 # Small widths, few blocks: the kit builds this model once per test class and runs ~150 steps with it.
 TINY: dict[str, Any] = dict(
@@ -22,26 +23,15 @@ FULL: dict[str, Any] = dict(
     # num_layers=..., num_attention_heads=..., attention_head_dim=..., ...
 )
 
+# The model class as "module:Class", imported on the first build (adapter discovery stays cheap). The builders
+# seed the random weights and cast the way from_pretrained(torch_dtype=...) does: the model's
+# `_keep_in_fp32_modules` stay float32, which `model.to(dtype)` would get wrong. tiny: float32 on the CPU,
+# full: bfloat16 on CUDA; both take `dtype=`, `device=`, `seed=`.
+build_tiny, build_full = preset_builders("diffusers:<ModelClass>", TINY, FULL)
 
-def _build(config: dict[str, Any], dtype: torch.dtype, device: str | torch.device) -> nn.Module:
-    raise NotImplementedError("construct the model class from `config` (see memfit_chroma.presets._build)")
-    # with torch.device(device):
-    #     model = <ModelClass>(**config)
-    # return model.to(dtype=dtype)
-
-
-def build_tiny(
-    *, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu", seed: int = 0
-) -> nn.Module:
-    torch.manual_seed(seed)
-    return _build(TINY, dtype, device)
-
-
-def build_full(
-    *, dtype: torch.dtype = torch.bfloat16, device: str | torch.device = "cuda", seed: int = 0
-) -> nn.Module:
-    torch.manual_seed(seed)
-    return _build(FULL, dtype, device)
+# How a training resolution becomes tokens (`memfit fit --resolution WxH [--frames N]`): the pixels one token
+# covers along each axis (VAE downsampling x patch size) and, for video, the VAE's temporal compression.
+PIXELS = PixelGrid(16)  # e.g. PixelGrid(16, frames_per_latent=4) for a video family
 
 
 def make_inputs(
@@ -52,6 +42,9 @@ def make_inputs(
     Build every random tensor from ``generator`` on the CPU, then move it to the model's device and
     dtype, so that the same seed gives the same inputs everywhere. Pass what trainers pass (masks, ids,
     ``return_dict=False``), not only what the forward minimally needs: the kit checks the model as it is
-    really called.
+    really called. ``near_square_grid(tokens)`` gives an ``(h, w)`` latent grid of exactly ``tokens`` tokens.
     """
-    raise NotImplementedError("return the model's forward kwargs (see memfit_chroma.presets.make_inputs)")
+    h, w = near_square_grid(tokens or 64)
+    raise NotImplementedError(
+        f"return the model's forward kwargs for a {h}x{w} latent grid (see memfit_flux.presets.make_inputs)"
+    )

@@ -23,7 +23,7 @@ little less saving).
 """
 
 from memfit import BlockSpec, FamilyAdapter, Preset
-from memfit_chroma.presets import build_full, build_tiny, make_inputs
+from memfit_chroma.presets import PIXELS, build_full, build_tiny, make_inputs
 
 ADAPTER = FamilyAdapter(
     name="chroma",
@@ -40,12 +40,14 @@ ADAPTER = FamilyAdapter(
         "tiny": Preset(
             build=build_tiny,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=64,
             description="3 double + 4 single blocks, width 32 (tests, CPU)",
         ),
         "full": Preset(
             build=build_full,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=4096,
             description="Chroma1-HD size, 8.9B: 19 double + 38 single blocks, width 3072 (random weights)",
         ),

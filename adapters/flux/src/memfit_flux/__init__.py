@@ -1,7 +1,7 @@
 """memfit adapter for Flux: declarations only — the core executes."""
 
 from memfit import BlockSpec, FamilyAdapter, Preset
-from memfit_flux.presets import build_full, build_tiny, make_inputs
+from memfit_flux.presets import PIXELS, build_full, build_tiny, make_inputs
 
 ADAPTER = FamilyAdapter(
     name="flux",
@@ -22,12 +22,14 @@ ADAPTER = FamilyAdapter(
         "tiny": Preset(
             build=build_tiny,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=64,
             description="3 double + 4 single blocks, width 32 (tests, CPU)",
         ),
         "full": Preset(
             build=build_full,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=4096,
             description="FLUX.1-dev size: 19 double + 38 single blocks, width 3072 (random weights)",
         ),

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from memfit.adapters.building import near_square_grid, packed_image_ids, preset_builders
+from memfit.adapters.spec import PixelGrid
 
 # diffusers is imported inside the builders: adapter discovery (entry points) must stay cheap.
 
@@ -38,6 +39,8 @@ FULL = dict(
 
 
 build_tiny, build_full = preset_builders("diffusers:FluxTransformer2DModel", TINY, FULL)
+# One packed token covers 16x16 px: the VAE downsamples 8x, the pipeline packs 2x2 latents (1024x1024 px = 4096 tokens).
+PIXELS = PixelGrid(16)
 latent_grid = near_square_grid
 
 

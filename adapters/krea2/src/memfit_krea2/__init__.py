@@ -1,7 +1,7 @@
 """memfit adapter for Krea 2: declarations only — the core executes."""
 
 from memfit import BlockSpec, FamilyAdapter, Preset
-from memfit_krea2.presets import build_full, build_tiny, make_inputs
+from memfit_krea2.presets import PIXELS, build_full, build_tiny, make_inputs
 
 # Both block classes have the same shape: `x + attn(norm1(x)...)`, then `x + ff(norm2(x)...)`.
 # `ff` is a SwiGLU module (`down(silu(gate(h)) * up(h))`, all inside `Krea2SwiGLU.forward`) that reads one
@@ -40,12 +40,14 @@ ADAPTER = FamilyAdapter(
         "tiny": Preset(
             build=build_tiny,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=64,
             description="4 main + 2 layerwise + 2 refiner text blocks, width 32 (tests, CPU)",
         ),
         "full": Preset(
             build=build_full,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=4096,
             description="Krea 2 size: 28 blocks at width 6144 + text fusion, 12.8B (random weights); "
             "4096 tokens = 1024x1024 px, 512 text tokens",

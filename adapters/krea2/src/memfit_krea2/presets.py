@@ -20,6 +20,7 @@ import torch
 from diffusers import Krea2Transformer2DModel
 
 from memfit.adapters.building import near_square_grid, packed_image_ids, preset_builders
+from memfit.adapters.spec import PixelGrid
 
 # Pixels per packed token along each axis: VAE factor 8 x patch size 2 (diffusers Krea2Pipeline).
 VAE_SCALE_FACTOR = 8
@@ -84,6 +85,8 @@ FULL = dict(
 
 
 build_tiny, build_full = preset_builders(Krea2Transformer2DModel, TINY, FULL)
+# One packed token covers 16x16 px (see the module docstring).
+PIXELS = PixelGrid(VAE_SCALE_FACTOR * PATCH_SIZE)
 latent_grid = near_square_grid
 
 

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from memfit import BlockSpec, FamilyAdapter, Preset
-from memfit_ltxvideo2.presets import build_full, build_tiny, make_inputs
+from memfit_ltxvideo2.presets import PIXELS, build_full, build_tiny, make_inputs
 
 
 def audio_video_loss(output: Any) -> torch.Tensor:
@@ -68,12 +68,14 @@ ADAPTER = FamilyAdapter(
         "tiny": Preset(
             build=build_tiny,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=32,
             description="3 blocks, video width 16 / audio width 8 (tests, CPU)",
         ),
         "full": Preset(
             build=build_full,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=6144,
             description="LTX-2 size: 48 blocks, video width 4096 / audio width 2048 (random weights); "
             "6144 tokens = 121 frames at 512x768",

@@ -31,6 +31,7 @@ import torch
 from diffusers import LTX2VideoTransformer3DModel
 
 from memfit.adapters.building import preset_builders
+from memfit.adapters.spec import PixelGrid
 
 FPS = 24.0
 
@@ -114,6 +115,8 @@ TINY_TEXT_TOKENS = 8
 
 
 build_tiny, build_full = preset_builders(LTX2VideoTransformer3DModel, TINY, FULL)
+# LTX-2's VAE: 32x spatial, 8x temporal (first frame alone); patch 1. 768x512 px, 121 frames = 6144 tokens.
+PIXELS = PixelGrid(32, frames_per_latent=8)
 
 
 def _divisors(n: int) -> list[int]:

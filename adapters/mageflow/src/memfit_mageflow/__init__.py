@@ -7,7 +7,7 @@ transformer whose module names are the upstream ones (github.com/microsoft/Mage,
 
 from memfit import BlockSpec, FamilyAdapter, Preset
 from memfit_mageflow.model import MageFlowTransformer2DModel, MageFlowTransformerBlock
-from memfit_mageflow.presets import build_full, build_tiny, make_inputs
+from memfit_mageflow.presets import PIXELS, build_full, build_tiny, make_inputs
 
 ADAPTER = FamilyAdapter(
     name="mageflow",
@@ -30,12 +30,14 @@ ADAPTER = FamilyAdapter(
         "tiny": Preset(
             build=build_tiny,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=64,
             description="4 double-stream blocks, width 32; 2 packed samples (tests, CPU)",
         ),
         "full": Preset(
             build=build_full,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=4096,
             description="Mage-Flow 4B as released: 12 double-stream blocks, width 3072 "
             "(random weights); 2 packed samples",

@@ -7,6 +7,7 @@ from typing import Any
 import torch
 
 from memfit.adapters.building import near_square_grid, preset_builders
+from memfit.adapters.spec import PixelGrid
 from memfit_mageflow.model import MageFlowTransformer2DModel, lengths_to_cu_seqlens
 
 TINY = dict(
@@ -38,6 +39,8 @@ FULL = dict(
 
 
 build_tiny, build_full = preset_builders(MageFlowTransformer2DModel, TINY, FULL)
+# One token covers 16x16 px: Mage-VAE downsamples 16x and the model patchifies 1x1.
+PIXELS = PixelGrid(16)
 latent_grid = near_square_grid
 
 

@@ -1,7 +1,7 @@
 """memfit adapter for Wan 2.1 / 2.2: declarations only — the core executes."""
 
 from memfit import BlockSpec, FamilyAdapter, Preset
-from memfit_wan.presets import TOKENS_PER_480P_FRAME, build_full, build_tiny, make_inputs
+from memfit_wan.presets import PIXELS, TOKENS_PER_480P_FRAME, build_full, build_tiny, make_inputs
 
 ADAPTER = FamilyAdapter(
     name="wan",
@@ -26,12 +26,14 @@ ADAPTER = FamilyAdapter(
         "tiny": Preset(
             build=build_tiny,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=72,
             description="7 blocks, width 24, 3 latent frames of 4x6 patches (tests, CPU)",
         ),
         "full": Preset(
             build=build_full,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=9 * TOKENS_PER_480P_FRAME,
             description="Wan2.1-T2V-14B / one Wan2.2-T2V-A14B expert: 40 blocks, width 5120 "
             "(random weights); 480x832, 33 frames = 14040 tokens",

@@ -28,6 +28,7 @@ import torch
 from diffusers import WanTransformer3DModel
 
 from memfit.adapters.building import preset_builders
+from memfit.adapters.spec import PixelGrid
 
 TINY = dict(
     patch_size=(1, 2, 2),
@@ -73,6 +74,8 @@ TEXT_TOKENS_FULL = 512  # umT5 prompts are padded to 512 tokens in the Wan pipel
 
 
 build_tiny, build_full = preset_builders(WanTransformer3DModel, TINY, FULL)
+# Wan's VAE: 8x spatial, 4x temporal (first frame alone); patches 1x2x2. 832x480 px, 81 frames = 32760 tokens.
+PIXELS = PixelGrid(16, frames_per_latent=4)
 
 
 def latent_grid(tokens: int) -> tuple[int, int, int]:

@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 from memfit import BlockSpec, FamilyAdapter, Preset
-from memfit_z_image.presets import build_full, build_tiny, make_inputs, make_tiny_inputs
+from memfit_z_image.presets import PIXELS, build_full, build_tiny, make_inputs, make_tiny_inputs
 
 
 def loss(output: Any) -> torch.Tensor:
@@ -53,12 +53,14 @@ ADAPTER = FamilyAdapter(
         "tiny": Preset(
             build=build_tiny,
             inputs=make_tiny_inputs,
+            pixels=PIXELS,
             default_tokens=24,
             description="Omni-shaped: 2+2+2 refiner + 3 main blocks, width 32, SigLIP branch (tests, CPU)",
         ),
         "full": Preset(
             build=build_full,
             inputs=make_inputs,
+            pixels=PIXELS,
             default_tokens=4096,
             description="Z-Image-Turbo size (6B): 2+2 refiner + 30 main blocks, width 3840, "
             "1024x1024 px (random weights)",

@@ -24,6 +24,7 @@ import torch
 from diffusers import ZImageTransformer2DModel
 
 from memfit.adapters.building import near_square_grid, preset_builders
+from memfit.adapters.spec import PixelGrid
 
 # The model pads every per-sample sequence (image, caption, SigLIP) to a multiple of this many tokens.
 SEQ_MULTI_OF = 32
@@ -81,6 +82,8 @@ def _give_pad_tokens_values(model: ZImageTransformer2DModel) -> None:
 
 
 _build_tiny, build_full = preset_builders(ZImageTransformer2DModel, TINY, FULL)
+# One token covers 16x16 px: the VAE downsamples 8x, the model patchifies 2x2 (1024x1024 px = 4096 tokens).
+PIXELS = PixelGrid(16)
 
 
 def build_tiny(**kwargs: Any) -> ZImageTransformer2DModel:

@@ -33,10 +33,72 @@ class BlockSpec:
             other with nothing in between that needs their activations, e.g. ``("ff",)`` or
             ``("proj_mlp", "act_mlp")``. Empty: this block has no safe FFN boundary.
         attention: attention regions (for attention offload), same form.
+        attention_without_sdpa: why this block's attention regions call no
+            ``torch.nn.functional.scaled_dot_product_attention`` (e.g. ``"flash_attn_varlen_func"``).
+            Empty (the default): the conformance kit requires an SDPA call in each attention region, which
+            catches a module declared as attention that is not one.
     """
 
     ffn: tuple[Region, ...] = ()
     attention: tuple[Region, ...] = ()
+    attention_without_sdpa: str = ""
+
+
+@dataclass(frozen=True)
+class PixelGrid:
+    """How a training resolution becomes the token count a preset's ``inputs`` takes.
+
+    Args:
+        pixels_per_token: pixels along each image axis that one token covers: the VAE's spatial downsampling
+            times the patch size (Flux: 8 x 2 = 16, so 1024x1024 px is 64 x 64 = 4096 tokens).
+        frames_per_latent: video families: pixel frames per latent frame (the VAE's temporal compression).
+            Causal video VAEs encode the first frame alone, so ``F`` frames become ``(F - 1) / k + 1`` latent
+            frames and ``F - 1`` must be a multiple of ``k``. None: an image family.
+
+    Example:
+        >>> PixelGrid(16).tokens(1024, 768)
+        3072
+        >>> PixelGrid(16, frames_per_latent=4).tokens(832, 480, frames=81)  # Wan 480p, 81 frames
+        32760
+    """
+
+    pixels_per_token: int
+    frames_per_latent: int | None = None
+
+    @property
+    def video(self) -> bool:
+        return self.frames_per_latent is not None
+
+    def tokens(self, width: int, height: int, frames: int | None = None) -> int:
+        """Tokens of one sample at ``width x height`` (and ``frames``, for video).
+
+        Raises:
+            ValueError: a side is not a multiple of ``pixels_per_token``, frames are missing for video (or
+                given for an image family), or ``frames - 1`` is not a multiple of ``frames_per_latent``.
+        """
+        step = self.pixels_per_token
+        for name, side in (("width", width), ("height", height)):
+            if side < step or side % step:
+                lower, upper = max(step, side // step * step), (side // step + 1) * step
+                raise ValueError(
+                    f"{name} {side} px is not a multiple of {step} (one token covers {step}x{step} px); "
+                    f"use {lower} or {upper}"
+                )
+        spatial = (width // step) * (height // step)
+        if self.frames_per_latent is None:
+            if frames is not None:
+                raise ValueError("this is an image family: it takes a resolution, not frames")
+            return spatial
+        k = self.frames_per_latent
+        if frames is None:
+            raise ValueError(f"a video family needs the frame count too (e.g. {4 * k + 1} frames)")
+        if frames < 1 or (frames - 1) % k:
+            below = max(1, (frames - 1) // k * k + 1)
+            raise ValueError(
+                f"{frames} frames: the VAE encodes the first frame, then {k} frames per latent frame, so the "
+                f"count must be 1 + a multiple of {k}; use {below} or {below + k}"
+            )
+        return ((frames - 1) // k + 1) * spatial
 
 
 @dataclass(frozen=True)
@@ -49,12 +111,15 @@ class Preset:
             the image-token count the family packs latents into (the family rounds it to a valid shape).
         default_tokens: the token count used when the caller does not choose one.
         description: a short human label (``"Flux.1-dev, 12B"``).
+        pixels: how a resolution (and frame count) becomes ``tokens`` (``memfit fit --resolution``); None for
+            families whose inputs are not images (text encoders take ``--tokens``).
     """
 
     build: Callable[..., nn.Module]
     inputs: Callable[..., dict[str, Any]]
     default_tokens: int = 256
     description: str = ""
+    pixels: PixelGrid | None = None
 
 
 def default_loss(output: Any) -> torch.Tensor:

@@ -5,8 +5,8 @@ Design notes
 ------------
 Why measure a block alone.  The profiling forward holds nothing, so it sees neither a block's saved
 activations living next to its forward temporaries nor its backward's gradient buffers (math attention's
-probability gradients are as large as the probabilities). Summing guesses for both overshot Flux's real
-peak by ~0.8 GiB; running the block once with gradients and reading the allocator's peak measures exactly
+probability gradients are as large as the probabilities), and summing guesses for both overshoots
+(docs/cost-model.md); running the block once with gradients and reading the allocator's peak measures exactly
 what the block adds while its backward runs. One run per *kind* of block (class, parameter count, input
 shapes and which inputs require gradients): a model has two or three kinds.
 
@@ -76,9 +76,8 @@ def measure_block_peak(block: nn.Module, args: tuple, kwargs: dict, device: torc
 # Attention phase.  Attention offload reloads the next block's tensors when the backward of this block's
 # first attention call begins (its first parked tensor is fetched; a later call's region, reached before it
 # in backward, reloads only that first call's), after the FFN's backward and its temporaries are gone. So
-# the planner adds that reload to the peak from there on, not to the block's whole peak (Wan 14B: 1.9 GB of
-# reloaded attention counted on top of the FFN's backward, a plan of attention offload predicted 2.9 GB
-# above its measured peak). The phase starts at the first backward use of a tensor saved inside the first
+# the planner adds that reload to the peak from there on, not to the block's whole peak (docs/cost-model.md).
+# The phase starts at the first backward use of a tensor saved inside the first
 # attention call of the forward.
 
 
@@ -144,10 +143,8 @@ def _run_block(
 # consumed them and released what it kept of them), and the gradients of its outputs come out of the next
 # block's backward, owned by autograd alone. So the run drops its outputs before the backward (an output the
 # graph saved stays, as in the step) and roots the backward at a scalar whose backward creates the outputs'
-# gradients; on a residual block its backward peak is a real step's (H200, GPU test). Gradients passed in by
-# the caller (``grad_outputs``) cannot be summed in place into the residual stream's gradient (CPU test), but
-# on the H200 that did not raise the peak either (5b7bd5f): it was not why the planner's smallest peak of Flux
-# and of the synthetic stack is one block output above what ``unsloth`` measures (26 and 24 MiB).
+# gradients; on a residual block its backward peak is a real step's (GPU test). Gradients passed in by the
+# caller (``grad_outputs``) cannot be summed in place into the residual stream's gradient (CPU test).
 
 
 class _OutputGradients(torch.autograd.Function):

@@ -24,19 +24,16 @@ bytes held when backward begins: ``outside + Σ kept``.
 
 Head.  What the layers after the last block save (an output norm saving the last block's output) is freed
 before any block's backward runs, yet the planner holds it throughout: their own backward, not measured,
-can need more than their forward's working memory (Wan's output norm runs in fp32). Left out of the blocks'
-terms, the smallest Wan plan was predicted 0.29 GiB below its measured peak and ran 42 MiB over its budget
-(H200, c8ad640); held, it matched ``unsloth`` exactly, and on Flux and the synthetic stack, whose heads
-are small, the smallest peak is one block output (26, 24 MiB) above ``unsloth``'s.
+can need more than their forward's working memory (docs/cost-model.md, "Head").
 
 Cost model.  Extra seconds per block: recomputed FLOPs at the profiled rate, plus copy time not hidden
 behind compute (a device→host copy overlaps the block's forward, as long with gradients as the isolated
 block runs measured, the reload its backward, taken as
-``backward_to_forward`` times as long: timed on the isolated block runs on CUDA, 1.5-2 with a frozen base
-and LoRA on an H200; elsewhere the FLOP ratio, a lower bound, so exposure is overcharged rather than hidden),
+``backward_to_forward`` times as long: timed on the isolated block runs on CUDA; elsewhere the FLOP ratio, a
+lower bound, so exposure is overcharged rather than hidden),
 plus host-side bookkeeping: a fixed cost per region and, for attention offload, per tensor saved inside
-the attention call (each goes through Python pack and fetch hooks: a Flux double block saves 69 under PEFT
-LoRA, a synthetic block 15), the constants below, from the H200 sweeps. FFN recompute is priced at the FFN
+the attention call (each goes through Python pack and fetch hooks), the constants of
+:mod:`memfit.auto.cost` (docs/cost-model.md). FFN recompute is priced at the FFN
 regions' own FLOP rate where one was timed (CUDA), block recompute at the blocks'. The fixed costs are
 converted to FLOPs at a nominal rate of the device kind, so that without copies or an FFN rate every cost
 is FLOPs over one measured rate and the plan does not depend on that measurement at all; otherwise it
@@ -57,132 +54,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from memfit.auto import search
-from memfit.auto.policy import BlockPolicy
+import memfit.auto.search as search
+from memfit.auto.cost import Choice, block_choices
 from memfit.auto.profile import BlockProfile, ModelProfile
 from memfit.errors import BudgetError
-from memfit.offload.session import PREFETCH_DEPTH
+from memfit.offload.ahead import PREFETCH_DEPTH, bytes_ahead
+from memfit.plan import BlockPolicy
 from memfit.units import format_bytes
 
-RECOMPUTE_REGION_SECONDS = 50e-6  # hooks, frame bookkeeping, replay per recomputed region
-# plus events, pool and stream bookkeeping per parked region: the synthetic stack at 4096 tokens (H200,
-# 709d1e4) measured 0.02 ms (unsloth-ffn over torch-ffn) to 0.05 ms (unsloth over torch) per region
-OFFLOAD_REGION_SECONDS = 50e-6
-# per tensor saved inside an offloaded attention call, parked or not: the pack hook in forward and the fetch
-# in backward. Under PEFT LoRA a Flux double block's attention saves 69 tensors, a single block 34, a
-# synthetic block 15; Flux's offload_attention ran ~70 ms over none at 4096 tokens (f8299cb), of which
-# copies exposed ~8 ms: ~20 us per tensor where the forward is host-bound
-HOOKED_TENSOR_SECONDS = 10e-6
-NOMINAL_FLOPS_PER_SECOND = {"cuda": 4e14, "cpu": 5e10}  # converts the fixed costs above to FLOPs
-_UNITS = 1024
-
-
-@dataclass(frozen=True)
-class Choice:
-    """What one policy does to one block."""
-
-    policy: BlockPolicy
-    kept: int  # bytes held between forward and backward (with what is saved between it and the next block)
-    seconds: float  # extra step time
-    copied: int  # bytes sent to host memory per step
-    own: int = 0  # the block's own peak while its backward runs, above what the blocks before it keep (CUDA)
-    # with attention offload: its own peak from its attention's backward on, when the reload ahead is issued
-    # (None: the reload ahead meets the whole backward)
-    own_late: int | None = None
-
-    def need(self, ahead: int) -> int:
-        """Bytes above what the blocks before it keep while its backward runs, with ``ahead`` bytes reloaded
-        for the blocks backward visits next."""
-        return self.own + ahead if self.own_late is None else max(self.own, self.own_late + ahead)
-
-
-def block_choices(
-    block: BlockProfile,
-    profile: ModelProfile,
-    allowed: tuple[BlockPolicy, ...],
-    *,
-    grads_after: int = 0,
-    saved_after: int = 0,
-) -> list[Choice]:
-    """One :class:`Choice` per allowed policy (offloads only with a measured copy bandwidth).
-
-    ``grads_after``: gradient bytes of the trainable weights that backward reaches before this block.
-    ``saved_after``: bytes the layers between it and the next block save (held by the blocks after it).
-    """
-    rate = profile.flops_per_second
-    ffn_rate = profile.ffn_flops_per_second or rate
-    nominal = NOMINAL_FLOPS_PER_SECOND.get(profile.device.split(":")[0], NOMINAL_FLOPS_PER_SECOND["cpu"])
-    bandwidth = profile.copy_bytes_per_second
-    forward_seconds = (
-        block.flops / rate * profile.forward_with_grad
-    )  # what a device-to-host copy hides behind
-    out = []
-    for policy in allowed:
-        kept, extra, copied, flops = _effect(policy, block)
-        recomputed_ffn = 0
-        if policy.recompute == "ffn":  # at the FFN regions' own rate
-            flops, recomputed_ffn = 0, flops
-        if policy.recompute:
-            flops += RECOMPUTE_REGION_SECONDS * nominal
-        if copied:
-            flops += OFFLOAD_REGION_SECONDS * nominal
-        if policy.offloads_attention:
-            flops += HOOKED_TENSOR_SECONDS * block.attention_hook_calls * nominal
-        seconds = flops / rate + recomputed_ffn / ffn_rate
-        if copied:
-            if not bandwidth:
-                continue
-            copy = copied / bandwidth
-            seconds += max(0.0, copy - forward_seconds) + max(
-                0.0, copy - profile.backward_to_forward * forward_seconds
-            )
-        own, own_late = 0, None
-        if profile.counts_transient:
-            # measured with its inputs and everything it saves held; what the policy holds beyond that adds
-            extra += block.input_bytes + grads_after
-            own = block.backward_peak_bytes + extra
-            if policy.offloads_attention and block.attention_backward_peak_bytes:
-                # its only parked regions are its attention calls: backward reaches them, and reloads the
-                # blocks before, once the FFN's backward is over (memfit.auto.blockpeak, "Attention phase")
-                own_late = block.attention_backward_peak_bytes + extra
-        out.append(Choice(policy, max(kept, 0) + saved_after, seconds, copied, own, own_late))
-    return out
-
-
-def _effect(policy: BlockPolicy, b: BlockProfile) -> tuple[int, int, int, int]:
-    """(kept, extra, copied bytes, recomputed FLOPs) of ``policy`` on block ``b``.
-
-    ``extra``: what the policy holds while the block's backward runs beyond its inputs and what the block
-    saves (the isolated run's view): a reload brings back each parked view (what was copied), which can
-    exceed the storages it freed, and an FFN region keeps an input the block does not save. A region's input
-    that the block does save is the same tensor its recompute saves again: counted once (twice, the Wan
-    plans of FFN or block recompute were predicted 0.13 GiB above their measured peaks)."""
-    after_ffn = b.saved_bytes - b.ffn_saved_bytes
-    views = b.attention_copy_bytes - b.attention_bytes
-    return {
-        BlockPolicy.KEEP: (b.saved_bytes, 0, 0, 0),
-        BlockPolicy.ATTENTION_OFFLOAD: (b.saved_bytes - b.attention_bytes, views, b.attention_copy_bytes, 0),
-        BlockPolicy.FFN: (after_ffn + b.ffn_input_bytes, b.ffn_input_unsaved_bytes, 0, b.ffn_flops),
-        BlockPolicy.FFN_ATTENTION_OFFLOAD: (
-            after_ffn + b.ffn_input_bytes - b.attention_bytes,
-            b.ffn_input_unsaved_bytes + views,
-            b.attention_copy_bytes,
-            b.ffn_flops,
-        ),
-        BlockPolicy.FFN_OFFLOAD: (
-            after_ffn + b.ffn_input_bytes - b.ffn_input_parkable_bytes,
-            b.ffn_input_unsaved_bytes,
-            b.ffn_input_parkable_bytes,
-            b.ffn_flops,
-        ),
-        BlockPolicy.BLOCK: (b.input_bytes, 0, 0, b.flops),
-        BlockPolicy.BLOCK_OFFLOAD: (
-            b.input_bytes - b.input_parkable_bytes,
-            0,
-            b.input_parkable_bytes,
-            b.flops,
-        ),
-    }[policy]
+_UNITS = 1024  # kept bytes are counted in units of 1/_UNITS of the total (search granularity)
 
 
 @dataclass(frozen=True)
@@ -273,7 +153,7 @@ def plan_policies(
         for b, c in enumerate(picks):
             if profile.counts_transient:
                 worst = max(
-                    worst, prefix + c.need(reloaded_ahead([p.copied for p in reversed(picks[:b])], depth))
+                    worst, prefix + c.need(bytes_ahead([p.copied for p in reversed(picks[:b])], depth))
                 )
             prefix += c.kept
         return base + max(worst, prefix + profile.workspace_bytes)
@@ -314,18 +194,6 @@ def plan_policies(
     if picks is None or peak(picks) > budget_bytes:  # only the units' rounding stood in the way
         picks = floor_picks  # the smallest plan, which fits exactly
     return make(picks)
-
-
-def reloaded_ahead(copied: list[int], depth: int) -> int:
-    """Bytes the copy engine reloads ahead while a block's backward runs, given what the blocks before it copy
-    (nearest first): the next one that copies, and further ones while those already reloaded are smaller, at
-    most ``depth`` (the rule of :meth:`memfit.offload.session.OffloadSession.needed`, block by block)."""
-    ahead = 0
-    for taken, size in enumerate(c for c in copied if c):
-        if taken == depth or (taken and ahead >= size):
-            break
-        ahead += size
-    return ahead
 
 
 def _gradients_after(profile: ModelProfile) -> list[int]:

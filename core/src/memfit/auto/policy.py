@@ -1,48 +1,19 @@
-"""What the ``auto`` planner may choose for one block, and what each choice keeps, moves and recomputes."""
+"""What the ``auto`` planner may choose for one block (:class:`memfit.plan.BlockPolicy`)."""
 
 from __future__ import annotations
 
-import enum
+from memfit.plan import BlockPolicy
 
-
-class BlockPolicy(enum.StrEnum):
-    """One block's treatment. Declared order = preference when two plans cost the same (least intrusive first)."""
-
-    KEEP = "keep"  # untouched: every activation stays on the GPU
-    ATTENTION_OFFLOAD = "attention-offload"  # what attention saves goes to pinned host memory (no recompute)
-    FFN = "ffn"  # FFN region(s) recomputed in backward
-    FFN_ATTENTION_OFFLOAD = "ffn+attention-offload"
-    FFN_OFFLOAD = "ffn-offload"  # FFN recomputed, its saved inputs parked in host memory
-    BLOCK = "block"  # whole block recomputed
-    BLOCK_OFFLOAD = "block-offload"  # whole block recomputed, its saved inputs parked in host memory
-
-    @property
-    def recompute(self) -> str | None:
-        """``"block"``, ``"ffn"`` or None."""
-        if self in (BlockPolicy.BLOCK, BlockPolicy.BLOCK_OFFLOAD):
-            return "block"
-        if self in (BlockPolicy.FFN, BlockPolicy.FFN_ATTENTION_OFFLOAD, BlockPolicy.FFN_OFFLOAD):
-            return "ffn"
-        return None
-
-    @property
-    def offloads_inputs(self) -> bool:
-        return self in (BlockPolicy.BLOCK_OFFLOAD, BlockPolicy.FFN_OFFLOAD)
-
-    @property
-    def offloads_attention(self) -> bool:
-        return self in (BlockPolicy.ATTENTION_OFFLOAD, BlockPolicy.FFN_ATTENTION_OFFLOAD)
-
-    @property
-    def copies(self) -> bool:
-        return self.offloads_inputs or self.offloads_attention
+# The planner's menu. unsloth-ffn with attention offload is a fixed backend's policy only: its cost is not
+# modelled (its FFN inputs and attention tensors are copied on the same stream in one block).
+MENU = tuple(p for p in BlockPolicy if p is not BlockPolicy.FFN_OFFLOAD_ATTENTION_OFFLOAD)
 
 
 def allowed_policies(*, has_ffn: bool, has_attention: bool, can_offload: bool) -> tuple[BlockPolicy, ...]:
     """The policies a block may take: FFN ones need a declared FFN boundary, attention ones a declared
     attention region, copies a copy engine (CUDA, or a synchronous engine in tests)."""
     out = []
-    for p in BlockPolicy:
+    for p in MENU:
         if p.recompute == "ffn" and not has_ffn:
             continue
         if p.offloads_attention and not has_attention:

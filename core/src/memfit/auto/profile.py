@@ -113,8 +113,7 @@ class ModelProfile:
     attention_shared_saves: int = 0
     # How long the blocks' backward takes per second of their forward: how much backward compute a block's
     # reload can hide behind. CUDA: timed on the isolated block runs of the peak measurement, snapped to
-    # quarters (a frozen base with LoRA measures 1.5-2 on an H200: attention's backward is ~2.5x its
-    # forward). Elsewhere the matmuls' FLOP ratio, a lower bound: 1 (gradients of the inputs) + the share of
+    # quarters. Elsewhere the matmuls' FLOP ratio, a lower bound: 1 (gradients of the inputs) + the share of
     # the weights that train.
     backward_to_forward: float = 2.0
     outside_trainable_bytes: int = 0  # trainable weights outside every block: their gradients come first
@@ -139,8 +138,7 @@ def round_rate(x: float, *, down: bool = False, per_octave: int = RATE_STEPS_PER
     """``x`` snapped to the grid ``2**(k/per_octave)`` (nearest, or the step below with ``down``).
 
     Measured rates vary from run to run and plans should not; a quarter octave keeps the cost model
-    within 9% (a whole octave, tried first, let a 55 GB/s link pass for 69 GB/s and hid real copy time).
-    Copy bandwidth snaps down on an eighth of an octave: a quarter took 55.3 GB/s for 48.6 (-12%).
+    within 9%, and copy bandwidth snaps down on an eighth of an octave (docs/cost-model.md).
     """
     if x <= 0:
         return 0.0

@@ -4,7 +4,7 @@ Design notes
 ------------
 State.  What a block's backward meets besides its own peak depends on the blocks before it: the bytes they
 keep (a prefix sum) and what the copy engine reloads ahead of it — the nearest earlier block that copies,
-and the one before that when it copies more (``PREFETCH_DEPTH`` = 2, :func:`memfit.auto.planner.reloaded_ahead`).
+and the one before that when it copies more (:mod:`memfit.offload.ahead`).
 So the dynamic programme runs in forward order over (kept bytes, the two nearest copy sizes). Copies take
 few distinct sizes (one per kind of block and policy), so there are few states; kept bytes are counted in
 units rounded up per block, never optimistic (the caller recomputes the exact peak of what it picks).
@@ -22,12 +22,10 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 
-if TYPE_CHECKING:
-    from memfit.auto.planner import Choice
+from memfit.auto.cost import Choice
 
 _INF = float("inf")
 

@@ -7,5 +7,7 @@ Modules, each with one job:
 * :mod:`.stash`    – where a region's entry tensors live between forward and recompute;
 * :mod:`.frame`    – the frame: records calls, swaps saved tensors for handles, recomputes;
 * :mod:`.schedule` – interval / segment-stride plan: which blocks are checkpointed, in which chunk;
-* :mod:`.install`  – puts the engine on a model (diffusers checkpoint func + removable hooks).
+* :mod:`.hooks`    – eager hook bodies, and the check that hooks on sub-block modules ran;
+* :mod:`.install`  – the :class:`RegionEngine`: block entry (diffusers checkpoint func or hooks) and region
+  hooks, removable (:func:`memfit.install.install` builds it from a plan).
 """

@@ -1,4 +1,4 @@
-"""Put the region engine on a model, and take it off again.
+"""The region engine: hooks that open, continue and close frames on a model, and take themselves off again.
 
 Two entry points feed the same :class:`~memfit.engine.frame.Frame` machinery:
 
@@ -9,8 +9,17 @@ Two entry points feed the same :class:`~memfit.engine.frame.Frame` machinery:
 * **sub-module regions** (FFN chains) — removable forward pre/post hooks on the region's
   modules.
 
-``remove()`` restores every attribute it touched exactly (present/absent and value) and
-removes every hook, so the model's state_dict and forward are as before.
+``remove()`` restores every attribute it touched exactly (present/absent and value), including whatever
+the model's own ``enable_gradient_checkpointing`` changed, and removes every hook, so the model's
+state_dict and forward are as before.
+
+Block entry.  Trainer code does not always call the checkpointing function the way diffusers does: some
+models pass a closure or a ``functools.partial`` over the block, and keywords of
+``torch.utils.checkpoint.checkpoint`` (``use_reentrant=False``). Those keywords are taken off (a
+``context_fn`` is refused: memfit cannot honour a selective-checkpoint policy). A closure is run as it is:
+the declared block inside it carries memfit's region hooks too, and those open or continue its region, so
+the interval and stride plan holds exactly as with a block passed directly. A closure in which no declared
+block ran is counted as an undeclared block call and said once (never silently left unsaved).
 """
 
 from __future__ import annotations
@@ -18,17 +27,19 @@ from __future__ import annotations
 import sys
 import threading
 import warnings
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
 
 from memfit.engine import state
 from memfit.engine.frame import Frame, FrameStats
+from memfit.engine.hooks import Attached, HookRuns, attached_hook, detached_forward, eager_hook
 from memfit.engine.stash import DeviceStash, Stash
 from memfit.errors import MemfitError, MemfitWarning
+from memfit.plan import BlockEntry
 
 
 @dataclass(frozen=True)
@@ -42,17 +53,21 @@ class RegionSite:
     stash_factory: Callable[[], Stash] | None = None  # None: the engine's (a per-block plan mixes them)
 
 
+class _Restorer(Protocol):
+    def restore(self) -> None: ...
+
+
 @dataclass
 class _AttrSnapshot:
+    """Named attributes of one module (present or not, and their values), to put back exactly."""
+
     module: nn.Module
     saved: dict[str, tuple[bool, Any]] = field(default_factory=dict)
 
-    _NAMES = ("gradient_checkpointing", "_gradient_checkpointing_func")
-
     @classmethod
-    def take(cls, module: nn.Module) -> _AttrSnapshot:
+    def take(cls, module: nn.Module, names: Sequence[str]) -> _AttrSnapshot:
         snap = cls(module)
-        for name in cls._NAMES:
+        for name in names:
             snap.saved[name] = (name in module.__dict__, module.__dict__.get(name))
         return snap
 
@@ -64,62 +79,209 @@ class _AttrSnapshot:
                 self.module.__dict__.pop(name, None)
 
 
+_MISSING = object()
+
+
+@dataclass
+class ModelSnapshot:
+    """Every module's instance attributes and the model's config, before a call that may change them (the
+    model's own ``enable_gradient_checkpointing``, which can set switches memfit does not know of)."""
+
+    model: nn.Module
+    attrs: dict[nn.Module, dict[str, Any]]
+    config_attrs: dict[str, Any] | None
+    config_items: dict[Any, Any] | None
+
+    @classmethod
+    def take(cls, model: nn.Module) -> ModelSnapshot:
+        config = getattr(model, "config", None)
+        return cls(
+            model,
+            {m: dict(m.__dict__) for m in model.modules()},
+            dict(vars(config)) if config is not None and hasattr(config, "__dict__") else None,
+            dict(config) if isinstance(config, Mapping) else None,
+        )
+
+    def changes(self) -> _Restorer:
+        """What changed since :meth:`take`, as something that puts it back."""
+        restorers: list[_Restorer] = []
+        for module, before in self.attrs.items():
+            after = module.__dict__
+            changed = [
+                k
+                for k in before.keys() | after.keys()
+                if before.get(k, _MISSING) is not after.get(k, _MISSING)
+            ]
+            if changed:
+                restorers.append(
+                    _DictRestorer(module.__dict__, {k: before.get(k, _MISSING) for k in changed})
+                )
+        config = getattr(self.model, "config", None)
+        if self.config_attrs is not None and config is not None and hasattr(config, "__dict__"):
+            restorers.append(_DictRestorer.diff(vars(config), self.config_attrs))
+        if self.config_items is not None and isinstance(config, Mapping):
+            restorers.append(_MappingRestorer.diff(config, self.config_items))
+        return _Restorers(restorers)
+
+
+@dataclass
+class _DictRestorer:
+    target: dict[str, Any]
+    values: dict[str, Any]  # key -> value before (_MISSING: absent)
+
+    @classmethod
+    def diff(cls, target: dict[str, Any], before: dict[str, Any]) -> _DictRestorer:
+        keys = [
+            k for k in before.keys() | target.keys() if before.get(k, _MISSING) is not target.get(k, _MISSING)
+        ]
+        return cls(target, {k: before.get(k, _MISSING) for k in keys})
+
+    def restore(self) -> None:
+        for key, value in self.values.items():
+            if value is _MISSING:
+                self.target.pop(key, None)
+            else:
+                self.target[key] = value
+
+
+@dataclass
+class _MappingRestorer:
+    """A config mapping (diffusers' ``FrozenDict`` refuses item assignment: written through ``dict``'s own)."""
+
+    target: Mapping[Any, Any]
+    values: dict[Any, Any]
+
+    @classmethod
+    def diff(cls, target: Mapping[Any, Any], before: dict[Any, Any]) -> _MappingRestorer:
+        keys = [
+            k for k in before.keys() | target.keys() if before.get(k, _MISSING) is not target.get(k, _MISSING)
+        ]
+        return cls(target, {k: before.get(k, _MISSING) for k in keys})
+
+    def restore(self) -> None:
+        for key, value in self.values.items():
+            if value is _MISSING:
+                dict.pop(self.target, key, None)  # type: ignore[arg-type]
+            else:
+                dict.__setitem__(self.target, key, value)  # type: ignore[index]
+
+
+@dataclass
+class _Restorers:
+    parts: list[_Restorer]
+
+    def restore(self) -> None:
+        for part in reversed(self.parts):
+            part.restore()
+
+
+def plain_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """A deep copy's stand-in for memfit's checkpoint function: runs the block, recomputes nothing (the copy
+    has no memfit installed; torch.utils.checkpoint keywords are dropped)."""
+    for key in CHECKPOINT_KEYWORDS:
+        kwargs.pop(key, None)
+    return function(*args, **kwargs)
+
+
+# keywords torch.utils.checkpoint.checkpoint accepts besides the function's own arguments
+CHECKPOINT_KEYWORDS = ("use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug")
+
+
+class StepListener(Protocol):
+    """Told when a forward of the model starts, returns or raises (the offload session, the attention offloader)."""
+
+    def new_step(self) -> None: ...
+
+    def end_step(self) -> None: ...
+
+    def abort_step(self) -> None: ...
+
+
 class RegionEngine:
     """Runs frames for one model: decides, per call, whether it opens, continues or closes a frame.
 
+    Built by :func:`memfit.install.install` from a plan; it installs no model hooks of its own: the
+    installation's owner calls :meth:`begin_forward` / :meth:`end_forward` around each forward.
+
     Args:
-        model: the top-level model (its forward end closes any open frame).
-        stash_factory: makes the :class:`Stash` a new frame keeps its entries in.
+        model: the top-level model.
+        stats: the counters every frame updates (shared by the plans of one handle).
+        block_sites: whole-block regions: each checkpointed block's site.
+        known_blocks: every block the plan lists; a known block without a site runs normally (stride gap).
+        block_entry: ``DIFFUSERS`` (the model's checkpointing function) or ``HOOKS`` (block forward hooks).
+        checkpoint_routed: a block the model routes through its checkpointing function without a site of its
+            own is a region of its own (the generic path); else it runs normally when known, or is counted as
+            undeclared and checkpointed alone.
+        hook_blocks: also put forward hooks on the blocks with sites (catches lists the model does not route);
+            off on the generic path, which trusts diffusers' routing.
+        locate: re-resolves the sub-block (FFN chain) sites from the declared paths; called at install and at
+            every forward start, so the hooks follow modules PEFT replaces after installation.
+        step_listeners: told when a forward starts, returns or raises.
+        stash_factory: the default :class:`Stash` of a new frame (a site may name its own).
     """
 
-    def __init__(self, model: nn.Module, *, stash_factory: Callable[[], Stash] = DeviceStash) -> None:
+    def __init__(
+        self,
+        model: nn.Module,
+        *,
+        stats: FrameStats,
+        block_sites: Mapping[nn.Module, RegionSite] | None = None,
+        known_blocks: Iterable[nn.Module] = (),
+        block_entry: BlockEntry = BlockEntry.HOOKS,
+        checkpoint_routed: bool = False,
+        hook_blocks: bool = True,
+        locate: Callable[[], dict[nn.Module, RegionSite]] | None = None,
+        step_listeners: Sequence[StepListener] = (),
+        stash_factory: Callable[[], Stash] = DeviceStash,
+    ) -> None:
+        if block_entry is BlockEntry.AUTO:
+            raise ValueError("RegionEngine needs a resolved block entry (DIFFUSERS or HOOKS), got AUTO")
         self.model = model
+        self.stats = stats
+        self.block_sites: dict[nn.Module, RegionSite] = dict(block_sites or {})
+        self.known_blocks: set[nn.Module] = set(known_blocks)
+        self.block_entry = block_entry
+        self.checkpoint_routed = checkpoint_routed
+        self.hook_blocks = hook_blocks
+        self._locate = locate
+        self.hook_sites: dict[nn.Module, RegionSite] = locate() if locate is not None else {}
+        self.step_listeners = tuple(step_listeners)
         self.stash_factory = stash_factory
-        self.stats = FrameStats()
-        self.block_sites: dict[nn.Module, RegionSite] = {}
-        self.hook_sites: dict[nn.Module, RegionSite] = {}
-        # every block the plan knows about; a known block without a site runs normally (stride gap)
-        self.known_blocks: set[nn.Module] = set()
         self._open: Frame | None = None
-        self._handles: list[torch.utils.hooks.RemovableHandle] = []
         self._region_handles: dict[nn.Module, list[torch.utils.hooks.RemovableHandle]] = {}
         self._eager_bodies: list[nn.Module] = []
-        self._locate: Callable[[], dict[nn.Module, RegionSite]] | None = None
         self.resyncs = 0  # times the sub-block sites were re-resolved (modules replaced after install)
-        self._snapshots: list[_AttrSnapshot] = []
+        self._snapshots: list[_Restorer] = []
         self._local = threading.local()  # stack of (module, frame) begun by pre-hooks
-        self.block_entry: str = "none"  # "diffusers" | "hooks" | "none"
-        self.hook_blocks = True  # also hook declared blocks (catches lists the model does not route)
         self.undeclared_block_calls = 0
-        # told when a forward starts / ends / raises (the offload session: dedup and timeline per step)
-        self.step_listeners: list[Any] = []
+        self.block_hook_runs = 0  # runs of the region pre-hook on declared blocks (see _run_closure)
+        self._warned_closure = False
         self.sub_block_hooks = HookRuns("sub-block region")  # runs of the FFN-chain region hooks
 
     # -- installation -------------------------------------------------------------------------------------------
 
-    def install(self, *, model_hooks: bool = True) -> None:
-        """Install the region hooks. ``model_hooks=False``: whoever installs the engine calls
-        :meth:`begin_forward` / :meth:`end_forward` itself (the ``auto`` controller, which swaps engines)."""
-        if model_hooks:
-            self._handles.append(self.model.register_forward_pre_hook(self._model_pre_hook))
-            self._handles.append(self.model.register_forward_hook(self._model_post_hook, always_call=True))
-        if self.block_sites or self.block_entry == "diffusers":
-            self._install_block_entry()
-        if self.block_entry != "diffusers":
+    def install(self) -> None:
+        """Install the block entry and the region hooks."""
+        routes = self.block_entry is BlockEntry.DIFFUSERS and (self.block_sites or self.checkpoint_routed)
+        if routes:
+            # whatever the model's enable method changes (its flags, its config, extra switches of its own) is
+            # put back exactly by remove()
+            snapshot = ModelSnapshot.take(self.model)
+            checkpoint = Attached(self.checkpoint_block, detached=lambda memo: plain_checkpoint)
+            self.model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint)
+            self._snapshots.append(snapshot.changes())
+        else:
             self._switch_off_model_checkpointing()
+        # Hooks on the declared blocks too: a block list the model does not route through its checkpointing
+        # function is still caught. A block entered through `checkpoint_block` is already inside a region
+        # call, so its hooks then do nothing.
+        if self.hook_blocks:
+            # routed: every known block, so a stride gap's block too tells a closure entry that it ran
+            hooked = [*self.block_sites, *self.known_blocks] if routes else list(self.block_sites)
+            for module in dict.fromkeys(hooked):
+                self._install_region_hooks(module)
         for module in self.hook_sites:
             self._install_region_hooks(module, eager_body=True)
-
-    def _install_block_entry(self) -> None:
-        if self.block_entry == "diffusers":
-            self._snapshots = [_AttrSnapshot.take(m) for m in self.model.modules()]
-            self.model.enable_gradient_checkpointing(gradient_checkpointing_func=self.checkpoint_block)
-        # Hooks on the declared blocks too: a block list the model does not route through its
-        # checkpointing function is still caught. A block entered through `checkpoint_block` is
-        # already inside a region call, so its hooks then do nothing.
-        if self.hook_blocks:
-            for module in self.block_sites:
-                self._install_region_hooks(module)
 
     def _switch_off_model_checkpointing(self) -> None:
         """Blocks entered through hooks: the model's own checkpointing (diffusers' or transformers'
@@ -135,22 +297,24 @@ class RegionEngine:
             stacklevel=5,
         )
         for module in on:
-            self._snapshots.append(_AttrSnapshot.take(module))
+            self._snapshots.append(_AttrSnapshot.take(module, ("gradient_checkpointing",)))
             module.__dict__["gradient_checkpointing"] = False
 
     def _install_region_hooks(self, module: nn.Module, *, eager_body: bool = False) -> None:
         handles = self._region_handles.setdefault(module, [])
-        handles.append(module.register_forward_pre_hook(eager_hook(self._region_pre_hook), with_kwargs=True))
+        handles.append(
+            module.register_forward_pre_hook(attached_hook(self._region_pre_hook), with_kwargs=True)
+        )
         handles.append(
             module.register_forward_hook(
-                eager_hook(self._region_post_hook), with_kwargs=True, always_call=True
+                attached_hook(self._region_post_hook), with_kwargs=True, always_call=True
             )
         )
         if eager_body and "forward" not in module.__dict__:
             # Inside a compiled block (compile_repeated_blocks), a sub-block region's body would be compiled
             # in forward but run eagerly in the recompute, and the two save different tensors. Running the
             # region eagerly in both keeps them identical (the rest of the block stays compiled).
-            module.forward = eager_hook(module.forward)
+            module.forward = Attached(eager_hook(module.forward), detached=detached_forward(module))
             self._eager_bodies.append(module)
 
     def _remove_region_hooks(self, module: nn.Module) -> None:
@@ -162,27 +326,13 @@ class RegionEngine:
 
     def remove(self) -> None:
         self._close_open()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
         for module in list(self._region_handles):
             self._remove_region_hooks(module)
-        for snap in self._snapshots:
+        for snap in reversed(self._snapshots):
             snap.restore()
         self._snapshots.clear()
 
     # -- modules replaced after install (PEFT add_adapter / unload_lora) ------------------------------------------
-
-    def watch(self, locate: Callable[[], dict[nn.Module, RegionSite]]) -> None:
-        """Re-resolve the sub-block sites at every forward start with ``locate`` (declared paths -> modules).
-
-        PEFT's ``add_adapter`` / ``inject_adapter_in_model`` replace a targeted ``nn.Linear`` by a LoRA
-        wrapper that calls the original as ``base_layer``, and ``unload_lora`` puts the original back. A
-        hook left on the old object still fires (or never does) but no longer covers the module at the
-        declared path: the LoRA branch would run outside the region and the next call of the chain would
-        keep its input, silently losing the saving. So the hooks follow the modules.
-        """
-        self._locate = locate
 
     def _sync_sites(self) -> None:
         if self._locate is None:
@@ -201,31 +351,57 @@ class RegionEngine:
 
     # -- block entry through diffusers' gradient checkpointing hook ------------------------------------------------
 
-    def checkpoint_block(self, block: nn.Module, *args: Any, **kwargs: Any) -> Any:
-        """The ``gradient_checkpointing_func`` diffusers calls for every block."""
+    def checkpoint_block(self, function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+        """The ``gradient_checkpointing_func`` the model calls for every block (see "Block entry").
+
+        Accepts what ``torch.utils.checkpoint.checkpoint`` accepts: the keywords of :data:`CHECKPOINT_KEYWORDS`
+        are taken off (memfit's regions always replay RNG state and never re-enter; a ``context_fn`` is refused).
+        """
+        if kwargs:
+            _take_checkpoint_keywords(kwargs)
         if not state.regions_may_open():
-            return block(*args, **kwargs)
-        site = self.block_sites.get(block)
+            return function(*args, **kwargs)
+        if not isinstance(function, nn.Module) and not self.checkpoint_routed:
+            return self._run_closure(function, args, kwargs)
+        site = self.block_sites.get(function)
         if site is None:
-            if block in self.known_blocks:
-                return block(*args, **kwargs)  # outside every segment: runs normally
+            if function in self.known_blocks:
+                return function(*args, **kwargs)  # outside every segment: runs normally
             if self.block_sites:
                 # A block the adapter did not declare, routed to us by the model: checkpoint it alone
                 # (what diffusers would do) rather than silently running it unsaved.
                 self.undeclared_block_calls += 1
-            site = RegionSite(("block", "undeclared", id(block)), (block,), 0, "block")
-        frame = self._frame_for(site, block)
-        if frame is None:
-            return block(*args, **kwargs)
-        frame.begin_call(block, args, kwargs)
+            site = RegionSite(("block", "undeclared", id(function)), (function,), 0, "block")
+        frame = self._frame_for(site, function)
+        frame.begin_call(function, args, kwargs)
         try:
-            out = block(*args, **kwargs)
+            out = function(*args, **kwargs)
         except BaseException:
             frame.abort_call()
             self._forget(frame)
             raise
         frame.end_call(out)
         self._forget_if_closed(frame)
+        return out
+
+    def _run_closure(self, function: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+        """The model passed a closure (or a partial) over a block, not the block: run it, and let the declared
+        block's own region hooks open or continue its region, so the interval/stride plan holds. A closure in
+        which no declared block ran was not checkpointed: counted as undeclared, and said once."""
+        before = self.block_hook_runs
+        out = function(*args, **kwargs)
+        if self.block_hook_runs == before:
+            self.undeclared_block_calls += 1
+            if not self._warned_closure:
+                self._warned_closure = True
+                warnings.warn(
+                    f"{type(self.model).__name__} called its checkpointing function with "
+                    f"{getattr(function, '__qualname__', type(function).__name__)}, in which no block memfit knows "
+                    f"ran: that call was not checkpointed. Declare the block class it runs in the family's "
+                    f"adapter.",
+                    MemfitWarning,
+                    stacklevel=3,
+                )
         return out
 
     # -- hook entry -------------------------------------------------------------------------------------------------
@@ -242,6 +418,7 @@ class RegionEngine:
             self.sub_block_hooks.count += 1
         else:
             site = self.block_sites.get(module)
+            self.block_hook_runs += 1
             if site is None:
                 return
         if not state.regions_may_open():
@@ -289,12 +466,6 @@ class RegionEngine:
         if frame.closed:
             self._forget(frame)
 
-    def _model_pre_hook(self, module: nn.Module, args: tuple) -> None:
-        self.begin_forward()
-
-    def _model_post_hook(self, module: nn.Module, args: tuple, output: Any) -> None:
-        self.end_forward(failed=output is None and sys.exc_info()[0] is not None)
-
     def begin_forward(self) -> None:
         """The model's forward starts."""
         self._close_open()
@@ -320,56 +491,17 @@ class RegionEngine:
             self.sub_block_hooks.end(len(self.hook_sites))
 
 
-# -- Hooks that never run ---------------------------------------------------------------------------------------
-# Sub-block regions (FFN chains) and attention offload work through hooks on modules inside the blocks. Two
-# things skip them silently, and then nothing is checkpointed or parked there: a block that already ran
-# compiled before memfit was applied (Dynamo does not guard on the hooks of the submodules it inlines,
-# ``torch._dynamo.config.skip_nnmodule_hook_guards``, so it keeps running the code traced without them; seen
-# with attention modules), and model code that calls ``module.forward(...)`` instead of ``module(...)``. A
-# forward with grad in which none of them ran is therefore an error.
-
-
-class HookRuns:
-    """Counts the runs of memfit's hooks on some modules (``what``: their kind, for the message) and, at the end
-    of a forward with grad, requires that at least one ran."""
-
-    __slots__ = ("what", "count", "_at_start")
-
-    def __init__(self, what: str) -> None:
-        self.what = what
-        self.count = 0  # the hooks add 1 per run
-        self._at_start: int | None = None  # ``count`` when a forward with grad began, else None
-
-    def begin(self) -> None:
-        """A forward with grad begins."""
-        self._at_start = self.count
-
-    def cancel(self) -> None:
-        """Nothing to check (no forward with grad running, or it raised)."""
-        self._at_start = None
-
-    def end(self, modules: int) -> None:
-        """The forward returned; ``modules``: how many modules carry the hooks now.
-
-        Raises:
-            MemfitError: a forward with grad ran none of them (see "Hooks that never run").
-        """
-        start, self._at_start = self._at_start, None
-        if start is None or not modules or self.count > start:
-            return
+def _take_checkpoint_keywords(kwargs: dict[str, Any]) -> None:
+    """Remove ``torch.utils.checkpoint`` keywords from a block call's keywords (see :meth:`checkpoint_block`)."""
+    context_fn = kwargs.pop("context_fn", None)
+    if context_fn is not None and getattr(context_fn, "__name__", "") != "noop_context_fn":
         raise MemfitError(
-            f"memfit's hooks on {modules} {self.what} modules did not run in this forward, so nothing was "
-            f"checkpointed or offloaded there. Either the blocks ran compiled (torch.compile, "
-            f"compile_repeated_blocks) before memfit was applied, and the compiled code does not see hooks added "
-            f"later: apply memfit before the first compiled forward, or call torch._dynamo.reset() after "
-            f"memfit.apply(). Or the model calls these modules as module.forward(...), which skips hooks: declare "
-            f"boundaries it calls as module(...)."
+            "the model called its checkpointing function with a context_fn (e.g. a selective-checkpoint "
+            "policy); memfit's regions do not run one. Leave context_fn unset while memfit is applied, or use "
+            "torch.utils.checkpoint without memfit."
         )
-
-
-def eager_hook(fn: Callable[..., Any]) -> Callable[..., Any]:
-    """``fn`` run eagerly even inside a ``torch.compile``d module (a graph break, never traced)."""
-    return torch.compiler.disable(fn, recursive=True)
+    for key in CHECKPOINT_KEYWORDS:
+        kwargs.pop(key, None)
 
 
 def chain_sites(
@@ -382,12 +514,3 @@ def chain_sites(
     """Sites for a chain of modules that form one region."""
     modules = tuple(chain)
     return [(m, RegionSite(key_prefix, modules, i, scope, stash_factory)) for i, m in enumerate(modules)]
-
-
-def diffusers_block_entry(model: nn.Module, adapter: Any) -> bool:
-    """Whether blocks are entered through diffusers' ``gradient_checkpointing_func`` (else: block hooks)."""
-    return (
-        bool(getattr(model, "_supports_gradient_checkpointing", False))
-        and hasattr(model, "enable_gradient_checkpointing")
-        and (adapter is None or adapter.block_entry == "auto")
-    )

@@ -24,9 +24,6 @@ class Stash(Protocol):
     def version(self, handle: Any) -> int:
         """The version counter of the kept tensor (to detect in-place edits after recording)."""
 
-    def prefetch(self, handle: Any) -> None:
-        """Hint: :meth:`get` will be called soon (offload stashes start the reload)."""
-
     def resident(self, handle: Any) -> torch.Tensor | None:
         """The tensor kept on its device for this handle, or None when it was parked elsewhere."""
 
@@ -42,9 +39,6 @@ class DeviceStash:
 
     def version(self, handle: torch.Tensor) -> int:
         return handle._version
-
-    def prefetch(self, handle: torch.Tensor) -> None:
-        return None
 
     def resident(self, handle: torch.Tensor) -> torch.Tensor:
         return handle

@@ -64,8 +64,8 @@ from typing import Any, Protocol
 
 import torch
 
+import memfit.offload.hostmem as hostmem
 from memfit.errors import ConfigError, HostMemoryError, MemfitError, MemfitWarning
-from memfit.offload import hostmem
 
 CLASSES_PER_DOUBLING = 8
 MIN_CLASS_BYTES = 512

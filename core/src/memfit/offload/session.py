@@ -1,57 +1,57 @@
-"""What the offload backends install: parked frame entries and parked attention activations.
+"""The offload session: what every parking region of one model's step shares.
 
 Design notes
 ------------
-One session per applied model. It owns the copy engine, and two things shared by every
-region of a step:
+One session per applied model. It owns the copy engine, and three things shared by every region of a
+step (a region: one frame's saved inputs under the ``unsloth`` backends, or one attention call's saved
+tensors under attention offload; :mod:`memfit.offload.regions`, :mod:`memfit.offload.attention`):
 
-* a **dedup registry** — the same data entering many regions (time embedding, rotary
-  tables, text context, one input saved as a new view by each of several ops) is parked
-  once and shared; tensors below ``min_offload_bytes``, parameters and tensors not on the
-  compute device stay where they are (copying them frees nothing worth a copy);
-* a **timeline** of the step's regions in forward order. Backward visits them in reverse, so
-  when region *i* is first needed, region *i-1* is reloaded ahead (its copy overlaps region
-  *i*'s recompute/backward), and *i-2* too when *i-1* is the smaller one. Every region
-  triggers this as its backward starts, also one that keeps its tensors on the device (the
-  step's last two, ``auto``'s blocks that keep everything): otherwise the first parked region
-  after them in backward would be reloaded only when needed, in the open;
-* a **deferral** of every region's parking until two later regions have started: the step's
-  last two regions never park (at the backward peak they are on the device anyway).
+* a **dedup registry** — the same data entering many regions (time embedding, rotary tables, text context,
+  one input saved as a new view by each of several ops) is parked once and shared; tensors below
+  ``min_offload_bytes``, parameters and tensors not on the compute device stay where they are (copying them
+  frees nothing worth a copy);
+* a **timeline** of the step's regions in forward order. Backward visits them in reverse; when a region is
+  first needed, the regions backward visits next are reloaded ahead (:mod:`memfit.offload.ahead`). Every
+  region triggers this as its backward starts, also one that keeps its tensors on the device (the step's
+  last two, ``auto``'s blocks that keep everything): otherwise the first parked region after them in
+  backward would be reloaded only when needed, in the open;
+* a **deferral** of every region's parking until two later regions have started: the step's last two
+  regions never park (at the backward peak they are on the device anyway).
 
-Entries (``unsloth`` backends) are parked by :class:`OffloadStash`, the frame's stash.
-Attention activations (``offload_attention``) are parked by :class:`AttentionOffloader`
-hooks: every tensor an attention call saves for backward goes to host memory and comes
-back when backward unpacks it — no recompute. Inside a region call or a recompute
-the attention hooks do nothing, so nothing is ever copied twice.
-
-Host buffers go back to the pool when autograd frees the graph that needs them (or
-immediately when a forward raises: :meth:`OffloadSession.abort_step`).
+Host buffers go back to the pool when autograd frees the graph that needs them (or immediately when a
+forward raises: :meth:`OffloadSession.abort_step`).
 """
 
 from __future__ import annotations
 
-import functools
 import weakref
-from collections.abc import Callable
-from typing import Any
+from collections.abc import Callable, Iterable
+from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from memfit.distributed import is_fsdp_module
-from memfit.engine import state
-from memfit.engine.install import HookRuns, eager_hook
-from memfit.engine.stash import DeviceStash
-from memfit.errors import MemfitError
+from memfit.offload.ahead import PREFETCH_DEPTH, regions_ahead
 from memfit.offload.copy import CopyEngine, Parked
 
-# Most regions reloaded ahead in backward (see ``OffloadSession.needed`` for which): two, for a region whose
-# backward is short (a Flux double block's text-stream FFN, 512 tokens, runs just before the image FFN in
-# backward) and cannot hide the next reload on its own. The planner's peak model follows the same rule
-# (``memfit.auto.planner.reloaded_ahead``).
-PREFETCH_DEPTH = 2
 _LOOKAHEAD_SCAN = 16  # regions looked at per reload-ahead decision, parked or not
+
+
+class ParkingRegion(Protocol):
+    """A region of the step's timeline, as the session sees it (:class:`memfit.offload.regions.TimelineRegion`)."""
+
+    number: int  # its place among the regions of the step (deferral)
+    parked: list[Parked]
+    kept_bytes: int
+
+    def tensor_of(self, item: Any) -> torch.Tensor: ...
+
+    def park(self, item: Any, parked: Parked) -> None: ...
+
+    def keep(self, item: Any) -> None: ...
+
+    def prefetch(self) -> None: ...
 
 
 class OffloadSession:
@@ -61,7 +61,8 @@ class OffloadSession:
         copy_engine: :class:`CopyEngine` (CUDA) or ``SyncCopyEngine`` (CPU tests).
         model: its parameters and buffers are never parked.
         min_offload_bytes: smaller tensors stay on the device.
-        prefetch_depth: at most how many regions ahead (in backward order) to reload (:data:`PREFETCH_DEPTH`).
+        prefetch_depth: at most how many regions ahead (in backward order) to reload
+            (:data:`memfit.offload.ahead.PREFETCH_DEPTH`).
     """
 
     def __init__(
@@ -77,9 +78,9 @@ class OffloadSession:
         self.min_offload_bytes = min_offload_bytes
         self.prefetch_depth = prefetch_depth
         self._registry: dict[tuple, Parked] = {}  # _view_key -> parked copy, this step
-        self._pending: list[tuple[Any, Any]] = []  # (region, item) not parked yet, in region order
+        self._pending: list[tuple[ParkingRegion, Any]] = []  # (region, item) not parked yet, in region order
         self._regions_started = 0  # regions of this step so far (parking or not)
-        self._timeline: list[weakref.ref] = []
+        self._timeline: list[weakref.ref[ParkingRegion]] = []
         self._step_parked: list[weakref.ref] = []
         self._param_storages: set[int] = set()
         self._call_param_storages: set[int] = set()
@@ -119,6 +120,18 @@ class OffloadSession:
                 t for t in (*self.model.parameters(), *self.model.buffers()) if _storage_nbytes(t) >= floor
             ]
         self._param_storages = _storage_ptrs(self._static_tensors)
+
+    @property
+    def regions_started(self) -> int:
+        """Regions of the latest step's timeline so far (parked or kept: frames, attention calls, blocks that
+        keep everything in a plan that parks)."""
+        return self._regions_started
+
+    @property
+    def static_tensors(self) -> list[torch.Tensor] | None:
+        """The parameters and buffers whose storages are never parked, as listed at the latest step (None until
+        the next step after one was registered)."""
+        return self._static_tensors
 
     def _tensors_registered(self, module: nn.Module, name: str, tensor: Any) -> None:
         self._static_tensors = None
@@ -235,7 +248,7 @@ class OffloadSession:
 
     # -- reload ahead ---------------------------------------------------------------------------------------------
 
-    def defer(self, region: Any, item: Any) -> None:
+    def defer(self, region: ParkingRegion, item: Any) -> None:
         """Park ``item``'s tensor (``region.tensor_of(item)``) once two later regions have started (see
         :meth:`end_step` for why); ``region.park(item, parked)`` or ``region.keep(item)`` then follows."""
         self._pending.append((region, item))
@@ -257,42 +270,27 @@ class OffloadSession:
         for (region, item), p in zip(pending, parked, strict=True):
             region.park(item, p)
 
-    def register(self, region: Any) -> int:
+    def register(self, region: ParkingRegion) -> int:
         """Add a parking region (has ``prefetch()``) to the step's timeline; returns its index."""
         self._timeline.append(weakref.ref(region))
         return len(self._timeline) - 1
 
-    def needed(self, index: int, timeline: list[weakref.ref] | None = None) -> None:
-        """Region ``index`` is needed in backward now: reload the ones backward visits next.
-
-        Always the next region that holds anything; a further one only while the regions ahead of it are
-        smaller, up to ``prefetch_depth`` regions. A region's bytes (parked, or kept on the device as the
-        step's last regions do) stand for its compute, as both grow with its tokens: a reload is issued early
-        enough to hide behind the regions before it, and no earlier. On a stack of equal blocks that is one
-        region ahead, which keeps one input less on the device at the backward peak than two
-        (``test_on_equal_regions_one_region_is_reloaded_ahead``).
-        """
+    def needed(self, index: int, timeline: list[weakref.ref[ParkingRegion]] | None = None) -> None:
+        """Region ``index`` is needed in backward now: reload the ones backward visits next
+        (:func:`memfit.offload.ahead.regions_ahead`; a region's size is what it parked plus what it kept on the
+        device, the step's last regions). A long run of empty regions ends the search after
+        ``_LOOKAHEAD_SCAN`` of them (``test_on_equal_regions_one_region_is_reloaded_ahead``)."""
         timeline = self._timeline if timeline is None else timeline
-        ahead = visited = 0
-        stop = max(
-            min(index, len(timeline)) - _LOOKAHEAD_SCAN, 0
-        )  # a long run of empty regions: give up there
-        for j in range(min(index, len(timeline)) - 1, stop - 1, -1):
-            region = timeline[j]()
-            if region is None:
-                continue
-            parked = sum(p.nbytes for p in region.parked)
-            size = parked + region.kept_bytes
-            if not size:
-                continue  # nothing there (or freed already)
-            if visited == self.prefetch_depth or (visited and ahead >= size):
-                return
-            if parked:
+        end = min(index, len(timeline))
+        nearest = [ref() for ref in reversed(timeline[max(end - _LOOKAHEAD_SCAN, 0) : end])]
+        sizes = (0 if r is None else sum(p.nbytes for p in r.parked) + r.kept_bytes for r in nearest)
+        for position in regions_ahead(sizes, self.prefetch_depth):
+            region = nearest[position]
+            if region is not None and region.parked:
                 region.prefetch()
-            ahead += size
-            visited += 1
 
-    def snapshot_timeline(self) -> list[weakref.ref]:
+    def snapshot_timeline(self) -> list[weakref.ref[ParkingRegion]]:
+        """This step's timeline (a new list each step: regions of an earlier step keep their own)."""
         return self._timeline
 
 
@@ -339,54 +337,6 @@ def _still_parked(parked: Parked, tensor: torch.Tensor) -> bool:
     )
 
 
-def device_stash_after_parking(session: OffloadSession) -> Callable[[], DeviceStash]:
-    """Stashes for regions that keep their entries on the device in a plan that also parks (``auto``).
-
-    Such a region still counts towards the deferral of the parked regions before it (see
-    :meth:`OffloadSession.end_step`): only the step's last two regions keep their entries, whatever kind the
-    regions after them are.
-    """
-
-    def make() -> DeviceStash:
-        session.region_started()
-        return DeviceStash()
-
-    return make
-
-
-def mark_keeping_blocks(session: OffloadSession, blocks: list[tuple[nn.Module, int]]) -> list[Any]:
-    """Hooks (returned, for removal) that make each call of these blocks a :class:`_KeepingRegion` of the step.
-
-    For ``auto``'s blocks that keep everything in a plan that also parks; ``blocks`` pairs each with the bytes it
-    keeps (its profile's). Without a region of their own, the parked regions before a run of them would stay
-    deferred (on the device) through it, and those blocks' backward peaks would carry two parked regions'
-    tensors instead of the one reloaded ahead; without a backward start of their own, the first parked region
-    after them in backward would be reloaded only when needed, in the open.
-    """
-    calls: dict[int, list[_KeepingRegion]] = {}
-
-    def started(module: nn.Module, args: tuple) -> None:
-        if state.regions_may_open():
-            calls.setdefault(id(module), []).append(_KeepingRegion(session, kept[id(module)]))
-
-    def returned(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
-        pending = calls.get(id(module))
-        if not pending:
-            return
-        region = pending.pop()
-        inputs = {id(a) for a in tree_flatten((args, kwargs))[0]}  # an input passed through is not its output
-        for out in tree_flatten(output)[0]:
-            if isinstance(out, torch.Tensor) and out.requires_grad and id(out) not in inputs:
-                out.register_hook(region.backward_reached)
-
-    kept = {id(block): nbytes for block, nbytes in blocks}
-    handles = []
-    for block, _ in blocks:
-        handles.append(block.register_forward_pre_hook(eager_hook(started)))
-        handles.append(block.register_forward_hook(eager_hook(returned), with_kwargs=True, always_call=True))
-    return handles
-
-
 def _storage_nbytes(tensor: torch.Tensor) -> int:
     """Bytes of ``tensor``'s storage (a DTensor's local shard's); a freed storage counts as large (kept listed)."""
     try:
@@ -395,7 +345,7 @@ def _storage_nbytes(tensor: torch.Tensor) -> int:
         return 1 << 62
 
 
-def _storage_ptrs(tensors: Any) -> set[int]:
+def _storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:
     """Storage addresses of ``tensors``; a DTensor (FSDP2's sharded parameter) counts by its local shard,
     and a freed storage (an FSDP2 unsharded parameter between calls) is skipped."""
     ptrs: set[int] = set()
@@ -408,224 +358,3 @@ def _storage_ptrs(tensors: Any) -> set[int]:
         if ptr:
             ptrs.add(ptr)
     return ptrs
-
-
-class _ParkingRegion:
-    """A region of the step's timeline whose tensors are parked: numbered as it starts (the deferral of
-    :meth:`OffloadSession.region_started`) and registered for reload-ahead (:meth:`OffloadSession.needed`).
-    Subclasses say how one of their items is parked (``tensor_of``, ``park``) or kept (``keep``)."""
-
-    def __init__(self, session: OffloadSession) -> None:
-        self.session = session
-        self.parked: list[Parked] = []
-        self.kept_bytes = 0  # worth parking, but stays on the device (the step's last two regions)
-        self.number = session.region_started()
-        self.timeline = session.snapshot_timeline()
-        self.index = session.register(self)
-        self.started = False  # its backward has begun (see first_backward_use)
-
-    def prefetch(self) -> None:
-        self.session.copy.reload_many(self.parked)
-
-    def backward_starts(self) -> None:
-        """Its backward begins: bring back what it parked, and reload the regions backward visits next."""
-        self.prefetch()
-        self.session.needed(self.index, self.timeline)
-
-    def first_backward_use(self) -> None:
-        """One of its tensors (or its outputs' gradients) reached backward: the first starts its backward."""
-        if not self.started:
-            self.started = True
-            self.backward_starts()
-
-
-class OffloadStash(_ParkingRegion):
-    """A frame's stash for the ``unsloth`` backends: entries are parked in host memory.
-
-    A handle is a small list ``[state, value, source]``: ``("device", tensor)`` kept on the device,
-    ``("pending", alias, tensor)`` waiting for two later regions to start, ``("parked", Parked)``.
-    """
-
-    def put(self, tensor: torch.Tensor) -> list:
-        if not self.session.worth_parking(tensor):
-            return ["device", tensor.detach(), None]
-        handle = ["pending", tensor.detach(), tensor]
-        self.session.defer(self, handle)
-        return handle
-
-    @staticmethod
-    def tensor_of(handle: list) -> torch.Tensor:
-        return handle[2]
-
-    def park(self, handle: list, parked: Parked) -> None:
-        self.parked.append(parked)
-        handle[:] = ["parked", parked, None]
-
-    def keep(self, handle: list) -> None:
-        """The entry stays on the device (a last region's)."""
-        handle[:] = ["device", handle[1], None]
-        self.kept_bytes += handle[1].untyped_storage().nbytes()
-        state.note_held(handle[1])
-
-    def get(self, handle: list) -> torch.Tensor:
-        kind, value, _ = handle
-        return self.session.copy.fetch(value) if kind == "parked" else value
-
-    def resident(self, handle: list) -> torch.Tensor | None:
-        return handle[1] if handle[0] == "device" else None
-
-    def version(self, handle: list) -> int:
-        kind, value, _ = handle
-        if kind != "parked":
-            return value._version
-        source = value.source() if value.source is not None else None
-        return source._version if source is not None else value.version
-
-    def on_recompute(self) -> None:
-        self.backward_starts()
-
-    def release_all(self) -> None:
-        parked, self.parked = self.parked, []
-        for p in parked:
-            self.session.unpark(p)
-
-
-class _KeepingRegion(_ParkingRegion):
-    """A call of a block that keeps everything on the device, in a plan that also parks (``auto``): it parks
-    nothing, its kept bytes stand for its backward's compute in the reload-ahead rule, and when its backward
-    starts (the gradient of its output arrives) it reloads the parked regions before it ahead of need."""
-
-    def __init__(self, session: OffloadSession, kept_bytes: int) -> None:
-        super().__init__(session)
-        self.kept_bytes = kept_bytes
-
-    def backward_reached(self, grad: torch.Tensor) -> None:
-        """Hook on its outputs' gradients: the first one to arrive starts its backward."""
-        self.first_backward_use()
-
-
-class _SavedGroup(_ParkingRegion):
-    """The tensors one attention call saved, parked together (a timeline region)."""
-
-    def __init__(self, session: OffloadSession) -> None:
-        super().__init__(session)
-        weakref.finalize(self, _release_group, session, self.parked)
-
-    @staticmethod
-    def tensor_of(handle: _SavedHandle) -> torch.Tensor:
-        tensor = handle.device_tensor
-        assert tensor is not None
-        if tensor._version != handle.version:
-            # parked two regions after the call (or kept): what backward would get is not what was saved
-            raise MemfitError(
-                "a tensor an attention call saved for backward was modified in place after the call (autograd "
-                "rejects that too, at backward); make the edit out of place, or do not offload this attention "
-                "(gradient_checkpointing_offload_attention: false)."
-            )
-        return tensor
-
-    def park(self, handle: _SavedHandle, parked: Parked) -> None:
-        handle.parked, handle.device_tensor = parked, None
-        self.parked.append(parked)
-
-    def keep(self, handle: _SavedHandle) -> None:
-        """The activation stays on the device (a last region's)."""
-        tensor = self.tensor_of(handle)
-        state.note_held(tensor)
-        self.kept_bytes += tensor.numel() * tensor.element_size()
-
-
-def _release_group(session: OffloadSession, parked: list[Parked]) -> None:
-    for p in parked:
-        session.unpark(p)
-    parked.clear()
-
-
-class _SavedHandle:
-    __slots__ = ("group", "parked", "device_tensor", "version")
-
-    def __init__(self, group: _SavedGroup | None, parked: Parked | None, device_tensor: torch.Tensor | None):
-        self.group = group
-        self.parked = parked
-        self.device_tensor = device_tensor
-        self.version = device_tensor._version if device_tensor is not None else 0
-
-
-class AttentionOffloader:
-    """Removable hooks that park everything an attention call saves for backward.
-
-    Args:
-        session: the model's :class:`OffloadSession`.
-        modules: the attention modules (declared attention regions).
-    """
-
-    def __init__(self, session: OffloadSession, modules: list[nn.Module]) -> None:
-        self.session = session
-        self.modules = modules
-        self.calls = 0
-        self.tensors_parked = 0
-        self.hooks = HookRuns("attention")  # runs of the pre-hook, offloading or not
-        self._handles: list[Any] = []
-        self._active: list[tuple[nn.Module, Any, _SavedGroup]] = []
-
-    def install(self) -> None:
-        for m in self.modules:
-            # eager even inside a compiled block: the hooks manage saved-tensor hooks, never traced
-            self._handles.append(m.register_forward_pre_hook(eager_hook(self._pre)))
-            self._handles.append(m.register_forward_hook(eager_hook(self._post), always_call=True))
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles.clear()
-
-    # -- step boundaries (a step listener of the region engine) ---------------------------------------------------
-
-    def new_step(self) -> None:
-        self.hooks.begin()
-
-    def end_step(self) -> None:
-        self.hooks.end(len(self.modules))
-
-    def abort_step(self) -> None:
-        self.hooks.cancel()
-
-    def _pre(self, module: nn.Module, args: tuple) -> None:
-        self.hooks.count += 1
-        if not state.regions_may_open():  # inside a checkpointed region or a recompute: nothing to do
-            return
-        self.session.note_parameters(module)
-        group = _SavedGroup(self.session)
-        # a partial, not a lambda: one Python frame less per saved tensor
-        hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, group), self._unpack)
-        hooks.__enter__()
-        state.enter_region_call()
-        self._active.append((module, hooks, group))
-        self.calls += 1
-
-    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
-        if not self._active or self._active[-1][0] is not module:
-            return
-        _, hooks, group = self._active.pop()
-        state.exit_region_call()
-        hooks.__exit__(None, None, None)
-
-    def _pack(self, group: _SavedGroup, tensor: torch.Tensor) -> _SavedHandle:
-        if not self.session.worth_parking(tensor):
-            state.note_held(tensor)  # stays on its device: the held-bytes meters must still see it
-            return _SavedHandle(None, None, tensor)
-        handle = _SavedHandle(group, None, tensor)  # parked with its group, two regions later (or kept: last)
-        self.session.defer(group, handle)
-        self.tensors_parked += 1
-        return handle
-
-    def _unpack(self, handle: _SavedHandle) -> torch.Tensor:
-        group = handle.group
-        # its backward starts (parked, or kept as one of the step's last two calls: that one too reloads the
-        # calls before it ahead of need; not while still pending, when a backward runs inside the forward)
-        if group is not None and (handle.parked is not None or group.kept_bytes):
-            group.first_backward_use()
-        if handle.parked is None:  # kept on the device (or backward ran inside the forward call)
-            assert handle.device_tensor is not None
-            return handle.device_tensor
-        return self.session.copy.fetch(handle.parked)

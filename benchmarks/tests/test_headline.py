@@ -1,0 +1,142 @@
+"""The headline tables: generated from the results JSON, honest about what no run has measured yet."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from memfit_benchmarks import headline
+from memfit_benchmarks.modes import Peer
+from memfit_benchmarks.rounds import merge_rounds
+from memfit_benchmarks.runner import add_ratios
+
+
+def test_the_readme_headline_is_what_the_committed_results_say():
+    assert headline.main(["--check"]) == 0, "run: uv run --all-packages python -m memfit_benchmarks.headline"
+
+
+PEERS = {p.value for p in Peer}
+
+
+def _rows(rounds: dict[str, list[float]], peaks: dict[str, int]) -> list[dict]:
+    rows = [
+        merge_rounds(
+            [
+                {
+                    "mode": m,
+                    "step_s": s,
+                    "peak_allocated": peaks.get(m),
+                    "oom": False,
+                    "peer": m if m in PEERS else None,
+                }
+                for s in steps
+            ]
+        )
+        for m, steps in rounds.items()
+    ]
+    add_ratios(rows)
+    return rows
+
+
+def _synthetic_file(tmp_path, name, rows, *, label="3072w x15, 4096 tok", tokens=4096, skipped=None):
+    payload = {
+        "suite": "synthetic",
+        "date": "2026-01-01T00:00:00+00:00",
+        "device": "GPU",
+        "torch": "2.x",
+        "diffusers": "0.x",
+        "sdpa_backend": "flash",
+        "rounds": 3,
+        "configs": ["lora-all"],
+        "pinned_bandwidth": {"d2h_gbs": 50.0},
+        "results": [
+            {"config": "lora-all", "label": label, "tokens": tokens, "rows": rows, "skipped": skipped or {}}
+        ],
+    }
+    (tmp_path / name).write_text(json.dumps(payload))
+
+
+def _line(text: str, start: str) -> list[str]:
+    row = next(line for line in text.splitlines() if line.startswith(start))
+    return [cell.strip() for cell in row.strip("|").split("|")]
+
+
+def test_nothing_measured_yet_is_said_so(tmp_path):
+    family = {
+        "suite": "families",
+        "family": "flux",
+        "preset": "full",
+        "regime": "lora",
+        "tokens": 4096,
+        "rows": [{"mode": "torch", "step_s": 1.0, "oom": False}],
+    }  # an older run: memfit rows, no peer
+    (tmp_path / "family-flux-full.json").write_text(json.dumps(family))
+    text = headline.headline(tmp_path, tmp_path)
+    for start in (
+        "| flux | 4096 | all linears",
+        "| flux | 4096 | attention only",
+        "| 3072w x15, 1024 tok | all linears",
+    ):
+        cells = _line(text, start)
+        assert cells[3:] and set(cells[3:]) == {headline.NOT_YET}
+    assert "No results file measures a peer yet" in text
+
+
+def test_cells_are_the_paired_ratios_to_the_peer(tmp_path):
+    rows = _rows(
+        {
+            "none": [0.8, 0.8, 0.8],
+            "torch-ffn": [1.00, 1.10, 1.00],
+            "ckpt-ffn": [0.95, 1.00, 1.00],
+            "torch": [0.95, 1.00, 1.10],
+            "ckpt-block": [1.00, 1.00, 1.00],
+            "unsloth": [1.00, 1.01, 1.02],
+        },
+        {"torch-ffn": 90, "ckpt-ffn": 100, "torch": 50, "ckpt-block": 50, "unsloth": 45},
+    )
+    rows.append({"mode": "unsloth-ffn", "config": None, "oom": True})
+    _synthetic_file(tmp_path, "synthetic.json", rows, skipped={"offload_attention": "offload needs CUDA"})
+    text = headline.headline(tmp_path, tmp_path)
+    cells = _line(text, "| 3072w x15, 4096 tok | all linears")
+    # torch ÷ ckpt-block per round 0.95, 1.00, 1.10: median 1.000, within 1.00; torch-ffn ÷ ckpt-ffn 1.053, 1.10,
+    # 1.00: median 1.053, over its 1.00, so bold; unsloth ÷ ckpt-block 1.01 within its 1.01
+    assert cells[2:] == [
+        "1.000 / 1.00",
+        "**1.053** / 0.90",
+        "1.010 / 0.90",
+        "OOM",
+        "not run (offload needs CUDA)",
+        headline.NOT_YET,
+    ]
+    assert _line(text, "| 3072w x15, 4096 tok | attention only")[2:] == [headline.NOT_YET] * 6
+    assert (
+        "`synthetic.json`: GPU, torch 2.x, diffusers 0.x, flash, 3 rounds, 2026-01-01, pinned D2H 50.0 GB/s"
+        in text
+    )
+
+
+def test_two_current_files_for_one_entry_are_an_error(tmp_path):
+    rows = _rows({"torch": [1.0, 1.0], "ckpt-block": [1.0, 1.0]}, {})
+    _synthetic_file(tmp_path, "a.json", rows)
+    _synthetic_file(tmp_path, "b.json", rows)
+    with pytest.raises(
+        ValueError, match="two current results for .*a.json and .*b.json; delete the superseded one"
+    ):
+        headline.headline(tmp_path, tmp_path)
+
+
+def test_the_readme_block_is_replaced_between_its_markers(tmp_path):
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# title\n{headline.BEGIN}\nstale block\n{headline.END}\nafter\n")
+    results = tmp_path / "results"
+    results.mkdir()
+    assert headline.main(["--results", str(results), "--readme", str(readme), "--check"]) == 1
+    assert headline.main(["--results", str(results), "--readme", str(readme)]) == 0
+    text = readme.read_text()
+    assert text.startswith(f"# title\n{headline.BEGIN}\n") and text.endswith(f"{headline.END}\nafter\n")
+    assert "stale block" not in text and headline.NOT_YET in text
+    assert headline.main(["--results", str(results), "--readme", str(readme), "--check"]) == 0
+    readme.write_text("# no markers\n")
+    with pytest.raises(ValueError, match="the README has no headline block"):
+        headline.main(["--results", str(results), "--readme", str(readme)])

@@ -1,0 +1,186 @@
+"""The peer baselines: each one changes nothing a step computes, really checkpoints (counted, and fewer bytes saved
+for backward), and leaves the model as it found it."""
+
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+import memfit
+from memfit_benchmarks import peers
+from memfit_benchmarks.modes import Peer
+from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
+from memfit_benchmarks.training import TrainingConfig, prepare
+
+
+def _synthetic():
+    model = build(dim=32, depth=3, dtype=torch.float32, device="cpu")
+    batch = inputs(model, tokens=16, generator=torch.Generator().manual_seed(0))
+    prepare(model, batch, TrainingConfig.LORA_ALL, SYNTHETIC, dtype=torch.float32)
+    return model, batch, SYNTHETIC
+
+
+def _flux():
+    pytest.importorskip("memfit_flux")
+    adapter = memfit.get_adapter("flux")
+    preset = adapter.presets["tiny"]
+    model = preset.build(dtype=torch.float32, device="cpu")
+    batch = preset.inputs(model, tokens=64, batch=1, generator=torch.Generator().manual_seed(0))
+    prepare(model, batch, TrainingConfig.LORA_ALL, adapter, dtype=torch.float32)
+    return model, batch, adapter
+
+
+def _step(model, batch, adapter, context=None):
+    """Output, trainable gradients and saved-for-backward bytes of one forward+backward."""
+    model.zero_grad(set_to_none=True)
+    with (
+        memfit.SavedBytesMeter(exclude=list(model.parameters())) as meter,
+        (context or contextlib.nullcontext)(),
+    ):
+        out = model(**batch)
+        loss = adapter.loss(out)
+    loss.backward()
+    out = out.sample if hasattr(out, "sample") else out
+    out = out[0] if isinstance(out, tuple) else out
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return out.detach(), grads, meter.total_bytes
+
+
+def _forward_attributes(model):
+    return [name for name, m in model.named_modules() if "forward" in m.__dict__]
+
+
+@pytest.mark.parametrize(
+    ("build_model", "peer", "calls"),
+    [
+        (_synthetic, Peer.CHECKPOINT_BLOCK, 3),
+        (_synthetic, Peer.CHECKPOINT_FFN, 3),
+        (_flux, Peer.CHECKPOINT_BLOCK, 7),  # 3 double + 4 single blocks
+        (
+            _flux,
+            Peer.CHECKPOINT_FFN,
+            10,
+        ),  # ff and ff_context per double block, proj_mlp → act_mlp per single one
+    ],
+)
+def test_checkpoint_peers_change_no_gradient_and_checkpoint_every_region(build_model, peer, calls):
+    torch.manual_seed(0)
+    model, batch, adapter = build_model()
+    out, grads, saved = _step(model, batch, adapter)
+    installation = peers.install(peer, model, adapter)
+    try:
+        with torch.random.fork_rng():
+            peer_out, peer_grads, peer_saved = _step(model, batch, adapter, installation.step_context)
+        assert installation.checkpointed_calls() == calls
+    finally:
+        installation.remove()
+    assert torch.equal(out, peer_out)
+    assert grads.keys() == peer_grads.keys() and grads
+    for name, grad in grads.items():
+        assert torch.equal(grad, peer_grads[name]), name
+    assert peer_saved < saved  # the regions' activations were not kept for backward
+    assert _forward_attributes(model) == []  # every wrapper is gone
+    again, _, saved_again = _step(model, batch, adapter)
+    assert torch.equal(again, out) and saved_again == saved
+
+
+def test_diffusers_checkpointing_changes_no_gradient_and_is_undone():
+    model, batch, adapter = _flux()
+    flags = {
+        n: (m.gradient_checkpointing, "_gradient_checkpointing_func" in m.__dict__)
+        for n, m in model.named_modules()
+        if hasattr(m, "gradient_checkpointing")
+    }
+    out, grads, saved = _step(model, batch, adapter)
+    installation = peers.install(Peer.DIFFUSERS, model, adapter)
+    try:
+        assert model.is_gradient_checkpointing
+        peer_out, peer_grads, peer_saved = _step(model, batch, adapter)
+    finally:
+        installation.remove()
+    assert torch.equal(out, peer_out) and all(torch.equal(g, peer_grads[n]) for n, g in grads.items())
+    assert peer_saved < saved
+    assert flags == {
+        n: (m.gradient_checkpointing, "_gradient_checkpointing_func" in m.__dict__)
+        for n, m in model.named_modules()
+        if hasattr(m, "gradient_checkpointing")
+    }
+
+
+def test_save_on_cpu_changes_no_gradient():
+    model, batch, adapter = _synthetic()
+    out, grads, _ = _step(model, batch, adapter)
+    installation = peers.install(Peer.SAVE_ON_CPU, model, adapter)
+    peer_out, peer_grads, _ = _step(model, batch, adapter, installation.step_context)
+    installation.remove()
+    assert torch.equal(out, peer_out) and all(torch.equal(g, peer_grads[n]) for n, g in grads.items())
+
+
+def test_a_peer_that_does_not_apply_says_why():
+    model, _, adapter = _synthetic()
+    reason = peers.unsupported(Peer.DIFFUSERS, model, adapter)
+    assert reason == "the model has no diffusers gradient checkpointing"
+    with pytest.raises(ValueError, match="peer 'diffusers-ckpt' cannot run on SynthStack: the model has no"):
+        peers.install(Peer.DIFFUSERS, model, adapter)
+    assert peers.unsupported(Peer.CHECKPOINT_FFN, model, None) == "needs the family's declared blocks"
+
+
+def test_a_chain_called_otherwise_than_declared_is_an_error():
+    first, second = torch.nn.Linear(4, 4), torch.nn.GELU()
+    chain = peers.CheckpointedChain([first, second])
+    x = torch.randn(2, 4, requires_grad=True)
+    try:
+        y = first(x)
+        assert second(y) is y  # the chain's output passes the later module unchanged
+        first(x)
+        with pytest.raises(RuntimeError, match="was not called with the previous call's output alone"):
+            second(x + 1)
+    finally:
+        chain.remove()
+    assert "forward" not in first.__dict__ and "forward" not in second.__dict__
+
+
+def test_diffusers_checkpointing_is_no_peer_where_its_branch_calls_blocks_differently():
+    pytest.importorskip("memfit_chroma")
+    adapter = memfit.get_adapter("chroma")  # its checkpointing branch drops the single blocks' attention_mask
+    model = adapter.presets["tiny"].build(dtype=torch.float32, device="cpu")
+    assert peers.unsupported(Peer.DIFFUSERS, model, adapter) == (
+        "the family's checkpointing branch does not call its blocks as the normal forward does"
+    )
+
+
+def test_a_failing_peer_is_a_row_and_a_failing_memfit_mode_is_raised(monkeypatch):
+    from memfit_benchmarks import runner
+    from memfit_benchmarks.modes import Mode
+    from memfit_benchmarks.report import row_table
+
+    model, batch, adapter = _synthetic()
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("cannot wrap this block")
+
+    monkeypatch.setattr(runner.peers, "install", broken)
+    row = runner.measure_mode(
+        model, batch, adapter.loss, Mode("ckpt-block", None, Peer.CHECKPOINT_BLOCK), adapter=adapter
+    )
+    assert row["failed"] == "RuntimeError: cannot wrap this block" and not row["oom"] and "step_s" not in row
+    torch_row = runner.measure_mode(
+        model,
+        batch,
+        adapter.loss,
+        Mode("torch", {"gradient_checkpointing": True}),
+        adapter=adapter,
+        warmup=0,
+        steps=1,
+    )
+    rows = [torch_row, row]
+    runner.add_ratios(rows)
+    assert torch_row["vs_peer"] == "ckpt-block" and torch_row["peer_failed"].startswith("RuntimeError")
+    assert "| ckpt-block | failed (RuntimeError: cannot wrap this block) |" in "\n".join(row_table(rows))
+    monkeypatch.setattr(runner.memfit, "apply", broken)
+    with pytest.raises(RuntimeError, match="cannot wrap this block"):
+        runner.measure_mode(
+            model, batch, adapter.loss, Mode("torch", {"gradient_checkpointing": True}), adapter=adapter
+        )

@@ -1,0 +1,48 @@
+#!/usr/bin/env bash
+# The GPU checks that are not sweeps, in one device call, each part chosen by name. Run from the repository root
+# with the wheels carried in .whl/ (memfit's, diffusers', nox and its dependencies; see benchmarks/README.md):
+#
+#     OUT=/where/results/go PARTS="gpu budget fit-flash" bash benchmarks/tools/device_checks.sh
+#
+# Parts (in the order given):
+#   gpu          nox -s gpu: the GPU half of the core tests and of the kit for every adapter (log: nox-gpu.log)
+#   budget       auto at 24 GiB on Flux full size, LoRA on the attention projections, in a process limited to
+#                24 GiB (memfit_benchmarks.budget_promise; budget-promise-flux.{json,md})
+#   fit-flash    memfit fit --preset full --budget 24GiB --sdpa flash on a process limited to 24 GiB
+#   fit-default  the same with the default SDPA dispatch (crashed rungs become rows, no traceback)
+#   fit-job      memfit fit --resolution 1024x1024 --lora-rank 16 --lora-targets attn --budget 24GiB
+#   streaming    weight streaming's GPU tests and its Flux benchmark (streaming.{json,md})
+# Each part's exit status is printed; the script exits non-zero if any part failed.
+set -uo pipefail
+START=$(date +%s)
+source "$(dirname "$0")/device_env.sh"
+elapsed() { echo "[$(( $(date +%s) - START )) s] $*"; }
+status=0
+run_part() {
+    local name=$1; shift
+    elapsed "$name"
+    "$@" 2>&1 | tee "$OUT/$name.log"
+    local rc=${PIPESTATUS[0]}
+    elapsed "$name: exit $rc"
+    [ "$rc" -eq 0 ] || status=1
+}
+fit_test() {
+    MEMFIT_REQUIRE_CUDA=1 MEMFIT_FIT_LOG_DIR="$OUT/fit" python3 -m pytest core/tests/gpu_fit_24gib.py -v -s \
+        -p no:cacheprovider -k "$1"
+}
+for part in ${PARTS:-gpu}; do
+    case "$part" in
+        gpu) run_part nox-gpu python3 -m nox -s gpu ;;
+        budget) run_part budget python3 -m memfit_benchmarks.budget_promise --family flux --budgets 24GiB \
+            --out "$OUT" ;;
+        fit-flash) run_part fit-flash fit_test "24gib_card_with_flash" ;;
+        fit-default) run_part fit-default fit_test "default_attention_dispatch" ;;
+        fit-job) run_part fit-job fit_test "lora_job_at_1024px" ;;
+        streaming) run_part streaming-tests env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest core/tests/test_gpu_weights.py \
+                -m gpu -q -p no:cacheprovider
+            run_part streaming python3 -m memfit_benchmarks.streaming --out "$OUT" ;;
+        *) echo "unknown part $part" >&2; status=1 ;;
+    esac
+done
+elapsed "done (exit $status)"
+exit $status

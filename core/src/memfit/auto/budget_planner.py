@@ -1,0 +1,380 @@
+"""The ``auto`` backend's planner: a per-block plan for each input signature, under a memory budget.
+
+Design notes
+------------
+At a forward with gradients whose input signature (tensor shapes, dtypes, devices; plain scalar arguments)
+differs from the last one, the controller (:mod:`memfit.controller`) takes the current installation off and
+asks :meth:`BudgetPlanner.plan_for`: it profiles the bare model (:func:`profile_model`: one forward with
+gradients that holds nothing, one timed forward without), plans (:func:`plan_policies`), and returns the plan
+the controller installs. Profiles and plans are cached per signature: switching back to an earlier
+aspect-ratio bucket re-installs its plan without profiling again.
+"""
+
+from __future__ import annotations
+
+import time
+import warnings
+from collections.abc import Callable, Hashable, Mapping
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from memfit.adapters.spec import FamilyAdapter
+from memfit.auto.planner import Plan, plan_policies
+from memfit.auto.policy import allowed_policies
+from memfit.auto.profile import ModelProfile, profile_model
+from memfit.errors import BudgetError, MemfitWarning
+from memfit.plan import RegionPlan
+from memfit.units import format_bytes
+
+# a budget is planned for at most this share of what the process can hold, until a step measured the
+# allocator's own reserve (docs/cost-model.md, "Allocator headroom")
+ALLOCATOR_HEADROOM = 0.84
+# the first plan of each input shape targets this much less than the budget: its own step must fit too, and
+# the peak model has under-predicted by up to 4% (docs/cost-model.md, "The budget is a promise")
+FIRST_PLAN_MARGIN = 0.05
+# once steps are measured, what is left of the margin on top of the measured prediction error
+MEASURED_MARGIN = 0.01
+CALIBRATION_STEPS = 3  # measured steps without a change after which a shape's plan is settled
+
+
+def plannable_budget(budget_bytes: int, capacity_bytes: int | None) -> int:
+    """The budget the planner works to: ``budget_bytes``, at most :data:`ALLOCATOR_HEADROOM` of
+    ``capacity_bytes`` (what the process can hold on its device; None: no cap)."""
+    if capacity_bytes is None:
+        return budget_bytes
+    return min(budget_bytes, int(capacity_bytes * ALLOCATOR_HEADROOM))
+
+
+def device_capacity(device: torch.device) -> int | None:
+    """Bytes this process can hold on ``device``: what is free plus what its allocator reserved, at most the
+    per-process limit ``torch.cuda.set_per_process_memory_fraction`` set (None off CUDA)."""
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    capacity = free + torch.cuda.memory_reserved(device)
+    fraction = getattr(torch.cuda, "get_per_process_memory_fraction", None)
+    if fraction is not None:
+        capacity = min(capacity, int(total * fraction(device)))
+    return capacity
+
+
+class PeakMeter(Protocol):
+    """Reads the peak memory of the step that just ended (allocated and reserved bytes) and starts a new one."""
+
+    def read(self) -> tuple[int, int]: ...
+
+    def reset(self) -> None: ...
+
+
+class CudaPeakMeter:
+    """The CUDA caching allocator's peak statistics (``max_memory_allocated``/``max_memory_reserved``)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+    def read(self) -> tuple[int, int]:
+        return torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
+
+    def reset(self) -> None:
+        torch.cuda.reset_peak_memory_stats(self.device)
+
+
+def default_peak_meter(device: torch.device) -> PeakMeter | None:
+    """The meter of the closed loop on ``device``: CUDA's allocator statistics; None elsewhere (off CUDA the
+    budget counts held activation bytes, which the profile measures exactly)."""
+    return CudaPeakMeter(device) if device.type == "cuda" else None
+
+
+@dataclass
+class ShapeBudget:
+    """The closed loop of one input shape: the plan it runs, what its steps measured, and the corrections."""
+
+    profile: ModelProfile
+    plan: Plan
+    target_bytes: int  # what the current plan was made for
+    fallback: Plan | None = None  # the last plan measured within the budget, while a faster one is tried
+    steps: int = 0  # steps measured
+    quiet: int = 0  # measured steps since the plan last changed
+    corrections: int = 0  # plans replaced because a step measured over the budget
+    measured_bytes: int | None = None  # the latest step's peak allocated
+    measured_reserved_bytes: int | None = None
+    settled: bool = False  # no more measuring for this shape
+
+    def report(self) -> dict[str, Any]:
+        return {
+            "predicted_peak_bytes": self.plan.predicted_peak_bytes,
+            "target_bytes": self.target_bytes,
+            "measured_peak_bytes": self.measured_bytes,
+            "measured_reserved_bytes": self.measured_reserved_bytes,
+            "steps_measured": self.steps,
+            "corrections": self.corrections,
+            "settled": self.settled,
+        }
+
+
+def input_signature(args: tuple, kwargs: dict) -> tuple:
+    """What a plan depends on: tensor shapes/dtypes/devices and plain scalar arguments."""
+
+    def sig(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return ("tensor", tuple(x.shape), str(x.dtype), str(x.device))
+        if isinstance(x, (bool, int, float, str, type(None))):
+            return x
+        if isinstance(x, (list, tuple)):
+            return tuple(sig(v) for v in x)
+        if isinstance(x, dict):
+            return tuple(sorted((k, sig(v)) for k, v in x.items()))
+        return type(x).__name__
+
+    return sig(args), sig(kwargs)
+
+
+class BudgetPlanner:
+    """Plans the ``auto`` backend for each input signature of one model (a :class:`memfit.controller.Planner`).
+
+    Args:
+        model: the transformer (an adapter must declare its blocks).
+        adapter: its family adapter.
+        budget_bytes: the memory budget (peak allocated on CUDA; held activation bytes elsewhere).
+        can_offload: a copy engine is there (the offload policies are offered only then).
+        min_offload_bytes: smaller tensors are never copied.
+        copy_bytes_per_second: pinned copy bandwidth for the cost model (None: measured once on CUDA).
+    """
+
+    adaptive = True
+
+    def __init__(
+        self,
+        model: nn.Module,
+        adapter: FamilyAdapter,
+        budget_bytes: int,
+        *,
+        can_offload: bool,
+        min_offload_bytes: int,
+        copy_bytes_per_second: float | None = None,
+        peak_meter: PeakMeter | None = None,
+    ) -> None:
+        self.model = model
+        self.adapter = adapter
+        self.budget_bytes = budget_bytes
+        self.can_offload = can_offload
+        self.min_offload_bytes = min_offload_bytes
+        self.copy_bytes_per_second = copy_bytes_per_second
+        device = next(model.parameters()).device
+        # the closed loop runs where a step's peak can be read: CUDA (or a meter given, in tests)
+        self.meter = peak_meter if peak_meter is not None else default_peak_meter(device)
+        self.shapes: dict[Hashable, ShapeBudget] = {}
+        self.plan: Plan | None = None  # the latest signature's
+        self.profile: ModelProfile | None = None
+        self._installed: dict[Hashable, Plan] = {}  # the plan last handed to the controller per signature
+        self._warned_unneeded = False
+        self._warned_capacity = False
+        self._warned_over = False
+
+    @property
+    def profiles(self) -> dict[Hashable, ModelProfile]:
+        return {sig: shape.profile for sig, shape in self.shapes.items()}
+
+    def signature(self, args: tuple, kwargs: dict) -> Hashable:
+        return input_signature(args, kwargs)
+
+    def plan_for(self, signature: Hashable, args: tuple, kwargs: dict) -> RegionPlan:
+        shape = self.shapes.get(signature)
+        if shape is None:
+            shape = self._new_shape(signature, args, kwargs)
+        self.plan, self.profile = shape.plan, shape.profile
+        self._installed[signature] = shape.plan
+        if self.meter is not None and not shape.settled:
+            self.meter.reset()  # the next step is measured on its own (profiling is not part of it)
+        return RegionPlan.from_policies(shape.plan.blocks)
+
+    def kept_bytes(self) -> Mapping[str, int] | None:
+        return {b.name: b.saved_bytes for b in self.profile.blocks} if self.profile is not None else None
+
+    # -- the closed loop (docs/cost-model.md, "The budget is a promise") ----------------------------------------
+
+    def step_finished(self, signature: Hashable) -> None:
+        """The step of ``signature``'s latest forward ended (the next forward with gradients begins): measure
+        its peak and, while the shape calibrates, correct its plan (:meth:`replan_wanted` then says so)."""
+        shape = self.shapes.get(signature)
+        if (
+            self.meter is None
+            or shape is None
+            or shape.settled
+            or self._installed.get(signature) is not shape.plan
+        ):
+            return
+        allocated, reserved = self.meter.read()
+        self.meter.reset()
+        shape.steps += 1
+        shape.quiet += 1
+        shape.measured_bytes, shape.measured_reserved_bytes = allocated, reserved
+        error = max(0, allocated - shape.plan.predicted_peak_bytes)
+        target = self._measured_target(error, allocated, reserved)
+        if allocated > self.budget_bytes:
+            self._correct(signature, shape, target, allocated)
+        elif shape.fallback is None and target > shape.target_bytes:
+            # within the budget with room to spare: a faster plan may fit; the measured one is kept to fall back to
+            faster = self._plan_at(shape.profile, target)
+            if faster.blocks != shape.plan.blocks:
+                shape.fallback, shape.plan, shape.target_bytes, shape.quiet = shape.plan, faster, target, 0
+        if shape.quiet >= CALIBRATION_STEPS:
+            shape.settled = True
+
+    def replan_wanted(self, signature: Hashable) -> bool:
+        """The shape's plan changed since it was installed (a correction or a faster plan to try)."""
+        shape = self.shapes.get(signature)
+        return shape is not None and self._installed.get(signature) is not shape.plan
+
+    def budget_report(self) -> list[dict[str, Any]]:
+        """Per input shape: the plan's predicted peak, what the steps measured, the corrections."""
+        return [shape.report() for shape in self.shapes.values()]
+
+    def _correct(self, signature: Hashable, shape: ShapeBudget, target: int, allocated: int) -> None:
+        """A step measured over the budget: fall back to the last plan measured within it, or plan again with
+        the measured error folded in; say so once."""
+        predicted = shape.plan.predicted_peak_bytes
+        shape.corrections += 1
+        shape.quiet = 0
+        if shape.fallback is not None:  # the faster plan tried did not fit: the measured one stays for good
+            shape.plan, shape.fallback, shape.settled = shape.fallback, None, True
+        else:
+            target = min(target, shape.target_bytes - (allocated - self.budget_bytes))
+            shape.plan, shape.target_bytes = self._plan_at(shape.profile, target), target
+        if not self._warned_over:
+            self._warned_over = True
+            warnings.warn(
+                f"gradient_checkpointing_backend='auto': the plan for this input shape predicted a peak of "
+                f"{format_bytes(predicted)}, and its step measured {format_bytes(allocated)}, over the budget of "
+                f"{format_bytes(self.budget_bytes)}. memfit re-planned with the difference folded in (predicted now "
+                f"{format_bytes(shape.plan.predicted_peak_bytes)}); the next steps stay within the budget.",
+                MemfitWarning,
+                stacklevel=6,
+            )
+
+    def _measured_target(self, error: int, allocated: int, reserved: int) -> int:
+        """What to plan for once a step was measured: the budget less the measured under-prediction and a small
+        margin, and within the device's capacity less the allocator's measured reserve above the allocated."""
+        target = self.budget_bytes - error - int(MEASURED_MARGIN * self.budget_bytes)
+        capacity = device_capacity(next(self.model.parameters()).device)
+        if capacity is not None:
+            target = min(target, capacity - max(0, reserved - allocated))
+        return target
+
+    def _new_shape(self, signature: Hashable, args: tuple, kwargs: dict) -> ShapeBudget:
+        profile = profile_model(
+            self.model,
+            self.adapter,
+            args,
+            kwargs,
+            min_offload_bytes=self.min_offload_bytes,
+            copy_bytes_per_second=self._bandwidth(),
+        )
+        capacity = device_capacity(next(self.model.parameters()).device)
+        budget = plannable_budget(self.budget_bytes, capacity)
+        if budget < self.budget_bytes and not self._warned_capacity:
+            self._warned_capacity = True
+            warnings.warn(
+                f"gradient_checkpointing_backend='auto': the budget of {format_bytes(self.budget_bytes)} leaves the "
+                f"CUDA caching allocator too little room on this device ({format_bytes(capacity or 0)} usable by "
+                f"this process; its reserve runs up to {1 / ALLOCATOR_HEADROOM:.2f}x the allocated peak under "
+                f"offload): planning for {format_bytes(budget)}. Set gradient_checkpointing_memory_budget at or "
+                f"below that to silence this.",
+                MemfitWarning,
+                stacklevel=6,
+            )
+        # with a closed loop the first plan is made with a margin (its own step must fit too)
+        target = budget - int(FIRST_PLAN_MARGIN * self.budget_bytes) if self.meter is not None else budget
+        plan = self._plan_at(profile, target, at_least=budget)
+        shape = self.shapes[signature] = ShapeBudget(profile, plan, target)
+        if not plan.needed and not self._warned_unneeded:
+            self._warned_unneeded = True
+            warnings.warn(
+                f"gradient_checkpointing_backend='auto': the budget of {format_bytes(self.budget_bytes)} needs no "
+                f"checkpointing at this input shape (predicted {format_bytes(plan.predicted_peak_bytes)}); nothing "
+                f"is installed. memfit re-plans if the input shape changes.",
+                MemfitWarning,
+                stacklevel=6,
+            )
+        return shape
+
+    def _plan_at(self, profile: ModelProfile, target: int, *, at_least: int | None = None) -> Plan:
+        """The cheapest plan for ``target``; below what any plan reaches, the smallest plan if that is within
+        ``at_least`` (default: the budget), else the BudgetError for the user's budget."""
+
+        def plan(bytes_: int) -> Plan:
+            return plan_policies(
+                profile,
+                bytes_,
+                allowed=lambda b: allowed_policies(
+                    has_ffn=b.has_ffn, has_attention=b.has_attention, can_offload=self.can_offload
+                ),
+            )
+
+        try:
+            return plan(target)
+        except BudgetError as exc:
+            limit = self.budget_bytes if at_least is None else at_least
+            if exc.smallest_peak_bytes <= limit:
+                return plan(exc.smallest_peak_bytes)
+            if limit == target:
+                raise
+            return plan(limit)  # raises the BudgetError that names the user's budget
+
+    def _bandwidth(self) -> float | None:
+        if not self.can_offload:
+            return None
+        if self.copy_bytes_per_second is None:
+            device = next(self.model.parameters()).device
+            # a synchronous engine on CPU tensors (tests) gets a nominal rate: its copies are never hidden anyway
+            self.copy_bytes_per_second = _probe_bandwidth(device) if device.type == "cuda" else 10e9
+        return self.copy_bytes_per_second
+
+    def describe(self) -> str:
+        if self.plan is None:
+            return (
+                f"auto: budget {format_bytes(self.budget_bytes)}; planned at the first forward with gradients"
+            )
+        return self.plan.describe()
+
+
+# Bandwidth probe: the fastest of samples spread over ~0.1 s is the link's own rate, not another
+# process's copy burst (docs/cost-model.md).
+PROBE_SAMPLES = 8
+PROBE_SPACING_S = 0.012
+
+
+def _probe_bandwidth(device: torch.device, nbytes: int = 64 << 20) -> float:
+    """Pinned device→host bytes per second of ``nbytes`` copies (see "Bandwidth probe")."""
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    dst.copy_(src, non_blocking=True)  # warm-up
+
+    def one_copy() -> float:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        dst.copy_(src, non_blocking=True)
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end) / 1e3
+
+    return nbytes / fastest_of_spaced(one_copy)
+
+
+def fastest_of_spaced(
+    sample: Callable[[], float],
+    *,
+    samples: int = PROBE_SAMPLES,
+    spacing_s: float = PROBE_SPACING_S,
+    sleep: Callable[[float], None] = time.sleep,
+) -> float:
+    """The shortest of ``samples`` timings of ``sample()`` (seconds), ``spacing_s`` apart."""
+    best = float("inf")
+    for i in range(samples):
+        if i:
+            sleep(spacing_s)
+        best = min(best, sample())
+    return best

@@ -1,0 +1,156 @@
+"""The controller: one pair of model hooks that drives the current installation, and re-plans when asked.
+
+Every applied model has one. A fixed backend's planner returns the same plan for every input, so the plan
+installed at ``apply`` stays; ``auto``'s planner (:class:`memfit.auto.budget_planner.BudgetPlanner`) gives
+each input signature (shapes, dtypes, scalar arguments) its own plan. When a forward with gradients brings
+a new signature, the controller takes the current installation off, lets the planner plan on the bare
+model (``auto`` profiles it), installs the new plan, and lets the forward proceed. The installations are
+built without model hooks of their own (so swapping them inside a model hook never adds or removes hooks
+of the module being called); the controller forwards the start and end of each forward to the current one.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import Hashable, Mapping
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from memfit.adapters.spec import FamilyAdapter
+from memfit.engine.frame import FrameStats
+from memfit.engine.hooks import Attached
+from memfit.install import Installation, install
+from memfit.offload.session import OffloadSession
+from memfit.plan import RegionPlan
+
+
+class Planner(Protocol):
+    """Chooses the plan for a forward's inputs."""
+
+    # plans depend on the inputs: the controller asks for a signature at each forward with gradients
+    adaptive: bool
+
+    def signature(self, args: tuple, kwargs: dict) -> Hashable:
+        """What a plan depends on, for these forward arguments."""
+
+    def plan_for(self, signature: Hashable, args: tuple, kwargs: dict) -> RegionPlan:
+        """The plan for a new signature; called with nothing installed on the model."""
+
+    def kept_bytes(self) -> Mapping[str, int] | None:
+        """Per block name, what a block that keeps everything holds under the latest plan (or None)."""
+
+    def step_finished(self, signature: Hashable) -> None:
+        """The step of ``signature``'s latest forward ended (a forward with gradients begins)."""
+
+    def replan_wanted(self, signature: Hashable) -> bool:
+        """The plan of ``signature`` changed since it was installed (``auto``'s closed loop)."""
+
+    def describe(self) -> str:
+        """One line or more for :meth:`memfit.MemfitHandle.describe`."""
+
+
+class FixedPlanner:
+    """A fixed backend's planner: one plan, whatever the inputs."""
+
+    adaptive = False
+
+    def __init__(self, plan: RegionPlan) -> None:
+        self.plan = plan
+
+    def signature(self, args: tuple, kwargs: dict) -> Hashable:
+        return None
+
+    def plan_for(self, signature: Hashable, args: tuple, kwargs: dict) -> RegionPlan:
+        return self.plan
+
+    def kept_bytes(self) -> Mapping[str, int] | None:
+        return None
+
+    def step_finished(self, signature: Hashable) -> None:
+        return None
+
+    def replan_wanted(self, signature: Hashable) -> bool:
+        return False
+
+    def describe(self) -> str:
+        return ""
+
+
+class Controller:
+    """Owns the model hooks of one applied model and the installation of its current plan.
+
+    Args:
+        model: the model.
+        adapter: its family adapter (None: the generic diffusers path).
+        planner: chooses the plans.
+        initial: the plan installed now (a fixed backend's; ``auto``: one that keeps everything).
+        session: the offload session shared by every plan, or None.
+    """
+
+    def __init__(
+        self,
+        model: nn.Module,
+        adapter: FamilyAdapter | None,
+        planner: Planner,
+        *,
+        initial: RegionPlan,
+        session: OffloadSession | None,
+    ) -> None:
+        self.model = model
+        self.adapter = adapter
+        self.planner = planner
+        self.session = session
+        self.stats = FrameStats()  # one set of counters across re-plans
+        self.replans = 0
+        self._signature: Hashable = None
+        self._handles: list[Any] = []
+        self.installation = self._install(initial)
+        self._handles.append(model.register_forward_pre_hook(Attached(self._pre), with_kwargs=True))
+        self._handles.append(model.register_forward_hook(Attached(self._post), always_call=True))
+
+    def keep_until_removed(self, handle: Any) -> None:
+        """Remove ``handle`` (a hook of a helper such as the FSDP2 order guard) together with this controller."""
+        self._handles.append(handle)
+
+    def remove(self) -> None:
+        self.installation.remove()
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    def _install(self, plan: RegionPlan) -> Installation:
+        return install(
+            self.model,
+            self.adapter,
+            plan,
+            stats=self.stats,
+            session=self.session,
+            kept_bytes=self.planner.kept_bytes(),
+        )
+
+    # -- model hooks --------------------------------------------------------------------------------------------
+
+    def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        if self.planner.adaptive and torch.is_grad_enabled():
+            if self._signature is not None:
+                self.planner.step_finished(self._signature)
+            signature = self.planner.signature(args, kwargs)
+            if signature != self._signature or self.planner.replan_wanted(signature):
+                self._switch(signature, args, kwargs)
+        self.installation.begin_forward()
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self.installation.end_forward(failed=output is None and sys.exc_info()[0] is not None)
+
+    def _switch(self, signature: Hashable, args: tuple, kwargs: dict) -> None:
+        current = self.installation.plan
+        self.installation.remove()
+        plan = None
+        try:
+            plan = self.planner.plan_for(signature, args, kwargs)
+        finally:  # a planning error (BudgetError) leaves the previous plan installed, never a half-removed one
+            self.installation = self._install(plan if plan is not None else current)
+        self._signature = signature
+        self.replans += 1

@@ -1,0 +1,35 @@
+"""Reload ahead: which regions backward visits next are brought back while the current one runs.
+
+One rule, used by the offload session at run time and by the ``auto`` planner's peak model: starting from
+the nearest region before the current one (backward order) that holds anything, take it; take a further one
+only while the bytes already taken are smaller than it, at most :data:`PREFETCH_DEPTH` regions. A region's
+bytes stand for its compute (both grow with its tokens), so a reload is issued early enough to hide behind
+the regions before it, and no earlier: on a stack of equal blocks that is one region ahead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator
+
+# Two, for a region whose backward is short (a double-stream block's text FFN runs just before its image FFN
+# in backward) and cannot hide the next reload on its own.
+PREFETCH_DEPTH = 2
+
+
+def regions_ahead(sizes: Iterable[int], depth: int = PREFETCH_DEPTH) -> Iterator[int]:
+    """Positions in ``sizes`` (the regions backward visits next, nearest first; 0 = holds nothing) of those
+    to reload ahead, by the rule above."""
+    ahead = taken = 0
+    for position, size in enumerate(sizes):
+        if not size:
+            continue
+        if taken == depth or (taken and ahead >= size):
+            return
+        yield position
+        ahead += size
+        taken += 1
+
+
+def bytes_ahead(sizes: list[int], depth: int = PREFETCH_DEPTH) -> int:
+    """Bytes :func:`regions_ahead` brings back for these regions."""
+    return sum(sizes[i] for i in regions_ahead(sizes, depth))

@@ -1,0 +1,150 @@
+"""Attention offload: every tensor an attention call saves for backward waits in host memory (no recompute).
+
+Each attention call outside a recomputed region is a region of the step's timeline (:class:`SavedGroup`):
+its saved tensors are parked with it, two regions later (:mod:`memfit.offload.session`), and come back when
+backward unpacks them. Inside a region call or a recompute the hooks do nothing, so nothing is ever copied
+twice.
+"""
+
+from __future__ import annotations
+
+import functools
+import weakref
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.engine import state
+from memfit.engine.hooks import HookRuns, attached_hook
+from memfit.errors import MemfitError
+from memfit.offload.copy import Parked
+from memfit.offload.regions import TimelineRegion
+from memfit.offload.session import OffloadSession
+
+
+class SavedGroup(TimelineRegion):
+    """The tensors one attention call saved, parked together (a timeline region)."""
+
+    def __init__(self, session: OffloadSession) -> None:
+        super().__init__(session)
+        weakref.finalize(self, _release_group, session, self.parked)
+
+    @staticmethod
+    def tensor_of(handle: SavedHandle) -> torch.Tensor:
+        tensor = handle.device_tensor
+        assert tensor is not None
+        if tensor._version != handle.version:
+            # parked two regions after the call (or kept): what backward would get is not what was saved
+            raise MemfitError(
+                "a tensor an attention call saved for backward was modified in place after the call (autograd "
+                "rejects that too, at backward); make the edit out of place, or do not offload this attention "
+                "(gradient_checkpointing_offload_attention: false)."
+            )
+        return tensor
+
+    def park(self, handle: SavedHandle, parked: Parked) -> None:
+        handle.parked, handle.device_tensor = parked, None
+        self.parked.append(parked)
+
+    def keep(self, handle: SavedHandle) -> None:
+        """The activation stays on the device (a last region's)."""
+        tensor = self.tensor_of(handle)
+        state.note_held(tensor)
+        self.kept_bytes += tensor.numel() * tensor.element_size()
+
+
+def _release_group(session: OffloadSession, parked: list[Parked]) -> None:
+    for p in parked:
+        session.unpark(p)
+    parked.clear()
+
+
+class SavedHandle:
+    __slots__ = ("group", "parked", "device_tensor", "version")
+
+    def __init__(self, group: SavedGroup | None, parked: Parked | None, device_tensor: torch.Tensor | None):
+        self.group = group
+        self.parked = parked
+        self.device_tensor = device_tensor
+        self.version = device_tensor._version if device_tensor is not None else 0
+
+
+class AttentionOffloader:
+    """Removable hooks that park everything an attention call saves for backward.
+
+    Args:
+        session: the model's :class:`OffloadSession`.
+        modules: the attention modules (declared attention regions).
+    """
+
+    def __init__(self, session: OffloadSession, modules: list[nn.Module]) -> None:
+        self.session = session
+        self.modules = modules
+        self.calls = 0
+        self.tensors_parked = 0
+        self.hooks = HookRuns("attention")  # runs of the pre-hook, offloading or not
+        self._handles: list[Any] = []
+        self._active: list[tuple[nn.Module, Any, SavedGroup]] = []
+
+    def install(self) -> None:
+        for m in self.modules:
+            # eager even inside a compiled block: the hooks manage saved-tensor hooks, never traced
+            self._handles.append(m.register_forward_pre_hook(attached_hook(self._pre)))
+            self._handles.append(m.register_forward_hook(attached_hook(self._post), always_call=True))
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles.clear()
+
+    # -- step boundaries (a step listener of the region engine) ---------------------------------------------------
+
+    def new_step(self) -> None:
+        self.hooks.begin()
+
+    def end_step(self) -> None:
+        self.hooks.end(len(self.modules))
+
+    def abort_step(self) -> None:
+        self.hooks.cancel()
+
+    def _pre(self, module: nn.Module, args: tuple) -> None:
+        self.hooks.count += 1
+        if not state.regions_may_open():  # inside a checkpointed region or a recompute: nothing to do
+            return
+        self.session.note_parameters(module)
+        group = SavedGroup(self.session)
+        # a partial, not a lambda: one Python frame less per saved tensor
+        hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, group), self._unpack)
+        hooks.__enter__()
+        state.enter_region_call()
+        self._active.append((module, hooks, group))
+        self.calls += 1
+
+    def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        if not self._active or self._active[-1][0] is not module:
+            return
+        _, hooks, group = self._active.pop()
+        state.exit_region_call()
+        hooks.__exit__(None, None, None)
+
+    def _pack(self, group: SavedGroup, tensor: torch.Tensor) -> SavedHandle:
+        if not self.session.worth_parking(tensor):
+            state.note_held(tensor)  # stays on its device: the held-bytes meters must still see it
+            return SavedHandle(None, None, tensor)
+        handle = SavedHandle(group, None, tensor)  # parked with its group, two regions later (or kept: last)
+        self.session.defer(group, handle)
+        self.tensors_parked += 1
+        return handle
+
+    def _unpack(self, handle: SavedHandle) -> torch.Tensor:
+        group = handle.group
+        # its backward starts (parked, or kept as one of the step's last two calls: that one too reloads the
+        # calls before it ahead of need; not while still pending, when a backward runs inside the forward)
+        if group is not None and (handle.parked is not None or group.kept_bytes):
+            group.first_backward_use()
+        if handle.parked is None:  # kept on the device (or backward ran inside the forward call)
+            assert handle.device_tensor is not None
+            return handle.device_tensor
+        return self.session.copy.fetch(handle.parked)

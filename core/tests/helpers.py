@@ -1,0 +1,23 @@
+"""Helpers shared by the core tests: one training step on the toy stack, and bitwise comparison of two."""
+
+import torch
+
+from toy import loss_of
+
+
+def step(model, x, *, residuals=None, retain=False, backwards=1):
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    loss = loss_of(model(x, residuals))
+    for i in range(backwards):
+        loss.backward(retain_graph=retain and i < backwards - 1)
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return loss.detach(), x.grad.clone(), grads
+
+
+def assert_same(a, b):
+    assert torch.equal(a[0], b[0])
+    assert torch.equal(a[1], b[1])
+    assert a[2].keys() == b[2].keys()
+    for name in a[2]:
+        assert torch.equal(a[2][name], b[2][name]), name

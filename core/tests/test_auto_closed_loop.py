@@ -1,0 +1,170 @@
+"""``auto``'s closed loop: each step of a new input shape is measured, and a plan whose step ran over the budget
+is replaced with the measured error folded in; from then on every step is within the budget. On CPU the step's
+peak comes from a stand-in meter that reports the installed plan's prediction plus a chosen error."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import memfit
+from memfit import MemfitWarning
+from memfit.auto import budget_planner
+
+memfit_flux = pytest.importorskip("memfit_flux")
+ADAPTER = memfit_flux.ADAPTER
+
+
+class StandInMeter:
+    """Reports ``prediction() + error`` as the step's peak (allocated and reserved), counting resets."""
+
+    def __init__(self, error: int) -> None:
+        self.error = error
+        self.prediction = lambda: 0
+        self.resets = 0
+        self.readings: list[int] = []
+
+    def read(self) -> tuple[int, int]:
+        peak = self.prediction() + self.error
+        self.readings.append(peak)
+        return peak, peak
+
+    def reset(self) -> None:
+        self.resets += 1
+
+
+@pytest.fixture
+def model():
+    return ADAPTER.presets["tiny"].build()
+
+
+def inputs(model, tokens=64):
+    return ADAPTER.presets["tiny"].inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
+
+
+def auto(budget) -> dict:
+    return {
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_backend": "auto",
+        "gradient_checkpointing_memory_budget": budget,
+    }
+
+
+def open_loop_plan(model, batch, budget):
+    """The plan made without a meter (no closed loop) for ``budget``."""
+    with memfit.apply(model, auto(budget)) as handle, warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemfitWarning)
+        ADAPTER.loss(model(**batch)).backward()
+        plan = handle.plan
+    model.zero_grad(set_to_none=True)
+    return plan
+
+
+def no_checkpoint_peak(model, batch) -> tuple[int, int]:
+    plan = open_loop_plan(model, batch, 1 << 30)
+    return plan.no_checkpoint_peak_bytes, plan.smallest_peak_bytes
+
+
+def budget_just_above_a_plan(model, batch) -> int:
+    """A budget whose first plan (made with the margin) is leaner than what the budget allows: a plan's
+    predicted peak sits 2% under it."""
+    none, smallest = no_checkpoint_peak(model, batch)
+    plan = open_loop_plan(model, batch, (none + smallest) // 2)
+    return int(plan.predicted_peak_bytes / 0.98)
+
+
+def train(model, batch, budget, meter, steps):
+    """``steps`` training steps under ``auto`` with the stand-in meter; the plan that ran each step and the
+    handle's budget report."""
+    cfg = {
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_backend": "auto",
+        "gradient_checkpointing_memory_budget": budget,
+    }
+    ran = []
+    with memfit.apply(model, cfg) as handle:
+        meter.prediction = lambda: handle.plan.predicted_peak_bytes
+        for _ in range(steps):
+            ADAPTER.loss(model(**batch)).backward()
+            model.zero_grad(set_to_none=True)
+            ran.append(handle.plan)
+        ADAPTER.loss(model(**batch)).backward()  # the last step is measured when the next forward starts
+        model.zero_grad(set_to_none=True)
+        return ran, handle.stats()
+
+
+@pytest.mark.parametrize("error_share", [0.03, 0.08])
+def test_steps_stay_within_the_budget_after_at_most_one_correction(model, monkeypatch, error_share):
+    """An under-prediction smaller than the first plan's margin never reaches the budget; a larger one makes
+    the first step run over once, is said once, and every later step is within the budget."""
+    batch = inputs(model)
+    none, smallest = no_checkpoint_peak(model, batch)
+    budget = (none + smallest) // 2
+    meter = StandInMeter(int(error_share * budget))
+    monkeypatch.setattr(budget_planner, "default_peak_meter", lambda device: meter)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", MemfitWarning)
+        ran, stats = train(model, batch, budget, meter, steps=6)
+    over = [m for m in meter.readings if m > budget]
+    said = [w for w in caught if "over the budget" in str(w.message)]
+    within_margin = error_share < budget_planner.FIRST_PLAN_MARGIN
+    assert over == ([] if within_margin else meter.readings[:1]), (meter.readings, budget)
+    assert len(said) == (0 if within_margin else 1)
+    assert stats["shapes"][0]["corrections"] == (0 if within_margin else 1)
+    assert stats["shapes"][0]["measured_peak_bytes"] == meter.readings[-1]
+    assert stats["budget_bytes"] == budget
+
+
+def test_the_first_plan_keeps_a_margin_and_then_uses_what_was_measured(model, monkeypatch):
+    batch = inputs(model)
+    budget = budget_just_above_a_plan(model, batch)
+    meter = StandInMeter(error=0)  # the model is exact: the margin can be given back
+    monkeypatch.setattr(budget_planner, "default_peak_meter", lambda device: meter)
+    ran, stats = train(model, batch, budget, meter, steps=6)
+    margin = int(budget_planner.FIRST_PLAN_MARGIN * budget)
+    assert ran[0].budget_bytes <= budget - margin
+    assert ran[-1].budget_bytes > ran[0].budget_bytes  # a plan for the measured room replaced it
+    assert all(m <= budget for m in meter.readings)
+    assert stats["shapes"][0]["corrections"] == 0 and stats["shapes"][0]["settled"]
+
+
+def test_a_faster_plan_that_runs_over_falls_back_to_the_measured_one_for_good(model, monkeypatch):
+    batch = inputs(model)
+    budget = budget_just_above_a_plan(model, batch)
+    meter = StandInMeter(error=0)
+    monkeypatch.setattr(budget_planner, "default_peak_meter", lambda device: meter)
+    cfg = {
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_backend": "auto",
+        "gradient_checkpointing_memory_budget": budget,
+    }
+    with memfit.apply(model, cfg) as handle, warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemfitWarning)
+        first = None
+
+        def prediction():  # the first plan is exact; any other plan runs a tenth of the budget over
+            return handle.plan.predicted_peak_bytes + (0 if handle.plan is first else budget // 10)
+
+        meter.prediction = prediction
+        plans = []
+        for _ in range(7):
+            ADAPTER.loss(model(**batch)).backward()
+            model.zero_grad(set_to_none=True)
+            first = first or handle.plan
+            plans.append(handle.plan)
+        stats = handle.stats()
+    assert plans[1] is not first  # a faster plan was tried
+    assert plans[-1] is first and stats["shapes"][0]["settled"]  # and the measured one came back for good
+    over = [m for m in meter.readings if m > budget]
+    assert len(over) == 1  # the one step of the plan that was tried
+
+
+def test_settled_shapes_are_not_measured_any_more(model, monkeypatch):
+    batch = inputs(model)
+    none, smallest = no_checkpoint_peak(model, batch)
+    meter = StandInMeter(error=0)
+    monkeypatch.setattr(budget_planner, "default_peak_meter", lambda device: meter)
+    train(model, batch, (none + smallest) // 2, meter, steps=12)
+    assert len(meter.readings) <= budget_planner.CALIBRATION_STEPS + 3  # calibration only, then no resets

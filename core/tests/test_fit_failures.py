@@ -1,0 +1,172 @@
+"""`memfit fit` survives failing rungs: out of memory is a "does not fit" row, a crash a "crashed" row, and
+the ladder goes on (in a fresh process after a crash)."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import torch
+
+pytest.importorskip("memfit_flux")
+
+from fit_standins import CUDA_FAULT, crashing_workload, failing_build  # noqa: E402
+
+from memfit.fit import FitReport, InProcessRunner, Rung, RungResult, run_ladder  # noqa: E402
+from memfit.isolation import ChildRunner, SetupError  # noqa: E402
+from memfit.job import FitJob, build_workload  # noqa: E402
+from memfit.measure import FailureKind, RungFailure, StepMeasurement, measure_step  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def workload():
+    return build_workload(FitJob(family="flux", tokens=16))
+
+
+def test_an_out_of_memory_rung_is_a_row_its_memory_is_released_and_the_ladder_goes_on(workload):
+    model = workload.model
+    seen_grads: list[bool] = []
+
+    def oom_without_checkpointing(model, inputs, loss_fn, *, config, **kwargs):
+        seen_grads.append(any(p.grad is not None for p in model.parameters()))
+        if config is None:  # the unmodified step "runs out of memory" halfway through backward
+            for p in model.parameters():
+                p.grad = torch.zeros_like(p)
+            kwargs["on_phase"]("backward")
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 MiB")
+        return measure_step(model, inputs, loss_fn, config=config, **kwargs)
+
+    runner = InProcessRunner(
+        model,
+        workload.inputs,
+        workload.loss,
+        adapter=workload.adapter,
+        steps=1,
+        measure=oom_without_checkpointing,
+    )
+    report = run_ladder(runner, adapter=workload.adapter, budget_bytes=2**30, device_type="cpu")
+    none, following = report.results[0], report.results[1]
+    assert none.failure is not None and none.failure.kind is FailureKind.OUT_OF_MEMORY
+    assert none.status == "does not fit (out of memory)" and not none.fits
+    assert none.failure.phase == "backward"
+    assert not any(seen_grads), "gradients of the failed step were released before the next rung"
+    assert following.measurement is not None and following.fits  # the ladder went on
+    assert report.recommended is not None and report.recommended.fits
+    row = report.to_json()["rows"][0]
+    assert row["status"] == "does not fit (out of memory)" and row["failure"]["kind"] == "out of memory"
+    assert row["held_bytes"] is None
+
+
+def test_the_out_of_memory_row_names_the_peak_it_reached():
+    failure = RungFailure(
+        FailureKind.OUT_OF_MEMORY, "CUDA out of memory", "forward", peak_bytes=int(23.94 * 2**30)
+    )
+    assert failure.describe() == "does not fit (out of memory at 23.94 GiB)"
+
+
+def test_a_cuda_fault_in_process_loses_the_context_and_later_rungs_are_not_run(workload):
+    calls = []
+
+    def faulting(model, inputs, loss_fn, *, config, **kwargs):
+        calls.append(config)
+        kwargs["on_phase"]("backward")
+        raise RuntimeError(CUDA_FAULT)
+
+    runner = InProcessRunner(
+        workload.model, workload.inputs, workload.loss, adapter=workload.adapter, steps=1, measure=faulting
+    )
+    report = run_ladder(runner, adapter=workload.adapter, budget_bytes=None, device_type="cpu")
+    assert len(calls) == 1, "nothing runs in a process whose CUDA context is lost"
+    assert report.all_crashed
+    assert report.results[0].status == (
+        "crashed (in backward): CUDA error: an illegal memory access was encountered"
+    )
+    assert "not measured" in report.results[1].status
+
+
+def test_a_dying_child_and_a_cuda_fault_are_crashed_rows_and_the_ladder_goes_on_in_a_fresh_child(tmp_path):
+    """Child 1 dies of SIGABRT in its first backward; child 2 raises a CUDA fault (its context is lost, it
+    exits); child 3 measures. Each crash ends one rung."""
+    build = functools.partial(crashing_workload, str(tmp_path / "count"), ("abort", "cuda", None))
+    with ChildRunner(build, steps=1) as runner:
+        info = runner.start()
+        assert info["device_type"] == "cpu" and info["tokens"] == 16
+        report = run_ladder(runner, adapter=None, budget_bytes=None, device_type="cpu", extra=[Rung.of(None)])
+        starts = runner.starts
+    first, second, third = report.results
+    assert first.crashed and first.failure.phase == "backward"
+    assert first.status.startswith("crashed (in backward): the measuring process died (SIGABRT)")
+    assert second.crashed
+    assert second.status == "crashed (in backward): CUDA error: an illegal memory access was encountered"
+    assert third.measurement is not None and third.fits
+    assert starts == 3, "a fresh child after each crash, and only then"
+    assert report.recommended is third
+    assert "2 of 3 rungs crashed" in report.crash_advice()
+
+
+def test_every_rung_crashing_ends_with_one_line_naming_the_cause(tmp_path):
+    build = functools.partial(crashing_workload, str(tmp_path / "count"), ("abort",))
+    with ChildRunner(build, steps=1) as runner:
+        runner.start()
+        report = run_ladder(runner, adapter=None, budget_bytes=None, device_type="cpu")
+    assert report.all_crashed and report.recommended is None
+    advice = report.crash_advice()
+    assert advice.startswith("Every rung crashed (the measuring process died (SIGABRT)")
+    assert "\n" not in advice
+    rows = report.to_json()["rows"]
+    assert [r["failure"]["kind"] for r in rows] == ["crashed"] * len(rows)
+
+
+def test_a_child_that_cannot_build_is_a_setup_error():
+    with ChildRunner(failing_build, steps=1) as runner, pytest.raises(SetupError) as info:
+        runner.start()
+    assert info.value.out_of_memory
+
+
+def _crashed(name: str, phase: str | None) -> RungResult:
+    return RungResult(
+        Rung(name, None),
+        None,
+        False,
+        failure=RungFailure(FailureKind.CRASHED, CUDA_FAULT.splitlines()[0], phase, context_lost=True),
+    )
+
+
+def test_crashes_in_backward_with_the_default_dispatch_suggest_pinning_flash():
+    report = FitReport(
+        "cuda", 24 * 2**30, "peak allocated", sdpa="torch default (cudnn, flash, efficient, math)"
+    )
+    report.results = [_crashed("none", "backward"), _crashed("torch-ffn", "backward")]
+    advice = report.crash_advice()
+    assert advice.startswith(
+        "Every rung crashed (CUDA error: an illegal memory access was encountered) in backward"
+    )
+    assert "`--sdpa flash`" in advice and "torch.backends.cuda.enable_cudnn_sdp(False)" in advice
+    pinned = FitReport("cuda", None, "peak allocated", sdpa="flash (pinned)", results=report.results)
+    assert "--sdpa flash" not in pinned.crash_advice()  # flash is already pinned: the advice differs
+    measured = RungResult(Rung("torch", {}), StepMeasurement(1, 2, 0.1, 1), True)
+    partial = FitReport("cuda", None, "peak allocated", sdpa=report.sdpa, results=[*report.results, measured])
+    assert partial.crash_advice().startswith("2 of 3 rungs crashed")
+    assert json.dumps(partial.to_json())  # failed rows serialise
+
+
+def test_the_fork_server_preload_never_touches_cuda():
+    """Measuring children are forked from a server that imported the preload module; had that import
+    initialised the CUDA driver (diffusers does, through torch.cuda.is_available), no child could use CUDA."""
+    import subprocess
+    import sys
+
+    script = (
+        "import torch\n"
+        "calls = []\n"
+        "for name in ('_cuda_getDeviceCount', '_cuda_init'):\n"
+        "    original = getattr(torch._C, name)\n"
+        "    setattr(torch._C, name, lambda *a, _o=original, _n=name: calls.append(_n) or _o(*a))\n"
+        "import memfit._fit_child_preload\n"
+        "print(calls)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300
+    )
+    assert out.stdout.strip() == "[]"
