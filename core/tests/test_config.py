@@ -104,19 +104,19 @@ def test_checkpointing_off_accepts_any_well_typed_checkpointing_keys():
 
 
 @pytest.mark.parametrize("backend", ["torch", "torch-ffn", "unsloth", "unsloth-ffn"])
-def test_memory_budget_with_a_fixed_backend_is_an_error(backend):
+def test_memory_budget_with_a_fixed_backend_is_refused_for_installing(backend):
+    data = {
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_backend": backend,
+        "gradient_checkpointing_memory_budget": "20GiB",
+    }
     with pytest.raises(ConfigError, match=f"the fixed backend '{backend}' cannot keep it"):
-        MemfitConfig.from_dict(
-            {
-                "gradient_checkpointing": True,
-                "gradient_checkpointing_backend": backend,
-                "gradient_checkpointing_memory_budget": "20GiB",
-            }
-        )
+        as_config(data)
     with pytest.raises(ConfigError, match="'torch' cannot keep it"):  # the default backend is a fixed one
-        MemfitConfig.from_dict(
-            {"gradient_checkpointing": True, "gradient_checkpointing_memory_budget": "20GiB"}
-        )
+        as_config({"gradient_checkpointing": True}, gradient_checkpointing_memory_budget="20GiB")
+    # the config value itself carries it (`memfit fit --config` reads a trainer config's budget as its budget)
+    assert MemfitConfig.from_dict(data).memory_budget == 20 << 30
+    assert as_config({**data, "gradient_checkpointing_backend": "auto"}).memory_budget == 20 << 30
 
 
 @pytest.mark.parametrize(

@@ -18,7 +18,7 @@ from memfit import BlockSpec, FamilyAdapter
 from memfit.engine.frame import CUT_TAIL_WEIGHTS
 from memfit_conformance.base import cpu_copy_engine
 
-from test_engine import assert_same, step
+from helpers import assert_same, step
 from toy import TOY, ToyBlock, build
 
 ON = {"gradient_checkpointing": True}

@@ -8,7 +8,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 import memfit
 
-from test_engine import assert_same, step
+from helpers import assert_same, step
 from toy import TOY, build
 
 pytestmark = pytest.mark.gpu

@@ -27,7 +27,7 @@ from torch.utils.checkpoint import checkpoint
 import memfit
 from memfit import BlockSpec, FamilyAdapter, MemfitError
 
-from test_engine import assert_same, step
+from helpers import assert_same, step
 from toy import TOY, ToyBlock, build, loss_of
 
 ON = {"gradient_checkpointing": True}

@@ -12,7 +12,7 @@ import torch
 import memfit
 from memfit.engine import replay
 
-from test_engine import step
+from helpers import step
 from toy import TOY, build
 
 ON = {"gradient_checkpointing": True}

@@ -13,8 +13,10 @@ Rules a trainer config meets:
 * With ``gradient_checkpointing`` off, each key is still checked on its own (type and
   range), but not against the others: the keys that only shape checkpointing (stride
   below interval, a memory budget, ``auto`` with interval/stride) cannot clash.
-* ``gradient_checkpointing_memory_budget`` is ``auto``'s budget: with checkpointing on and
-  a fixed backend it is an error (a fixed backend cannot keep a budget).
+* ``gradient_checkpointing_memory_budget`` is ``auto``'s budget: :func:`as_config` (what
+  ``memfit.apply`` reads) refuses it with checkpointing on and a fixed backend, which cannot
+  keep a budget. A :class:`MemfitConfig` may carry one (``memfit fit --config`` reads a
+  trainer config's budget as its own).
 * Integers are ASCII digits (``"3"``; not ``"٣"``, ``"²"`` or ``"--2"``).
 * With ``strict=False`` foreign keys are ignored, except near misses of memfit's own
   (a different case, ``-`` for ``_``, or up to three edits): those are errors with a
@@ -174,12 +176,6 @@ class MemfitConfig:
                     f"attention offload); {', '.join(clash)} would fix what it chooses. Remove "
                     f"{'it' if len(clash) == 1 else 'them'}, or pick a fixed backend."
                 )
-        elif self.memory_budget is not None:
-            raise ConfigError(
-                f"gradient_checkpointing_memory_budget is the budget the 'auto' backend plans against; the fixed "
-                f"backend {self.backend.value!r} cannot keep it (it would be ignored). Set "
-                f"gradient_checkpointing_backend to 'auto', or remove the budget (or set it to null)."
-            )
 
     # -- views -------------------------------------------------------------------------------------------------
 
@@ -328,7 +324,11 @@ def as_config(
     strict: bool = True,
     **overrides: Any,
 ) -> MemfitConfig:
-    """Normalise whatever the user passed (config object, dict, JSON path, keywords) into a MemfitConfig."""
+    """Normalise whatever the user passed (config object, dict, JSON path, keywords) into a MemfitConfig to install.
+
+    Raises:
+        ConfigError: as :meth:`MemfitConfig.from_dict`; or a memory budget with checkpointing on and a fixed backend.
+    """
     if config is None:
         base: dict[str, Any] = {}
     elif isinstance(config, MemfitConfig):
@@ -344,4 +344,13 @@ def as_config(
         )
     values = _normalise(base, strict=True)
     values.update(_normalise(overrides, strict=strict))  # keyword arguments win over the config's keys
-    return MemfitConfig(**values)
+    cfg = MemfitConfig(**values)
+    if cfg.enabled and cfg.backend is not Backend.AUTO and cfg.memory_budget is not None:
+        # A MemfitConfig may carry a budget with a fixed backend (`memfit fit --config` reads a trainer config's
+        # budget as its own); installing one would silently not keep it.
+        raise ConfigError(
+            f"gradient_checkpointing_memory_budget is the budget the 'auto' backend plans against; the fixed "
+            f"backend {cfg.backend.value!r} cannot keep it (it would be ignored). Set "
+            f"gradient_checkpointing_backend to 'auto', or remove the budget (or set it to null)."
+        )
+    return cfg
