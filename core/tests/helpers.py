@@ -4,6 +4,24 @@ import torch
 
 from toy import loss_of
 
+# Flux's usual LoRA targets: every linear of its blocks, the FFN linears memfit hooks regions on included
+FLUX_LORA_TARGETS = [
+    "to_q",
+    "to_k",
+    "to_v",
+    "to_out.0",
+    "add_q_proj",
+    "add_k_proj",
+    "add_v_proj",
+    "to_add_out",
+    "proj_mlp",
+    "proj_out",
+    "ff.net.0.proj",
+    "ff.net.2",
+    "ff_context.net.0.proj",
+    "ff_context.net.2",
+]
+
 
 def step(model, x, *, residuals=None, retain=False, backwards=1):
     model.zero_grad(set_to_none=True)

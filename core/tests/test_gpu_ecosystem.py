@@ -13,6 +13,8 @@ import torch
 import memfit
 from memfit_conformance.plugin import require_cuda
 
+from helpers import FLUX_LORA_TARGETS
+
 memfit_flux = pytest.importorskip("memfit_flux")
 pytestmark = pytest.mark.gpu
 TINY = memfit_flux.ADAPTER.presets["tiny"]
@@ -107,22 +109,7 @@ def test_inductor_compiled_blocks_same_gradients_no_recompiles(name, compiled_re
 
 # -- PEFT LoRA on a frozen bf16 transformer ------------------------------------------------------------------------
 
-LORA_TARGETS = [
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "add_q_proj",
-    "add_k_proj",
-    "add_v_proj",
-    "to_add_out",
-    "proj_mlp",
-    "proj_out",
-    "ff.net.0.proj",
-    "ff.net.2",
-    "ff_context.net.0.proj",
-    "ff_context.net.2",
-]
+LORA_TARGETS = FLUX_LORA_TARGETS
 PEFT_CONFIGS = {
     "torch": {**ON},
     "torch-i2-s4": {**ON, "gradient_checkpointing_interval": 2, "gradient_checkpointing_segment_stride": 4},

@@ -104,14 +104,14 @@ def test_adapters_pin_the_library_range_they_were_verified_on(wheels):
         for target in wheel.entry_points():
             module, _, attr = target.partition(":")
             adapter = getattr(importlib.import_module(module), attr)
-            assert adapter.verified_diffusers, f"{adapter.name}: no verified version declared"
-            for verified in adapter.verified_diffusers:
-                library, _, version = verified.rpartition(" ")
-                verified_version = Version(version)
-                spec = wheel.requirement(library or "diffusers").specifier
-                next_minor = Version(f"{verified_version.major}.{verified_version.minor + 1}")
-                assert verified_version in spec and next_minor not in spec, (
-                    f"{name} requires {library or 'diffusers'}{spec}; {adapter.name} was verified on {verified}"
-                )
-                checked += 1
+            assert adapter.verified_versions, f"{adapter.name}: no verified version declared"
+            for library, versions in adapter.verified_versions.items():
+                for version in versions:
+                    verified_version = Version(version)
+                    spec = wheel.requirement(library).specifier
+                    next_minor = Version(f"{verified_version.major}.{verified_version.minor + 1}")
+                    assert verified_version in spec and next_minor not in spec, (
+                        f"{name} requires {library}{spec}; {adapter.name} was verified on {library} {version}"
+                    )
+                    checked += 1
     assert checked >= 8  # every shipped adapter

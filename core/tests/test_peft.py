@@ -13,27 +13,13 @@ import torch
 import memfit
 from memfit_conformance.base import cpu_copy_engine
 
+from helpers import FLUX_LORA_TARGETS
+
 peft = pytest.importorskip("peft")
 memfit_flux = pytest.importorskip("memfit_flux")
 
 TINY = memfit_flux.ADAPTER.presets["tiny"]
-# the usual Flux LoRA targets, including the FFN linears memfit hooks regions on (proj_mlp, ff.net.*)
-TARGETS = [
-    "to_q",
-    "to_k",
-    "to_v",
-    "to_out.0",
-    "add_q_proj",
-    "add_k_proj",
-    "add_v_proj",
-    "to_add_out",
-    "proj_mlp",
-    "proj_out",
-    "ff.net.0.proj",
-    "ff.net.2",
-    "ff_context.net.0.proj",
-    "ff_context.net.2",
-]
+TARGETS = FLUX_LORA_TARGETS
 ON = {"gradient_checkpointing": True}
 CONFIGS = {
     "torch-i1": {**ON},

@@ -6,12 +6,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 from memfit_mageflow.model import (
+    MageFlow,
     MageFlowEmbedRope,
     MageFlowTransformer2DModel,
     lengths_to_cu_seqlens,
     varlen_joint_attention,
 )
-from memfit_mageflow.presets import FULL, build_tiny
+from memfit_mageflow.presets import FULL, build_tiny, build_upstream_tiny
 
 
 @pytest.fixture(scope="module")
@@ -23,14 +24,14 @@ def _sample(model: MageFlowTransformer2DModel, seed: int, grid: tuple[int, int],
     g = torch.Generator().manual_seed(seed)
     h, w = grid
     return dict(
-        img=torch.randn(h * w, model.config.in_channels, generator=g),
-        txt=torch.randn(text_len, model.config.context_in_dim, generator=g),
+        img=torch.randn(h * w, model.params.in_channels, generator=g),
+        txt=torch.randn(text_len, model.params.context_in_dim, generator=g),
         sigma=torch.rand(1, generator=g),
         shape=(1, h, w),
     )
 
 
-def _run(model: MageFlowTransformer2DModel, samples: list[dict]) -> list[torch.Tensor]:
+def _run(model: MageFlow, samples: list[dict]) -> list[torch.Tensor]:
     """Pack ``samples`` into one varlen forward; return each sample's output tokens."""
     img_lens = [s["img"].shape[0] for s in samples]
     out = model(
@@ -40,8 +41,7 @@ def _run(model: MageFlowTransformer2DModel, samples: list[dict]) -> list[torch.T
         img_shapes=[s["shape"] for s in samples],
         img_cu_seqlens=lengths_to_cu_seqlens(img_lens),
         txt_cu_seqlens=lengths_to_cu_seqlens([s["txt"].shape[0] for s in samples]),
-        return_dict=False,
-    )[0]
+    )
     return list(out[0].split(img_lens))
 
 
@@ -51,7 +51,7 @@ def test_first_packed_sample_equals_running_it_alone(model):
     b = _sample(model, 1, (5, 3), 9)
     packed = _run(model, [a, b])
     alone = _run(model, [a])
-    assert packed[0].shape == (24, model.config.out_channels)
+    assert packed[0].shape == (24, model.params.out_channels)
     torch.testing.assert_close(packed[0], alone[0], rtol=1e-5, atol=1e-6)
 
 
@@ -88,8 +88,8 @@ def test_equal_length_batch_equals_packed_form(model):
         encoder_hidden_states=torch.stack([a["txt"], b["txt"]]),
         timestep=torch.cat([a["sigma"], b["sigma"]]),
         img_shapes=[a["shape"], b["shape"]],
-    ).sample
-    assert batched.shape == (2, 16, model.config.out_channels)
+    )
+    assert batched.shape == (2, 16, model.params.out_channels)
     torch.testing.assert_close(batched.reshape(32, -1), packed)
 
 
@@ -133,26 +133,64 @@ def test_rotary_layout():
     torch.testing.assert_close(torch.angle(first[0, 3, 2]), torch.tensor(-2.0))
 
 
-def test_diffusers_gradient_checkpointing_matches_plain_backward():
-    model = build_tiny(seed=3)
-    a, b = _sample(model, 4, (3, 5), 4), _sample(model, 5, (6, 2), 7)
+def _train_step(model: MageFlow, samples: list[dict]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    out = torch.cat(_run(model, samples))
+    out.pow(2).mean().backward()
+    return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    def step() -> tuple[torch.Tensor, list[torch.Tensor]]:
-        model.zero_grad(set_to_none=True)
-        out = torch.cat(_run(model, [a, b]))
-        out.pow(2).mean().backward()
-        return out.detach(), [p.grad.clone() for p in model.parameters() if p.grad is not None]
 
-    plain_out, plain_grads = step()
-    model.enable_gradient_checkpointing()
-    try:
-        ckpt_out, ckpt_grads = step()
-    finally:
-        model.disable_gradient_checkpointing()
+def _switch_on(model: MageFlow) -> None:
+    if isinstance(model, MageFlowTransformer2DModel):
+        model.enable_gradient_checkpointing()  # the wrapper's way: attribute and config
+    else:
+        model.checkpoint = True  # upstream's: MageFlowParams(checkpoint=True) or the attribute
+
+
+@pytest.mark.parametrize("build", [build_tiny, build_upstream_tiny], ids=["wrapper", "upstream"])
+def test_own_checkpointing_matches_plain_backward(build, monkeypatch):
+    model = build(seed=3)
+    samples = [_sample(model, 4, (3, 5), 4), _sample(model, 5, (6, 2), 7)]
+    plain_out, plain_grads = _train_step(model, samples)
+    calls = []
+    real = torch.utils.checkpoint.checkpoint
+    monkeypatch.setattr(
+        torch.utils.checkpoint, "checkpoint", lambda *a, **k: calls.append((a[0], k)) or real(*a, **k)
+    )
+    if isinstance(model, MageFlowTransformer2DModel):
+        model._gradient_checkpointing_func = torch.utils.checkpoint.checkpoint  # the counting one
+    _switch_on(model)
+    ckpt_out, ckpt_grads = _train_step(model, samples)
+    assert len(calls) == len(model.transformer_blocks)
+    # the calling convention each real class has
+    assert all(k == {"use_reentrant": False} for _, k in calls)
+    blocks = [fn for fn, _ in calls]
+    if isinstance(model, MageFlowTransformer2DModel):
+        assert not any(isinstance(fn, torch.nn.Module) for fn in blocks)  # closures over the blocks
+        assert (
+            model.config.checkpoint is True and model.config["checkpoint"] is False
+        )  # as the trainer's class
+    else:
+        assert blocks == list(model.transformer_blocks)
     torch.testing.assert_close(ckpt_out, plain_out, rtol=0, atol=0)
     assert len(ckpt_grads) == len(plain_grads)
     for x, y in zip(ckpt_grads, plain_grads, strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_the_two_classes_are_one_model():
+    wrapper, upstream = build_tiny(seed=2), build_upstream_tiny(seed=2)
+    assert list(wrapper.state_dict()) == list(upstream.state_dict())
+    assert all(
+        torch.equal(a, b)
+        for a, b in zip(wrapper.state_dict().values(), upstream.state_dict().values(), strict=True)
+    )
+    samples = [_sample(wrapper, 0, (4, 6), 5), _sample(wrapper, 1, (5, 3), 9)]
+    with torch.no_grad():
+        assert all(
+            torch.equal(a, b) for a, b in zip(_run(wrapper, samples), _run(upstream, samples), strict=True)
+        )
+    assert isinstance(wrapper, MageFlow) and not hasattr(upstream, "config")
 
 
 def test_last_block_text_stream_does_not_reach_the_output():
@@ -240,6 +278,7 @@ def test_released_config_loads():
     released.update(hidden_size=64, num_heads=2, axes_dim=[8, 12, 12], depth=1, context_in_dim=8)
     model = MageFlowTransformer2DModel.from_config(released)
     assert model.config.depth == 1 and len(model.transformer_blocks) == 1
+    assert model.checkpoint is False and model.config["checkpoint"] is False  # the released switch
 
 
 def test_bad_packing_is_rejected(model):

@@ -9,7 +9,15 @@ Public API::
 """
 
 from memfit.accounting import SavedBytesMeter
-from memfit.adapters import BlockSpec, FamilyAdapter, Preset, available_adapters, find_adapter, get_adapter
+from memfit.adapters import (
+    BlockSpec,
+    CheckpointSwitch,
+    FamilyAdapter,
+    Preset,
+    available_adapters,
+    find_adapter,
+    get_adapter,
+)
 from memfit.apply import apply
 from memfit.config import Backend, MemfitConfig
 from memfit.errors import (
@@ -31,6 +39,7 @@ __all__ = [
     "BlockPolicy",
     "BudgetError",
     "BlockSpec",
+    "CheckpointSwitch",
     "ConfigError",
     "FamilyAdapter",
     "HostMemoryError",

@@ -14,8 +14,19 @@ from collections.abc import Iterable
 from types import TracebackType
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from memfit.engine import state
+
+
+def tensor_storages(tensor: torch.Tensor) -> list[torch.UntypedStorage]:
+    """The storages holding ``tensor``'s data: its own, or — for a tensor subclass that wraps others (torchao's
+    quantized weights, whose own storage has no data pointer) — those of the tensors it wraps."""
+    if is_traceable_wrapper_subclass(tensor):
+        names, _ = tensor.__tensor_flatten__()
+        inner = (getattr(tensor, name) for name in names)
+        return [s for t in inner if isinstance(t, torch.Tensor) for s in tensor_storages(t)]
+    return [tensor.untyped_storage()]
 
 
 class SavedBytesMeter:
@@ -31,7 +42,7 @@ class SavedBytesMeter:
     """
 
     def __init__(self, exclude: Iterable[torch.Tensor] = ()) -> None:
-        self._excluded = {t.untyped_storage().data_ptr() for t in exclude}
+        self._excluded = {s.data_ptr() for t in exclude for s in tensor_storages(t)}
         self._seen: dict[tuple[str, int], int] = {}
         self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, _identity)
 
@@ -54,11 +65,10 @@ class SavedBytesMeter:
         """Count ``tensor``'s storage (once)."""
         if tensor.layout != torch.strided or tensor.device.type == "meta":
             return
-        storage = tensor.untyped_storage()
-        ptr = storage.data_ptr()
-        if ptr == 0 or ptr in self._excluded:
-            return
-        self._seen.setdefault((tensor.device.type, ptr), storage.nbytes())
+        for storage in tensor_storages(tensor):
+            ptr = storage.data_ptr()
+            if ptr != 0 and ptr not in self._excluded:
+                self._seen.setdefault((tensor.device.type, ptr), storage.nbytes())
 
     def bytes_on(self, device_type: str) -> int:
         return sum(n for (dev, _), n in self._seen.items() if dev == device_type)

@@ -231,7 +231,11 @@ def _cmd_list() -> int:
         for label, value in (
             ("block lists", ", ".join(a.block_lists)),
             ("scopes", ", ".join(a.scopes())),
-            ("verified with", ", ".join(_versioned(v) for v in a.verified_diffusers) or "-"),
+            (
+                "verified with",
+                ", ".join(f"{lib} {v}" for lib, versions in a.verified_versions.items() for v in versions)
+                or "-",
+            ),
             (
                 "presets",
                 "; ".join(f"{k} ({p.description})" if p.description else k for k, p in a.presets.items()),
@@ -239,11 +243,6 @@ def _cmd_list() -> int:
         ):
             console.print(Padding(f"{label}: {escape(value)}", (0, 0, 0, 2)))
     return 0
-
-
-def _versioned(version: str) -> str:
-    """``0.42.1`` -> ``diffusers 0.42.1`` (an adapter verified against another library names it)."""
-    return version if " " in version else f"diffusers {version}"
 
 
 # -- memfit fit: flags -> job ------------------------------------------------------------------------------------

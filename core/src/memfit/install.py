@@ -147,6 +147,8 @@ def install(
         # blocks routed to the engine without a site of their own (undeclared) are checkpointed as the plan's
         # whole blocks are
         stash_factory=offload if whole_block_offload and offload is not None else keep,
+        model_switch=adapter.model_checkpoint_switch if adapter is not None else None,
+        switch_off_model_checkpointing=plan.needed,  # a plan that installs nothing leaves the model untouched
     )
     engine.install()
     marks: list[Any] = []

@@ -209,6 +209,38 @@ def test_block_count_config_key(qwen, qwen_model):
     assert "the model config has no key 'num_single_layers'" in problem
 
 
+@pytest.mark.parametrize(
+    ("switch", "where", "what"),
+    [
+        (
+            {"attribute": "checkpointing"},
+            "model_checkpoint_switch.attribute",
+            "QwenImageTransformer2DModel has no attribute 'checkpointing'",
+        ),
+        (
+            {"config_key": "checkpoint"},
+            "model_checkpoint_switch.config_key",
+            "the config of QwenImageTransformer2DModel has no key 'checkpoint'",
+        ),
+    ],
+)
+def test_model_checkpoint_switch_that_is_not_there(qwen, qwen_model, switch, where, what):
+    bad = dataclasses.replace(qwen, model_checkpoint_switch=memfit.CheckpointSwitch(**switch))
+    [problem] = problems_of(bad, qwen_model)
+    assert problem.startswith(f"{where}: {what}")
+
+
+def test_model_checkpoint_switch_that_is_there(qwen, qwen_model):
+    # diffusers' own flag (an attribute) and a key the config holds: both found
+    sound = dataclasses.replace(
+        qwen,
+        model_checkpoint_switch=memfit.CheckpointSwitch(
+            attribute="gradient_checkpointing", config_key="num_layers"
+        ),
+    )
+    assert problems_of(sound, qwen_model) == []
+
+
 # -- discovery: installed under its own name --------------------------------------------------------------------
 
 

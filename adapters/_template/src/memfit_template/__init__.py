@@ -39,7 +39,7 @@ ADAPTER = FamilyAdapter(
     # computes between blocks just becomes a chunk entry. False: interval warns once and is ignored.
     supports_interval=True,
     # diffusers versions whose source you read and whose conformance run passed.
-    verified_diffusers=("<x.y.z>",),
+    verified_versions={"diffusers": ("<x.y.z>",)},
     # Block list -> model-config key holding its length (the kit checks them against each other).
     block_count_config={"transformer_blocks": "num_layers"},
     presets={

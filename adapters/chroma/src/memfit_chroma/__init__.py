@@ -34,7 +34,7 @@ ADAPTER = FamilyAdapter(
         "ChromaSingleTransformerBlock": BlockSpec(ffn=(("proj_mlp", "act_mlp"),), attention=(("attn",),)),
     },
     supports_interval=True,
-    verified_diffusers=("0.42.1",),
+    verified_versions={"diffusers": ("0.42.1",)},
     block_count_config={"transformer_blocks": "num_layers", "single_transformer_blocks": "num_single_layers"},
     presets={
         "tiny": Preset(

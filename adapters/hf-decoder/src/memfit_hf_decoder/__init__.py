@@ -73,7 +73,7 @@ ADAPTER = FamilyAdapter(
     # The model calls its layers back to back, each layer's output is the next one's hidden_states; the
     # causal mask, position ids and rotary (cos, sin) are computed once before the loop (chunk entries).
     supports_interval=True,
-    verified_diffusers=("transformers 5.24.0",),
+    verified_versions={"transformers": ("5.24.0",)},
     block_count_config={"layers": "num_hidden_layers"},
     presets={
         "tiny": Preset(

@@ -30,7 +30,7 @@ ADAPTER = FamilyAdapter(
     # returns the same tensor), and every other argument (temb, rotary cos/sin, masks) is shared by all
     # blocks, so a chunk keeps one set of entries.
     supports_interval=True,
-    verified_diffusers=("0.42.1",),
+    verified_versions={"diffusers": ("0.42.1",)},
     block_count_config={
         "text_fusion.layerwise_blocks": "num_layerwise_text_blocks",
         "text_fusion.refiner_blocks": "num_refiner_text_blocks",

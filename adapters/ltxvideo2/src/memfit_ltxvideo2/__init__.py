@@ -62,7 +62,7 @@ ADAPTER = FamilyAdapter(
     # per-block state is the (video, audio) pair, the other arguments (text, timestep embeddings,
     # RoPE tables, masks) are the same objects for every block, so consecutive blocks chain cleanly.
     supports_interval=True,
-    verified_diffusers=("0.42.1",),
+    verified_versions={"diffusers": ("0.42.1",)},
     block_count_config={"transformer_blocks": "num_layers"},
     presets={
         "tiny": Preset(

@@ -1,17 +1,19 @@
 """memfit adapter for Mage-Flow: declarations only — the core executes.
 
 Mage-Flow is not in diffusers; :mod:`memfit_mageflow.model` holds a reference implementation of its
-transformer whose module names are the upstream ones (github.com/microsoft/Mage,
-``mage_flow/models``), so these declarations serve both that model and upstream's ``MageFlow``.
+transformer whose module names are the upstream ones (github.com/microsoft/Mage, ``mage_flow/models``), as
+upstream's base class ``MageFlow`` and the trainer's wrapper ``MageFlowTransformer2DModel``, each called the
+way the real one is; these declarations serve the real classes of those names too.
 """
 
-from memfit import BlockSpec, FamilyAdapter, Preset
-from memfit_mageflow.model import MageFlowTransformer2DModel, MageFlowTransformerBlock
+from memfit import BlockSpec, CheckpointSwitch, FamilyAdapter, Preset
+from memfit_mageflow.model import MageFlow, MageFlowTransformer2DModel, MageFlowTransformerBlock
 from memfit_mageflow.presets import PIXELS, build_full, build_tiny, make_inputs
 
 ADAPTER = FamilyAdapter(
     name="mageflow",
-    # the reference implementation here, and upstream's own transformer class (microsoft/Mage `MageFlow`)
+    # upstream's base class (microsoft/Mage `MageFlow`) and the diffusers wrapper trainers train (SimpleTuner's
+    # `MageFlowTransformer2DModel`, a subclass of it); matched along the MRO, so the real classes match too
     model_classes=("MageFlowTransformer2DModel", "MageFlow"),
     block_lists=("transformer_blocks",),
     blocks={
@@ -24,7 +26,10 @@ ADAPTER = FamilyAdapter(
     # Every block has the same signature and returns (text, image), which the next block takes as its
     # (image, text) inputs unchanged; the rotary table, temb and cu_seqlens are shared by all blocks.
     supports_interval=True,
-    verified_diffusers=("0.42.1",),
+    verified_versions={"diffusers": ("0.42.1",)},
+    # Both classes' own switch: upstream's `checkpoint` attribute (from MageFlowParams) wraps every block in
+    # torch.utils.checkpoint; the wrapper's enable_gradient_checkpointing sets it and config.checkpoint.
+    model_checkpoint_switch=CheckpointSwitch(attribute="checkpoint", config_key="checkpoint"),
     block_count_config={"transformer_blocks": "depth"},
     presets={
         "tiny": Preset(
@@ -44,10 +49,11 @@ ADAPTER = FamilyAdapter(
         ),
     },
     notes=(
-        "Not in diffusers: memfit_mageflow.model.MageFlowTransformer2DModel is a reference implementation "
-        "(upstream module names and state-dict keys). Packed variable-length samples (cu_seqlens). "
-        "Upstream's own MageFlow class is matched too (entered through block hooks)."
+        "Not in diffusers: memfit_mageflow.model holds a reference implementation (upstream module names and "
+        "state-dict keys) as upstream's MageFlow (own `checkpoint` switch, entered through block hooks) and the "
+        "trainer's MageFlowTransformer2DModel (checkpointing function called with closures). Packed "
+        "variable-length samples (cu_seqlens)."
     ),
 )
 
-__all__ = ["ADAPTER", "MageFlowTransformer2DModel", "MageFlowTransformerBlock"]
+__all__ = ["ADAPTER", "MageFlow", "MageFlowTransformer2DModel", "MageFlowTransformerBlock"]

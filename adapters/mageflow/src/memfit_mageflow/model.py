@@ -2,9 +2,15 @@
 
 Mage-Flow (Microsoft, github.com/microsoft/Mage, arXiv 2607.19064) is a 4B rectified-flow
 *Native-Resolution Multimodal Diffusion Transformer*. It is not part of diffusers, so memfit ships
-this implementation: a diffusers ``ModelMixin`` + ``ConfigMixin`` whose module tree and
-state-dict keys follow the upstream ``mage_flow/models/mage_flow.py`` (class ``MageFlow``) and
-``modules/mage_layers.py`` (``MageFlowTransformerBlock``), so the adapter's declarations fit both.
+this implementation, whose module tree and state-dict keys follow the upstream
+``mage_flow/models/mage_flow.py`` (class ``MageFlow``) and ``modules/mage_layers.py``
+(``MageFlowTransformerBlock``), as two classes that are called the way the real ones are:
+
+* :class:`MageFlow` — upstream's base class: a plain module with its own ``checkpoint`` switch, which wraps
+  each block in ``torch.utils.checkpoint`` itself;
+* :class:`MageFlowTransformer2DModel` — the diffusers wrapper trainers train (SimpleTuner's class of that
+  name): ``enable_gradient_checkpointing`` turns the same switch on (attribute and ``config.checkpoint``), and
+  forward calls the checkpointing function with a closure over each block and ``use_reentrant=False``.
 
 The architecture, as implemented here:
 
@@ -36,21 +42,24 @@ model runs on CPU; upstream uses FlashAttention's ``flash_attn_varlen_func`` ove
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from diffusers.configuration_utils import ConfigMixin, register_to_config
 from diffusers.models.attention import FeedForward
 from diffusers.models.embeddings import TimestepEmbedding
-from diffusers.models.modeling_outputs import Transformer2DModelOutput
 from diffusers.models.modeling_utils import ModelMixin
 from diffusers.models.normalization import RMSNorm
 from torch import nn
 
 __all__ = [
+    "MageFlow",
     "MageFlowAttention",
+    "MageFlowParams",
     "MageFlowTransformer2DModel",
     "MageFlowTransformerBlock",
     "apply_rotary_emb",
@@ -413,68 +422,72 @@ def _pack(x: torch.Tensor, cu_seqlens: torch.Tensor | None, what: str) -> tuple[
     return x, cu_seqlens.to(device=x.device, dtype=torch.int32)
 
 
-class MageFlowTransformer2DModel(ModelMixin, ConfigMixin):
-    """Mage-Flow's NR-MMDiT as a diffusers model.
+@dataclass
+class MageFlowParams:
+    """Upstream's parameter struct (``mage_flow/models/mage_flow.py``); ``mlp_ratio`` and ``theta`` are fixed
+    there (4.0, 10000) and parameters here."""
 
-    The configuration keys are those of the released ``transformer/config.json`` (``hidden_size``,
-    ``num_heads``, ``depth``, ``axes_dim``, ``context_in_dim``, ...), so the published config loads as is
-    (``MageFlowTransformer2DModel.from_config``; unknown upstream keys are ignored), and the parameter
-    names are the upstream checkpoint's.
+    in_channels: int = 128
+    out_channels: int = 128
+    context_in_dim: int = 2560
+    hidden_size: int = 3072
+    num_heads: int = 24
+    depth: int = 12
+    axes_dim: Sequence[int] = (16, 56, 56)
+    checkpoint: bool = False
+    patch_size: int = 1
+    mlp_ratio: float = 4.0
+    theta: int = 10000
 
-    Forward (packed, variable length):
+
+class MageFlow(nn.Module):
+    """Mage-Flow's NR-MMDiT as upstream's base class ``MageFlow`` is called: a plain ``nn.Module`` built from a
+    :class:`MageFlowParams`, with its own checkpointing switch ``checkpoint``.
+
+    Checkpointing convention (upstream's): in training mode with ``checkpoint`` on, every block goes through
+    ``torch.utils.checkpoint.checkpoint(block, img, txt, temb, rotary, txt_cu, img_cu, use_reentrant=False)``
+    itself; there is no diffusers ``gradient_checkpointing_func`` hook (memfit enters the blocks through forward
+    hooks, and switches ``checkpoint`` off while applied: the adapter declares it).
+
+    Forward (packed, variable length; the positional order is upstream's ``img, txt, timesteps, img_shapes,
+    img_cu_seqlens, txt_cu_seqlens, attention_kwargs``, the keyword names diffusers'):
         hidden_states: ``[1, total_image_tokens, in_channels]`` — every sample's latent tokens, concatenated.
         encoder_hidden_states: ``[1, total_text_tokens, context_in_dim]``.
         timestep: ``[n_samples]`` flow sigma in [0, 1] (1 = noise), one per sample.
         img_shapes: ``(frames, height, width)`` of every image segment in pack order (sums to the image tokens).
         img_cu_seqlens / txt_cu_seqlens: ``[n_samples + 1]`` int32 sample boundaries of each stream.
+        attention_kwargs: passed to every block's attention (not through the checkpointed call, as upstream).
 
-    Without cu_seqlens, ``[B, L, C]`` inputs are taken as B samples of equal length (an ordinary batch).
+    Returns the image stream's output tokens, shaped like ``hidden_states`` with ``out_channels``. Without
+    cu_seqlens, ``[B, L, C]`` inputs are taken as B samples of equal length (an ordinary batch).
     """
 
-    _supports_gradient_checkpointing = True
-    _no_split_modules = ["MageFlowTransformerBlock"]
-    _repeated_blocks = ["MageFlowTransformerBlock"]
-    _skip_layerwise_casting_patterns = ["pos_embed", "norm"]
-
-    @register_to_config
-    def __init__(
-        self,
-        in_channels: int = 128,
-        out_channels: int = 128,
-        context_in_dim: int = 2560,
-        hidden_size: int = 3072,
-        num_heads: int = 24,
-        depth: int = 12,
-        axes_dim: tuple[int, ...] = (16, 56, 56),
-        patch_size: int = 1,
-        mlp_ratio: float = 4.0,
-        theta: int = 10000,
-    ) -> None:
+    def __init__(self, params: MageFlowParams) -> None:
         super().__init__()
+        hidden_size, num_heads, axes_dim = params.hidden_size, params.num_heads, tuple(params.axes_dim)
         if hidden_size % num_heads:
             raise ValueError(f"hidden_size {hidden_size} is not a multiple of num_heads {num_heads}")
         head_dim = hidden_size // num_heads
         if len(axes_dim) != 3 or sum(axes_dim) != head_dim or any(d % 2 for d in axes_dim):
-            raise ValueError(
-                f"axes_dim {tuple(axes_dim)} must be 3 even sizes summing to the head dim {head_dim}"
-            )
+            raise ValueError(f"axes_dim {axes_dim} must be 3 even sizes summing to the head dim {head_dim}")
+        self.params = params
+        self.checkpoint = params.checkpoint
         self.inner_dim = hidden_size
-        self.out_channels = out_channels
+        self.out_channels = params.out_channels
 
-        self.pos_embed = MageFlowEmbedRope(theta=theta, axes_dim=axes_dim, scale_rope=True)
-        self.img_in = nn.Linear(in_channels, hidden_size)
-        self.txt_norm = RMSNorm(context_in_dim, eps=1e-6)
-        self.txt_in = nn.Linear(context_in_dim, hidden_size)
+        self.pos_embed = MageFlowEmbedRope(theta=params.theta, axes_dim=axes_dim, scale_rope=True)
+        self.img_in = nn.Linear(params.in_channels, hidden_size)
+        self.txt_norm = RMSNorm(params.context_in_dim, eps=1e-6)
+        self.txt_in = nn.Linear(params.context_in_dim, hidden_size)
         self.time_text_embed = MageFlowTimestepProjEmbeddings(hidden_size)
         self.transformer_blocks = nn.ModuleList(
             [
-                MageFlowTransformerBlock(hidden_size, num_heads, head_dim, mlp_ratio=mlp_ratio)
-                for _ in range(depth)
+                MageFlowTransformerBlock(hidden_size, num_heads, head_dim, mlp_ratio=params.mlp_ratio)
+                for _ in range(params.depth)
             ]
         )
         self.norm_out = MageFlowAdaLayerNormContinuous(hidden_size, hidden_size, eps=1e-6)
-        self.proj_out = nn.Linear(hidden_size, patch_size * patch_size * out_channels, bias=True)
-        self.gradient_checkpointing = False
+        self.proj_out = nn.Linear(hidden_size, params.patch_size * params.patch_size * params.out_channels)
 
     def forward(
         self,
@@ -484,8 +497,8 @@ class MageFlowTransformer2DModel(ModelMixin, ConfigMixin):
         img_shapes: Sequence[Shape3] | Sequence[Sequence[Shape3]],
         img_cu_seqlens: torch.Tensor | None = None,
         txt_cu_seqlens: torch.Tensor | None = None,
-        return_dict: bool = True,
-    ) -> Transformer2DModelOutput | tuple[torch.Tensor]:
+        attention_kwargs: dict[str, Any] | None = None,
+    ) -> torch.Tensor:
         unpacked_shape = None if img_cu_seqlens is not None else hidden_states.shape[:2]
         img, img_cu = _pack(hidden_states, img_cu_seqlens, "hidden_states")
         txt, txt_cu = _pack(encoder_hidden_states, txt_cu_seqlens, "encoder_hidden_states")
@@ -508,10 +521,13 @@ class MageFlowTransformer2DModel(ModelMixin, ConfigMixin):
         img = self.img_in(img)
         txt = self.txt_in(self.txt_norm(txt))
         temb = self.time_text_embed(timestep.to(img.dtype), img.dtype)
+        attention_kwargs = attention_kwargs or {}
 
         for block in self.transformer_blocks:
-            if torch.is_grad_enabled() and self.gradient_checkpointing:
-                txt, img = self._gradient_checkpointing_func(block, img, txt, temb, rotary, txt_cu, img_cu)
+            if self.training and self.checkpoint:
+                txt, img = self._checkpointed_block(
+                    block, (img, txt, temb, rotary, txt_cu, img_cu), attention_kwargs
+                )
             else:
                 txt, img = block(
                     hidden_states=img,
@@ -520,11 +536,122 @@ class MageFlowTransformer2DModel(ModelMixin, ConfigMixin):
                     image_rotary_emb=rotary,
                     txt_cu_lens=txt_cu,
                     img_cu_lens=img_cu,
+                    joint_attention_kwargs=attention_kwargs,
                 )
 
         out = self.proj_out(self.norm_out(img, temb, img_cu))
         if unpacked_shape is not None:
             out = out.reshape(*unpacked_shape, out.shape[-1])
-        if not return_dict:
-            return (out,)
-        return Transformer2DModelOutput(sample=out)
+        return out
+
+    def _checkpointed_block(
+        self, block: nn.Module, inputs: tuple[torch.Tensor, ...], attention_kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Upstream's checkpointing branch: the block itself, positional inputs ``(img, txt, temb, rotary, txt_cu,
+        img_cu)``, ``use_reentrant=False``."""
+        return torch.utils.checkpoint.checkpoint(block, *inputs, use_reentrant=False)
+
+
+class MageFlowTransformer2DModel(MageFlow, ModelMixin, ConfigMixin):
+    """Mage-Flow as trainers train it: a diffusers ``ModelMixin`` + ``ConfigMixin`` subclass of
+    :class:`MageFlow`, configured by the released ``transformer/config.json`` keys (unknown upstream keys are
+    ignored by ``from_config``), the wrapper class SimpleTuner trains.
+
+    Checkpointing convention (the trainer wrapper's): ``_supports_gradient_checkpointing``;
+    ``enable_gradient_checkpointing(gradient_checkpointing_func=...)`` turns the model's own switch on — the
+    ``checkpoint`` attribute and ``config.checkpoint`` — and keeps the function; in training mode with the switch
+    on, forward calls that function with a *closure* over each block (not the block) and the
+    ``torch.utils.checkpoint`` keyword ``use_reentrant=False``. The default function is
+    ``torch.utils.checkpoint.checkpoint``.
+
+    Forward: as :class:`MageFlow`; returns the output tensor, or ``(output,)`` with ``return_dict=False``.
+    """
+
+    _supports_gradient_checkpointing = True
+    _no_split_modules = ["MageFlowTransformerBlock"]
+    _repeated_blocks = ["MageFlowTransformerBlock"]
+    _skip_layerwise_casting_patterns = ["pos_embed", "norm"]
+
+    @register_to_config
+    def __init__(
+        self,
+        in_channels: int = 128,
+        out_channels: int = 128,
+        context_in_dim: int = 2560,
+        hidden_size: int = 3072,
+        num_heads: int = 24,
+        depth: int = 12,
+        axes_dim: tuple[int, ...] = (16, 56, 56),
+        patch_size: int = 1,
+        mlp_ratio: float = 4.0,
+        theta: int = 10000,
+        checkpoint: bool = False,
+    ) -> None:
+        params = MageFlowParams(
+            in_channels=in_channels,
+            out_channels=out_channels,
+            context_in_dim=context_in_dim,
+            hidden_size=hidden_size,
+            num_heads=num_heads,
+            depth=depth,
+            axes_dim=axes_dim,
+            checkpoint=checkpoint,
+            patch_size=patch_size,
+            mlp_ratio=mlp_ratio,
+            theta=theta,
+        )
+        MageFlow.__init__(self, params)
+        self._gradient_checkpointing_func = torch.utils.checkpoint.checkpoint
+
+    def enable_gradient_checkpointing(
+        self, gradient_checkpointing_func: Callable[..., Any] | None = None
+    ) -> None:
+        self.checkpoint = True
+        self.config.checkpoint = True  # an attribute of diffusers' FrozenDict, as the trainer's class sets it
+        if gradient_checkpointing_func is not None:
+            self._gradient_checkpointing_func = gradient_checkpointing_func
+
+    def disable_gradient_checkpointing(self) -> None:
+        self.checkpoint = False
+        self.config.checkpoint = False
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        encoder_hidden_states: torch.Tensor,
+        timestep: torch.Tensor,
+        img_shapes: Sequence[Shape3] | Sequence[Sequence[Shape3]],
+        img_cu_seqlens: torch.Tensor | None = None,
+        txt_cu_seqlens: torch.Tensor | None = None,
+        attention_kwargs: dict[str, Any] | None = None,
+        return_dict: bool | None = None,
+    ) -> torch.Tensor | tuple[torch.Tensor]:
+        out = super().forward(
+            hidden_states,
+            encoder_hidden_states,
+            timestep,
+            img_shapes,
+            img_cu_seqlens,
+            txt_cu_seqlens,
+            attention_kwargs,
+        )
+        return (out,) if return_dict is False else out
+
+    def _checkpointed_block(
+        self, block: nn.Module, inputs: tuple[torch.Tensor, ...], attention_kwargs: dict[str, Any]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The trainer wrapper's checkpointing branch: its function, a closure over the block (which calls it by
+        keyword, attention kwargs included), ``use_reentrant=False``."""
+
+        def run_checkpointed_block(img, txt, temb, rotary, txt_cu, img_cu, checkpoint_block=block):
+            return checkpoint_block(
+                hidden_states=img,
+                encoder_hidden_states=txt,
+                temb=temb,
+                image_rotary_emb=rotary,
+                txt_cu_lens=txt_cu,
+                img_cu_lens=img_cu,
+                joint_attention_kwargs=attention_kwargs,
+            )
+
+        return self._gradient_checkpointing_func(run_checkpointed_block, *inputs, use_reentrant=False)

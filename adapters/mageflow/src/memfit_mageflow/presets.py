@@ -8,7 +8,7 @@ import torch
 
 from memfit.adapters.building import near_square_grid, preset_builders
 from memfit.adapters.spec import PixelGrid
-from memfit_mageflow.model import MageFlowTransformer2DModel, lengths_to_cu_seqlens
+from memfit_mageflow.model import MageFlow, MageFlowParams, MageFlowTransformer2DModel, lengths_to_cu_seqlens
 
 TINY = dict(
     in_channels=8,
@@ -38,7 +38,14 @@ FULL = dict(
 )
 
 
+def upstream(**config: Any) -> MageFlow:
+    """Upstream's base class, built from the same keys (``MageFlow(MageFlowParams(**config))``)."""
+    return MageFlow(MageFlowParams(**config))
+
+
+# the trainer's wrapper class (what trainers train), and upstream's base class
 build_tiny, build_full = preset_builders(MageFlowTransformer2DModel, TINY, FULL)
+build_upstream_tiny, build_upstream_full = preset_builders(upstream, TINY, FULL)
 # One token covers 16x16 px: Mage-VAE downsamples 16x and the model patchifies 1x1.
 PIXELS = PixelGrid(16)
 latent_grid = near_square_grid
@@ -62,7 +69,7 @@ def text_lengths(text_tokens: int, batch: int) -> list[int]:
 
 
 def make_inputs(
-    model: MageFlowTransformer2DModel,
+    model: MageFlow,
     *,
     tokens: int | None = None,
     batch: int = 2,
@@ -74,7 +81,7 @@ def make_inputs(
     ``tokens`` is the image-token count of the first (largest) sample; the others are somewhat smaller,
     so the pack holds a little under ``batch * tokens`` image tokens.
     """
-    cfg = model.config
+    cfg = model.params  # both classes keep upstream's parameter struct
     p = next(model.parameters())
     device, dtype = p.device, p.dtype
     tokens = tokens or 64
@@ -93,5 +100,4 @@ def make_inputs(
         img_shapes=[(1, h, w) for h, w in grids],
         img_cu_seqlens=lengths_to_cu_seqlens(img_lens, device=device),
         txt_cu_seqlens=lengths_to_cu_seqlens(txt_lens, device=device),
-        return_dict=False,
     )

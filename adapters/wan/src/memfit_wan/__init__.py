@@ -20,7 +20,7 @@ ADAPTER = FamilyAdapter(
     # previous block's output directly, and the other three arguments are shared by all blocks, so N
     # consecutive blocks form one chunk with one set of entry tensors.
     supports_interval=True,
-    verified_diffusers=("0.42.1",),
+    verified_versions={"diffusers": ("0.42.1",)},
     block_count_config={"blocks": "num_layers"},
     presets={
         "tiny": Preset(

@@ -42,7 +42,7 @@ ADAPTER = FamilyAdapter(
     # Between two blocks of one list the model only feeds the output forward (plus, in `layers`, an
     # optional controlnet residual add, which becomes a chunk entry): interval chunks are safe.
     supports_interval=True,
-    verified_diffusers=("0.42.1",),
+    verified_versions={"diffusers": ("0.42.1",)},
     block_count_config={
         "noise_refiner": "n_refiner_layers",
         "context_refiner": "n_refiner_layers",

@@ -17,10 +17,11 @@ Example:
 
 from memfit.adapters.building import near_square_grid, preset_builders
 from memfit.adapters.discovery import available_adapters, find_adapter, get_adapter
-from memfit.adapters.spec import BlockSpec, FamilyAdapter, Preset, Region
+from memfit.adapters.spec import BlockSpec, CheckpointSwitch, FamilyAdapter, Preset, Region
 
 __all__ = [
     "BlockSpec",
+    "CheckpointSwitch",
     "FamilyAdapter",
     "Preset",
     "Region",

@@ -6,6 +6,7 @@ An adapter never runs model code of its own and never edits the model.  It says:
 * for each block class, the FFN region(s) and the attention region(s), each a chain
   of consecutive sub-module calls given by attribute path (``("proj_mlp", "act_mlp")``);
 * whether whole-block interval chunks are safe for the family;
+* a checkpointing switch of the model's own, if it has one besides diffusers' flags;
 * which diffusers versions it was verified against;
 * presets: factories for a model and matching dummy inputs (a tiny one for tests and
   the CLI, the published full size for benchmarks).
@@ -19,6 +20,8 @@ from typing import Any
 
 import torch
 from torch import nn
+
+from memfit.plan import BlockEntry
 
 # A region is a chain of consecutive sub-module calls inside a block, by attribute path.
 Region = tuple[str, ...]
@@ -42,6 +45,44 @@ class BlockSpec:
     ffn: tuple[Region, ...] = ()
     attention: tuple[Region, ...] = ()
     attention_without_sdpa: str = ""
+
+
+@dataclass(frozen=True)
+class CheckpointSwitch:
+    """A model's own checkpointing switch, besides diffusers' ``gradient_checkpointing`` flags: on, the model's
+    forward checkpoints its blocks itself (Mage-Flow's ``checkpoint``: ``torch.utils.checkpoint`` per block).
+
+    While memfit enters the blocks through forward hooks, a switch that is on is turned off (one
+    ``MemfitWarning``; ``remove()`` restores it exactly): memfit's regions would otherwise run nested inside the
+    model's own checkpoint calls and pay recompute for nothing. Where memfit routes blocks through the model's
+    ``enable_gradient_checkpointing(gradient_checkpointing_func=...)``, the switch is left as that method sets it:
+    it then gates the branch that calls memfit's function.
+
+    Args:
+        attribute: the model attribute holding the switch (``"checkpoint"``); empty: none.
+        config_key: the key of the model's config holding it (``"checkpoint"``); empty: none.
+
+    Raises:
+        ValueError: neither is given, or one is not a Python identifier.
+
+    Example:
+        >>> CheckpointSwitch(attribute="checkpoint", config_key="checkpoint")
+    """
+
+    attribute: str = ""
+    config_key: str = ""
+
+    def __post_init__(self) -> None:
+        if not self.attribute and not self.config_key:
+            raise ValueError(
+                "CheckpointSwitch needs the model attribute and/or the config key of the switch, e.g. "
+                "CheckpointSwitch(attribute='checkpoint', config_key='checkpoint')"
+            )
+        for what, name in (("attribute", self.attribute), ("config_key", self.config_key)):
+            if name and not (isinstance(name, str) and name.isidentifier()):
+                raise ValueError(
+                    f"CheckpointSwitch.{what} must be one attribute name of the model (or its config), got {name!r}"
+                )
 
 
 @dataclass(frozen=True)
@@ -143,17 +184,21 @@ class FamilyAdapter:
             in the order the model calls them.
         blocks: block class name -> its :class:`BlockSpec`.
         supports_interval: whether consecutive blocks may be checkpointed as one chunk.
-        verified_diffusers: diffusers versions the declarations were verified against.
+        verified_versions: library -> the versions the declarations were verified against
+            (``{"diffusers": ("0.42.1",)}``; a transformers model names transformers).
         block_count_config: block list path -> the model-config key holding its length, so the
             kit can check that the declared lists match the configuration.
         presets: named :class:`Preset` s; ``"tiny"`` is required (tests and CLI default).
         loss: maps a forward's output to a scalar loss.
         notes: free text shown by ``memfit list`` (what was verified, what is missing and why).
-        block_entry: how block calls reach the engine. ``"auto"``: through diffusers'
-            ``gradient_checkpointing_func`` where the model supports it (plus forward hooks on the
-            declared blocks for lists the model does not route); ``"hooks"``: forward hooks only, and
-            diffusers' own checkpointing branch is never switched on — for models whose checkpointing
-            branch does not call blocks the same way as the normal one (e.g. drops an argument).
+        block_entry: how block calls reach the engine (:class:`memfit.plan.BlockEntry`). ``AUTO``: through
+            diffusers' ``gradient_checkpointing_func`` where the model supports it (plus forward hooks on the
+            declared blocks for lists the model does not route); ``HOOKS``: forward hooks only, and the
+            model's own checkpointing branch is never switched on — for models whose checkpointing branch
+            does not call blocks the same way as the normal one (e.g. drops an argument). The strings
+            ``"auto"``/``"hooks"`` are accepted.
+        model_checkpoint_switch: the model's own checkpointing switch (:class:`CheckpointSwitch`), if it has one
+            besides diffusers' flags; None: it has none.
     """
 
     name: str
@@ -161,16 +206,34 @@ class FamilyAdapter:
     block_lists: tuple[str, ...]
     blocks: Mapping[str, BlockSpec]
     supports_interval: bool = True
-    verified_diffusers: tuple[str, ...] = ()
+    verified_versions: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     block_count_config: Mapping[str, str] = field(default_factory=dict)
     presets: Mapping[str, Preset] = field(default_factory=dict)
     loss: Callable[[Any], torch.Tensor] = default_loss
     notes: str = ""
-    block_entry: str = "auto"
+    block_entry: BlockEntry = BlockEntry.AUTO
+    model_checkpoint_switch: CheckpointSwitch | None = None
 
     def __post_init__(self) -> None:
-        if self.block_entry not in ("auto", "hooks"):
+        if self.block_entry not in (BlockEntry.AUTO, BlockEntry.HOOKS):
             raise ValueError(f"FamilyAdapter.block_entry must be 'auto' or 'hooks', got {self.block_entry!r}")
+        object.__setattr__(self, "block_entry", BlockEntry(self.block_entry))
+        for library, versions in self.verified_versions.items():
+            if (
+                not isinstance(library, str)
+                or isinstance(versions, str)
+                or not all(isinstance(v, str) for v in versions)
+            ):
+                raise ValueError(
+                    f"FamilyAdapter.verified_versions maps a library to a tuple of versions, e.g. "
+                    f"{{'diffusers': ('0.42.1',)}}; got {library!r}: {versions!r}"
+                )
+        switch = self.model_checkpoint_switch
+        if switch is not None and not isinstance(switch, CheckpointSwitch):
+            hint = f"; e.g. CheckpointSwitch(attribute={switch!r})" if isinstance(switch, str) else ""
+            raise ValueError(
+                f"FamilyAdapter.model_checkpoint_switch must be a CheckpointSwitch (or None), got {switch!r}{hint}"
+            )
 
     # -- queries -----------------------------------------------------------------------------------------------
 

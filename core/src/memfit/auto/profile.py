@@ -36,6 +36,7 @@ from torch import nn
 from torch.utils._pytree import tree_flatten
 from torch.utils.flop_counter import FlopCounterMode
 
+from memfit.accounting import tensor_storages
 from memfit.adapters.spec import FamilyAdapter
 from memfit.auto.blockpeak import BlockRun, ForwardMemory
 
@@ -349,7 +350,8 @@ def profile_model(
     blocks = list(adapter.iter_blocks(model))
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
-    excluded = {p.untyped_storage().data_ptr() for p in (*model.parameters(), *model.buffers())}
+    # (a quantized weight wraps tensors of its own: counted by those)
+    excluded = {s.data_ptr() for p in (*model.parameters(), *model.buffers()) for s in tensor_storages(p)}
     rec = _Recorder(excluded, len(blocks))
     regions = [(adapter.ffn_chains(block), adapter.attention_modules(block)) for _, _, block in blocks]
     static = torch.cuda.memory_allocated(device) if cuda else 0

@@ -187,6 +187,14 @@ def plain_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) ->
 CHECKPOINT_KEYWORDS = ("use_reentrant", "preserve_rng_state", "context_fn", "determinism_check", "debug")
 
 
+class ModelSwitch(Protocol):
+    """A checkpointing switch of the model's own (:class:`memfit.adapters.spec.CheckpointSwitch`): the model
+    attribute and/or config key holding it ("" : none)."""
+
+    attribute: str
+    config_key: str
+
+
 class StepListener(Protocol):
     """Told when a forward of the model starts, returns or raises (the offload session, the attention offloader)."""
 
@@ -218,6 +226,10 @@ class RegionEngine:
             every forward start, so the hooks follow modules PEFT replaces after installation.
         step_listeners: told when a forward starts, returns or raises.
         stash_factory: the default :class:`Stash` of a new frame (a site may name its own).
+        model_switch: the model's own checkpointing switch its adapter declares, besides diffusers' flags.
+        switch_off_model_checkpointing: blocks not routed through the model's checkpointing function: switch the
+            model's own checkpointing off while installed (False for a plan that installs nothing: the model
+            then runs untouched).
     """
 
     def __init__(
@@ -233,6 +245,8 @@ class RegionEngine:
         locate: Callable[[], dict[nn.Module, RegionSite]] | None = None,
         step_listeners: Sequence[StepListener] = (),
         stash_factory: Callable[[], Stash] = DeviceStash,
+        model_switch: ModelSwitch | None = None,
+        switch_off_model_checkpointing: bool = True,
     ) -> None:
         if block_entry is BlockEntry.AUTO:
             raise ValueError("RegionEngine needs a resolved block entry (DIFFUSERS or HOOKS), got AUTO")
@@ -247,6 +261,8 @@ class RegionEngine:
         self.hook_sites: dict[nn.Module, RegionSite] = locate() if locate is not None else {}
         self.step_listeners = tuple(step_listeners)
         self.stash_factory = stash_factory
+        self.model_switch = model_switch
+        self.switch_off_model_checkpointing = switch_off_model_checkpointing
         self._open: Frame | None = None
         self._region_handles: dict[nn.Module, list[torch.utils.hooks.RemovableHandle]] = {}
         self._eager_bodies: list[nn.Module] = []
@@ -270,7 +286,7 @@ class RegionEngine:
             checkpoint = Attached(self.checkpoint_block, detached=lambda memo: plain_checkpoint)
             self.model.enable_gradient_checkpointing(gradient_checkpointing_func=checkpoint)
             self._snapshots.append(snapshot.changes())
-        else:
+        elif self.switch_off_model_checkpointing:
             self._switch_off_model_checkpointing()
         # Hooks on the declared blocks too: a block list the model does not route through its checkpointing
         # function is still caught. A block entered through `checkpoint_block` is already inside a region
@@ -285,18 +301,23 @@ class RegionEngine:
 
     def _switch_off_model_checkpointing(self) -> None:
         """Blocks entered through hooks: the model's own checkpointing (diffusers' or transformers'
-        ``gradient_checkpointing`` flags) would checkpoint every block a second time. Turn it off while
-        memfit is applied (``remove()`` restores it) and say so once."""
-        on = [m for m in self.model.modules() if m.__dict__.get("gradient_checkpointing") is True]
-        if not on:
+        ``gradient_checkpointing`` flags, and the model's own switch its adapter declares) would run memfit's
+        regions nested inside the model's own checkpoint calls, paying recompute for nothing. Turn it off while
+        memfit is applied (``remove()`` restores it exactly) and say so once."""
+        flags = [m for m in self.model.modules() if m.__dict__.get("gradient_checkpointing") is True]
+        switch_was_on, switch_restorers = _switch_off_own(self.model, self.model_switch)
+        self._snapshots.extend(switch_restorers)
+        if not flags and not switch_was_on:
             return
+        what = ([f"gradient_checkpointing on {len(flags)} module(s)"] if flags else []) + switch_was_on
         warnings.warn(
-            f"{type(self.model).__name__} had its own gradient checkpointing switched on; memfit switched it off "
-            f"while applied (it would checkpoint every block twice). handle.remove() switches it back on.",
+            f"{type(self.model).__name__} had its own gradient checkpointing switched on ({', '.join(what)}); "
+            f"memfit switched it off while applied: memfit's regions would run nested inside the model's own "
+            f"checkpoint calls and pay recompute for nothing. handle.remove() switches it back on.",
             MemfitWarning,
             stacklevel=5,
         )
-        for module in on:
+        for module in flags:
             self._snapshots.append(_AttrSnapshot.take(module, ("gradient_checkpointing",)))
             module.__dict__["gradient_checkpointing"] = False
 
@@ -489,6 +510,33 @@ class RegionEngine:
             self.sub_block_hooks.cancel()
         else:
             self.sub_block_hooks.end(len(self.hook_sites))
+
+
+def _switch_off_own(model: nn.Module, switch: ModelSwitch | None) -> tuple[list[str], list[_Restorer]]:
+    """Turn the model's own checkpointing switch off where it is on: the model attribute, the config's attribute,
+    the config's item (diffusers' FrozenDict holds both). Returns what was on (for the warning) and what puts it
+    back exactly."""
+    if switch is None:
+        return [], []
+    was_on: list[str] = []
+    restorers: list[_Restorer] = []
+    name, key = switch.attribute, switch.config_key
+    if name and getattr(model, name, False):
+        was_on.append(f"{name}={getattr(model, name)!r}")
+        restorers.append(_AttrSnapshot.take(model, (name,)))
+        model.__dict__[name] = False
+    config = getattr(model, "config", None)
+    if key and config is not None:
+        before = len(restorers)
+        if hasattr(config, "__dict__") and vars(config).get(key):
+            restorers.append(_DictRestorer(vars(config), {key: vars(config)[key]}))
+            vars(config)[key] = False
+        if isinstance(config, dict) and config.get(key):
+            restorers.append(_MappingRestorer(config, {key: config[key]}))
+            dict.__setitem__(config, key, False)  # dict's own: a FrozenDict refuses item assignment
+        if len(restorers) > before:
+            was_on.append(f"config.{key}")
+    return was_on, restorers
 
 
 def _take_checkpoint_keywords(kwargs: dict[str, Any]) -> None:

@@ -28,8 +28,11 @@ from memfit_conformance.harness import (
     StepResult,
     assert_same_step,
     claimed_combinations,
+    closure_style_checkpointing,
     output_tensors,
     run_step,
+    switch_values,
+    switched_on,
 )
 from memfit_conformance.plugin import require_cuda
 from memfit_conformance.streams import order_checking_copy_engine
@@ -106,6 +109,12 @@ class AdapterConformance:
             metafunc.parametrize("combo", combos, ids=[str(c) for c in combos])
         if "regime" in metafunc.fixturenames:
             metafunc.parametrize("regime", ["full", "frozen"])
+        if "block_combo" in metafunc.fixturenames:
+            combos = [c for c in claimed_combinations(self.adapter) if c.backend and not c.backend.ffn_only]
+            metafunc.parametrize("block_combo", combos, ids=[str(c) for c in combos])
+        if "switch_case" in metafunc.fixturenames:
+            cases = ["hooks"] + (["ffn"] if self.adapter.has_ffn else [])
+            metafunc.parametrize("switch_case", cases)
 
     # -- fixtures ----------------------------------------------------------------------------------------------
 
@@ -271,6 +280,11 @@ class AdapterConformance:
         if combo.backend is None:
             assert stats["frames"] == 0
             return
+        self.assert_regions_as_declared(model, combo, stats)
+
+    def assert_regions_as_declared(self, model: nn.Module, combo: Combination, stats: dict[str, Any]) -> None:
+        """One step's regions are exactly those the declarations imply for ``combo``, each recomputed once (or
+        freed unused), none undeclared."""
         expected = self.expected_frames(model, combo)
         assert stats["undeclared_block_calls"] == 0, (
             "the model checkpointed blocks the adapter did not declare"
@@ -282,7 +296,8 @@ class AdapterConformance:
         )
         assert stats["frames"] == expected, (
             f"{combo}: {stats['frames']} regions ran, the declarations imply {expected}: a declared region "
-            f"was not called as a chain of consecutive calls (unsafe or wrong boundary) or never ran"
+            f"was not called as a chain of consecutive calls (unsafe or wrong boundary), never ran, or ran "
+            f"again nested in the model's own checkpointing"
         )
         # A region whose outputs never reach the loss (a double-stream model's last text update) is freed
         # without a recompute; every other region must be recomputed exactly once.
@@ -291,6 +306,90 @@ class AdapterConformance:
         )
         assert stats["recomputes"] > 0
         assert stats["calls"] == self.expected_calls(model, combo)
+
+    def assert_same_with_declared_regions(
+        self,
+        model: nn.Module,
+        combo: Combination,
+        expected: StepResult,
+        result: StepResult,
+        stats: dict[str, Any],
+        label: str,
+    ) -> None:
+        """Outputs and gradients equal to the unmodified model's, and the regions the declarations imply."""
+        what = f"{self.adapter.name} {combo} ({label})"
+        assert_same_step(expected, result, what=what, rtol=self.rtol, atol=self.atol)
+        self.assert_regions_as_declared(model, combo, stats)
+
+    # -- how trainers call it, and the model's own checkpointing switch ---------------------------------------------
+
+    def test_trainer_style_closure_entry(
+        self,
+        model: nn.Module,
+        inputs: dict[str, Any],
+        reference: dict[str, StepResult],
+        block_combo: Combination,
+    ) -> None:
+        """Trainer code calls the model's checkpointing function with a closure over the block (not the block) and
+        ``use_reentrant=False``: the same outputs and gradients, and the same regions, as a block passed directly."""
+        combo = block_combo
+        with self.apply(model, combo.config()) as handle, closure_style_checkpointing(model) as passed:
+            if passed is None:
+                pytest.skip(
+                    f"memfit enters {type(model).__name__}'s blocks through forward hooks (the adapter's "
+                    f"block_entry is 'hooks', or the model has no diffusers checkpointing hook): its checkpointing "
+                    f"branch never calls memfit"
+                )
+            result = self._step(model, inputs, "full")
+            gc.collect()
+            stats = handle.stats()
+        assert passed, f"{combo}: the model never called its checkpointing function in a training step"
+        self.assert_same_with_declared_regions(
+            model, combo, reference["full"], result, stats, "closure entry"
+        )
+
+    def test_model_checkpoint_switch_is_turned_off_and_restored(
+        self, model: nn.Module, inputs: dict[str, Any], reference: dict[str, StepResult], switch_case: str
+    ) -> None:
+        """The model's own checkpointing switch the adapter declares, on when memfit is applied with its blocks
+        entered through hooks (``hooks``: whole blocks, interval 2; ``ffn``: FFN regions): turned off with one
+        warning, so no region runs nested in the model's own checkpoint calls; restored exactly by remove()."""
+        switch = self.adapter.model_checkpoint_switch
+        if switch is None:
+            pytest.skip(
+                "the family declares no model-owned checkpointing switch (FamilyAdapter.model_checkpoint_switch)"
+            )
+        if switch_case == "hooks":
+            adapter, combo = (
+                dataclasses.replace(self.adapter, block_entry="hooks"),
+                Combination(Backend.TORCH, 2),
+            )
+        else:
+            adapter, combo = self.adapter, Combination(Backend.TORCH_FFN)
+        with switched_on(model, switch) as on:
+            with pytest.warns(MemfitWarning) as record:
+                handle = memfit.apply(model, combo.config(), adapter=adapter)
+            ours = [w for w in record if issubclass(w.category, MemfitWarning)]
+            with handle:
+                assert len(ours) == 1, (
+                    f"{combo}: {len(ours)} MemfitWarnings, expected one: {[str(w.message) for w in ours]}"
+                )
+                named = switch.attribute or f"config.{switch.config_key}"
+                assert named in str(ours[0].message), f"the warning does not name the switch {named!r}"
+                still_on = {place: value for place, value in switch_values(model, switch).items() if value}
+                assert not still_on, (
+                    f"{combo}: the model's own switch is still on while memfit is applied: {still_on}"
+                )
+                result = self._step(model, inputs, "full")
+                gc.collect()
+                stats = handle.stats()
+            after = switch_values(model, switch)
+            assert after.keys() == on.keys() and all(after[k] is on[k] for k in on), (
+                f"remove() did not restore the model's own switch: {after}, was {on}"
+            )
+        self.assert_same_with_declared_regions(
+            model, combo, reference["full"], result, stats, "own switch on"
+        )
 
     def test_held_bytes_drop(
         self, model: nn.Module, inputs: dict[str, Any], reference: dict[str, StepResult], combo: Combination
@@ -354,6 +453,12 @@ class AdapterConformance:
     def test_remove_restores_model(self, model: nn.Module, inputs: dict[str, Any]) -> None:
         keys = list(model.state_dict().keys())
         attrs = [(m, dict(m.__dict__)) for m in model.modules()]
+        config = getattr(model, "config", None)
+        config_before = _config_state(config)
+        switch = self.adapter.model_checkpoint_switch
+        names = ("gradient_checkpointing", "_gradient_checkpointing_func") + (
+            (switch.attribute,) if switch else ()
+        )
         with torch.no_grad():
             before = model(**inputs)
         for combo in claimed_combinations(self.adapter, intervals=(2,)):
@@ -368,8 +473,9 @@ class AdapterConformance:
                     assert len(module.__dict__[hooks]) == len(snapshot[hooks]), (
                         f"{combo}: a hook was left behind"
                     )
-                for name in ("gradient_checkpointing", "_gradient_checkpointing_func"):
-                    assert module.__dict__.get(name) is snapshot.get(name)
+                for name in names:
+                    assert module.__dict__.get(name) is snapshot.get(name), f"{combo}: {name} not restored"
+            assert _config_state(config) == config_before, f"{combo}: the model's config was not restored"
         with torch.no_grad():
             after = model(**inputs)
         before_leaves, after_leaves = output_tensors(before), output_tensors(after)
@@ -456,3 +562,12 @@ class AdapterConformance:
                     else:
                         total += 1
         return total
+
+
+def _config_state(config: Any) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """A model config's items and attributes (diffusers' FrozenDict has both), by identity of the values."""
+    if config is None:
+        return None
+    items = {k: id(v) for k, v in config.items()} if isinstance(config, dict) else {}
+    attributes = {k: id(v) for k, v in vars(config).items()} if hasattr(config, "__dict__") else {}
+    return items, attributes

@@ -10,7 +10,7 @@ Three passes, each only when the previous one found nothing (a path that does no
 
 1. the adapter is discoverable and its entry-point name is its ``name``; the model is of a declared class;
    every declared block list exists, is a non-empty ``nn.ModuleList`` and its length matches the config;
-   every block class in those lists is declared;
+   every block class in those lists is declared; a declared model-owned checkpointing switch exists;
 2. every region path resolves, no module belongs to two regions, no region lies inside another;
 3. one forward of the unmodified model, observed: every region runs once per block call, every later
    module of a chain consumes an earlier one's output, every attention region calls
@@ -34,6 +34,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_flatten
 
 from memfit import FamilyAdapter, find_adapter
+from memfit.accounting import tensor_storages
 from memfit.adapters.discovery import ENTRY_POINT_GROUP
 from memfit.adapters.spec import BlockSpec, Region
 
@@ -82,6 +83,7 @@ def check_declaration(
     """
     problems = check_entry_point(adapter, model) if discovery else []
     problems += check_block_lists(adapter, model)
+    problems += check_model_switch(adapter, model)
     if not problems:
         problems += check_region_paths(adapter, model)
     if not problems:
@@ -234,6 +236,8 @@ def _check_count(
     if key is None:
         return []
     config = getattr(model, "config", None)
+    if config is None:  # a class without a config (an upstream base class the adapter also serves)
+        return []
     # diffusers configs are mappings, transformers configs have attributes
     value = config.get(key) if isinstance(config, Mapping) else getattr(config, key, None)
     where = f"block_count_config[{path!r}]"
@@ -252,6 +256,38 @@ def _check_count(
             )
         ]
     return []
+
+
+def check_model_switch(adapter: FamilyAdapter, model: nn.Module) -> list[Problem]:
+    """The declared model-owned checkpointing switch is where the declaration says: the attribute on the model,
+    the key in its config (when the model has a config: a base class the adapter also serves may have none)."""
+    switch = adapter.model_checkpoint_switch
+    if switch is None:
+        return []
+    problems = []
+    model_name = type(model).__name__
+    if switch.attribute and not hasattr(model, switch.attribute):
+        problems.append(
+            Problem(
+                "model_checkpoint_switch.attribute",
+                f"{model_name} has no attribute {switch.attribute!r}, so memfit could never see the switch on",
+                "name the attribute the model's forward reads to checkpoint its blocks itself (or leave it empty)",
+            )
+        )
+    config = getattr(model, "config", None)
+    if switch.config_key and config is not None:
+        present = (
+            switch.config_key in config if isinstance(config, Mapping) else hasattr(config, switch.config_key)
+        )
+        if not present:
+            problems.append(
+                Problem(
+                    "model_checkpoint_switch.config_key",
+                    f"the config of {model_name} has no key {switch.config_key!r}",
+                    "name the config key that holds the model's own checkpointing switch (or leave it empty)",
+                )
+            )
+    return problems
 
 
 def _check_block_classes(adapter: FamilyAdapter, path: str, container: nn.ModuleList) -> list[Problem]:
@@ -535,7 +571,11 @@ class _Observer(TorchFunctionMode):
 
     def __init__(self, adapter: FamilyAdapter, model: nn.Module) -> None:
         super().__init__()
-        self.params = {_key(t) for t in itertools.chain(model.parameters(), model.buffers())}
+        self.params = {
+            (t.device.type, s.data_ptr())
+            for t in itertools.chain(model.parameters(), model.buffers())
+            for s in tensor_storages(t)  # a quantized weight by the tensors it wraps
+        }
         self.blocks: dict[nn.Module, _BlockRun] = {}
         self.handles: list[Any] = []
         for path, container in adapter.resolve_block_lists(model).items():

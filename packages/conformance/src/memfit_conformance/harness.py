@@ -10,7 +10,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from memfit import Backend, FamilyAdapter, SavedBytesMeter
+from memfit import Backend, CheckpointSwitch, FamilyAdapter, SavedBytesMeter
+from memfit.engine.hooks import Attached
 
 
 @dataclass(frozen=True)
@@ -173,3 +174,81 @@ def assert_same_step(
         raise AssertionError(f"{what}: inputs with a gradient differ")
     for name, grad in expected.input_grads.items():
         check(f"grad of input {name}", grad, actual.input_grads[name])
+
+
+# -- how trainers call the checkpointing function, and a model-owned switch ------------------------------------------
+
+CHECKPOINT_FUNC = "_gradient_checkpointing_func"
+
+
+@contextlib.contextmanager
+def closure_style_checkpointing(model: nn.Module) -> Iterator[list[Any] | None]:
+    """While active, every call of the checkpointing function memfit installed on ``model`` arrives the way trainer
+    code makes it: ``fn(lambda *a, **k: block(*a, **k), *args, use_reentrant=False)`` — a closure over what the
+    model passed (memfit cannot see the block in it) and a ``torch.utils.checkpoint`` keyword.
+
+    Yields the list of the functions the model passed (one per call), or None when memfit installed no
+    checkpointing function on the model (it enters the blocks through forward hooks).
+    """
+    installed = {
+        m: m.__dict__[CHECKPOINT_FUNC]
+        for m in model.modules()
+        if isinstance(m.__dict__.get(CHECKPOINT_FUNC), Attached)
+    }
+    if not installed:
+        yield None
+        return
+    passed: list[Any] = []
+
+    def closure_style(memfits: Callable[..., Any]) -> Callable[..., Any]:
+        def trainer_checkpoint(function: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+            passed.append(function)
+            return memfits(lambda *a, **k: function(*a, **k), *args, **{**kwargs, "use_reentrant": False})
+
+        return trainer_checkpoint
+
+    try:
+        for module, fn in installed.items():
+            module.__dict__[CHECKPOINT_FUNC] = closure_style(fn)
+        yield passed
+    finally:
+        for module, fn in installed.items():
+            module.__dict__[CHECKPOINT_FUNC] = fn
+
+
+def _switch_places(model: nn.Module, switch: CheckpointSwitch) -> dict[str, tuple[dict[str, Any], str]]:
+    """Where a model-owned switch can be held: place -> (the dict holding it, its key). The model attribute, the
+    config's attribute, the config's item (diffusers' FrozenDict holds both)."""
+    places: dict[str, tuple[dict[str, Any], str]] = {}
+    if switch.attribute:
+        places["attribute"] = (model.__dict__, switch.attribute)
+    config = getattr(model, "config", None)
+    if switch.config_key and config is not None:
+        if hasattr(config, "__dict__"):
+            places["config attribute"] = (vars(config), switch.config_key)
+        if isinstance(config, dict):
+            places["config item"] = (config, switch.config_key)
+    return places
+
+
+def switch_values(model: nn.Module, switch: CheckpointSwitch) -> dict[str, Any]:
+    """What each place holding the model-owned switch holds (places that do not hold it left out)."""
+    return {name: d[key] for name, (d, key) in _switch_places(model, switch).items() if key in d}
+
+
+@contextlib.contextmanager
+def switched_on(model: nn.Module, switch: CheckpointSwitch) -> Iterator[dict[str, Any]]:
+    """The model-owned switch on in every place (as a model built or loaded with it on has it), put back as it was
+    afterwards. Yields :func:`switch_values` of the switched-on model."""
+    before = switch_values(model, switch)
+    places = _switch_places(model, switch)
+    try:
+        for d, key in places.values():
+            dict.__setitem__(d, key, True)  # dict's own: a FrozenDict refuses item assignment
+        yield switch_values(model, switch)
+    finally:
+        for name, (d, key) in places.items():
+            if name in before:
+                dict.__setitem__(d, key, before[name])
+            else:
+                dict.pop(d, key, None)

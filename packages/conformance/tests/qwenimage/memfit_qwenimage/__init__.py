@@ -23,7 +23,7 @@ ADAPTER = FamilyAdapter(
         "QwenImageTransformerBlock": BlockSpec(ffn=(("img_mlp",), ("txt_mlp",)), attention=(("attn",),)),
     },
     supports_interval=True,
-    verified_diffusers=("0.42.1",),
+    verified_versions={"diffusers": ("0.42.1",)},
     block_count_config={"transformer_blocks": "num_layers"},
     presets={
         "tiny": Preset(
