@@ -215,6 +215,13 @@ def _effective_config(model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapte
             MemfitWarning,
             stacklevel=3,
         )
+        if cfg.stream_blocks:
+            raise ConfigError(
+                f"gradient_checkpointing_stream_blocks={cfg.stream_blocks!r} needs memfit's checkpointing on (a "
+                f"block whose weights stream is recomputed in backward), and FSDP's activation checkpointing on "
+                f"this model turned it off: remove FSDP's checkpoint wrapper, or unset "
+                f"gradient_checkpointing_stream_blocks."
+            )
         return dataclasses.replace(cfg, enabled=False)
     if cfg.backend.ffn_only:
         _require_ffn(model, adapter, cfg.backend)

@@ -271,7 +271,7 @@ def plan_fit(args: argparse.Namespace) -> FitPlan:
     Raises:
         MemfitError: a flag or config value is wrong (the message names it and the fix).
     """
-    from memfit.config import MemfitConfig
+    from memfit.config import Backend, MemfitConfig
     from memfit.job import (
         FitJob,
         adapter_for_class,
@@ -293,6 +293,8 @@ def plan_fit(args: argparse.Namespace) -> FitPlan:
         cfg = MemfitConfig.from_dict(data, strict=False)
         if cfg.installs_anything:
             user_config = cfg.to_dict()
+            if cfg.backend is not Backend.AUTO:  # the budget is fit's own; a fixed backend cannot keep it
+                user_config.pop("gradient_checkpointing_memory_budget", None)
         memory_budget = cfg.memory_budget
         from_file, notes = job_keys_from_trainer_config(data)
 

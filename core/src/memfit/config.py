@@ -3,14 +3,34 @@
 A trainer config (JSON/dict) can be pasted in unchanged; keyword arguments in
 Python use the same names.  Validation is strict: a bad value names the key and
 the allowed values, an unknown key is an error with a did-you-mean suggestion.
+
+Rules a trainer config meets:
+
+* ``null`` means "unset" (the default) for every optional key: interval, segment stride,
+  memory budget, pinned buckets.
+* A key spelled twice (``--gradient_checkpointing`` and ``gradient_checkpointing``, a short
+  and a long name) with different values is an error.
+* With ``gradient_checkpointing`` off, each key is still checked on its own (type and
+  range), but not against the others: the keys that only shape checkpointing (stride
+  below interval, a memory budget, ``auto`` with interval/stride) cannot clash.
+* ``gradient_checkpointing_memory_budget`` is ``auto``'s budget: :func:`as_config` (what
+  ``memfit.apply`` reads) refuses it with checkpointing on and a fixed backend, which cannot
+  keep a budget. A :class:`MemfitConfig` may carry one (``memfit fit --config`` reads a
+  trainer config's budget as its own).
+* Integers are ASCII digits (``"3"``; not ``"٣"``, ``"²"`` or ``"--2"``).
+* With ``strict=False`` foreign keys are ignored, except near misses of memfit's own
+  (a different case, ``-`` for ``_``, or up to three edits): those are errors with a
+  did-you-mean, since they are almost certainly typos.
 """
 
 from __future__ import annotations
 
 import difflib
 import enum
+import functools
 import json
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
@@ -38,6 +58,7 @@ class Backend(enum.StrEnum):
 
 
 _PREFIX = "gradient_checkpointing"
+_DEFAULT_BUCKETS = 12
 
 
 @dataclass(frozen=True)
@@ -52,7 +73,7 @@ class MemfitConfig:
     interval: int = 1
     segment_stride: int | None = None
     offload_attention: bool = False
-    offload_pin_memory_max_buckets: int = 12
+    offload_pin_memory_max_buckets: int = _DEFAULT_BUCKETS
     memory_budget: int | None = None  # bytes; the ``auto`` backend's budget (None: the card's free memory)
     stream_blocks: int | str | None = (
         None  # blocks (count) or frozen bytes (a size) whose weights stream from host
@@ -68,68 +89,84 @@ class MemfitConfig:
             data: the keys of SPEC §1. Short names (``backend``) are accepted too.
             strict: when True (default) an unknown key is a :class:`ConfigError`; when False,
                 keys that do not start with ``gradient_checkpointing`` are ignored (a full
-                trainer config can be passed), but an unknown ``gradient_checkpointing_*`` key
-                is still an error, since it is almost certainly a typo.
+                trainer config can be passed), but an unknown ``gradient_checkpointing_*`` key, or a
+                near miss of one of memfit's keys (case, ``-``/``_``, up to three edits), is still an
+                error, since it is almost certainly a typo.
 
         Raises:
-            ConfigError: a key is unknown or a value is invalid.
+            ConfigError: a key is unknown or spelled twice with different values, or a value is invalid.
+
+        Example:
+            >>> MemfitConfig.from_dict({"gradient_checkpointing": True, "gradient_checkpointing_interval": 2})
         """
-        if not isinstance(data, Mapping):
-            raise ConfigError(f"memfit config must be a mapping of SPEC keys, got {type(data).__name__}")
-        values: dict[str, Any] = {}
-        known = {_long_name(f.name): f.name for f in fields(cls)}
-        for raw_key, value in data.items():
-            # SimpleTuner-style configs spell keys as command-line flags ("--gradient_checkpointing")
-            key = raw_key[2:] if isinstance(raw_key, str) and raw_key.startswith("--") else raw_key
-            attr = known.get(key) or (key if key in known.values() else None)
-            if attr is None:
-                if not strict and not str(key).startswith(_PREFIX):
-                    continue
-                raise ConfigError(_unknown_key_message(str(key), list(known)))
-            values[attr] = value
-        return cls(**values)
+        return cls(**_normalise(data, strict=strict))
 
     @classmethod
     def from_file(cls, path: str | os.PathLike[str], *, strict: bool = True) -> MemfitConfig:
-        """Read a JSON trainer config file (e.g. a SimpleTuner ``config.json``)."""
-        with open(path, encoding="utf-8") as fh:
-            try:
-                data = json.load(fh)
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{path}: not valid JSON ({exc})") from exc
+        """Read a JSON trainer config file (e.g. a SimpleTuner ``config.json``).
+
+        Raises:
+            ConfigError: the file cannot be read (missing, a directory, not UTF-8) or is not valid JSON, naming
+                the path; or as :meth:`from_dict`.
+        """
+        try:
+            with open(path, encoding="utf-8") as fh:
+                text = fh.read()
+        except FileNotFoundError:
+            raise ConfigError(f"memfit config file {os.fspath(path)!r} does not exist") from None
+        except IsADirectoryError:
+            raise ConfigError(
+                f"memfit config path {os.fspath(path)!r} is a directory; give the JSON file (e.g. config.json)"
+            ) from None
+        except UnicodeDecodeError as exc:
+            raise ConfigError(
+                f"memfit config file {os.fspath(path)!r} is not UTF-8 text ({exc.reason})"
+            ) from None
+        except OSError as exc:
+            raise ConfigError(
+                f"memfit config file {os.fspath(path)!r} cannot be read: {exc.strerror}"
+            ) from None
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"{os.fspath(path)}: not valid JSON ({exc})") from exc
         return cls.from_dict(data, strict=strict)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "enabled", _as_bool("gradient_checkpointing", self.enabled))
-        object.__setattr__(self, "backend", _as_backend(self.backend))
-        object.__setattr__(
-            self, "interval", _as_int("gradient_checkpointing_interval", self.interval, minimum=1)
+        set_ = functools.partial(object.__setattr__, self)
+        set_("enabled", _as_bool("gradient_checkpointing", self.enabled))
+        set_("backend", _as_backend(self.backend))
+        set_("interval", _as_int("gradient_checkpointing_interval", self.interval, minimum=1, unset=1))
+        set_(
+            "segment_stride",
+            _as_int("gradient_checkpointing_segment_stride", self.segment_stride, minimum=1, unset=None),
         )
-        if self.segment_stride is not None:
-            stride = _as_int("gradient_checkpointing_segment_stride", self.segment_stride, minimum=1)
-            if stride < self.interval:
-                raise ConfigError(
-                    f"gradient_checkpointing_segment_stride={stride} is smaller than "
-                    f"gradient_checkpointing_interval={self.interval}; the stride must be >= the interval "
-                    f"(segments of {self.interval} checkpointed blocks start every `stride` blocks). "
-                    f"Use a stride of at least {self.interval}, or leave it unset."
-                )
-            object.__setattr__(self, "segment_stride", stride)
-        object.__setattr__(
-            self,
-            "offload_attention",
-            _as_bool("gradient_checkpointing_offload_attention", self.offload_attention),
+        set_(
+            "offload_attention", _as_bool("gradient_checkpointing_offload_attention", self.offload_attention)
         )
-        object.__setattr__(
-            self,
+        set_(
             "offload_pin_memory_max_buckets",
             _as_int(
                 "gradient_checkpointing_offload_pin_memory_max_buckets",
                 self.offload_pin_memory_max_buckets,
                 minimum=0,
+                unset=_DEFAULT_BUCKETS,
             ),
         )
+        if self.memory_budget is not None:
+            set_("memory_budget", _as_bytes("gradient_checkpointing_memory_budget", self.memory_budget))
+        set_("stream_blocks", _as_stream_blocks(self))
+        if self.enabled:  # relations between keys only matter when checkpointing is on
+            self._check_relations()
 
+    def _check_relations(self) -> None:
+        if self.segment_stride is not None and self.segment_stride < self.interval:
+            raise ConfigError(
+                f"gradient_checkpointing_segment_stride={self.segment_stride} is smaller than "
+                f"gradient_checkpointing_interval={self.interval}; the stride must be >= the interval "
+                f"(segments of {self.interval} checkpointed blocks start every `stride` blocks). "
+                f"Use a stride of at least {self.interval}, or leave it unset."
+            )
         if self.backend is Backend.AUTO:
             fixed = {
                 "gradient_checkpointing_interval": self.interval != 1,
@@ -143,11 +180,6 @@ class MemfitConfig:
                     f"attention offload); {', '.join(clash)} would fix what it chooses. Remove "
                     f"{'it' if len(clash) == 1 else 'them'}, or pick a fixed backend."
                 )
-        if self.memory_budget is not None:
-            object.__setattr__(
-                self, "memory_budget", _as_bytes("gradient_checkpointing_memory_budget", self.memory_budget)
-            )
-        object.__setattr__(self, "stream_blocks", _as_stream_blocks(self))
 
     # -- views -------------------------------------------------------------------------------------------------
 
@@ -177,10 +209,65 @@ def _long_name(attr: str) -> str:
     return _PREFIX if attr == "enabled" else f"{_PREFIX}_{attr}"
 
 
-def _unknown_key_message(key: str, known: list[str]) -> str:
-    close = difflib.get_close_matches(key, known, n=1, cutoff=0.6)
-    hint = f" Did you mean {close[0]!r}?" if close else ""
+def _normalise(data: Mapping[str, Any], *, strict: bool) -> dict[str, Any]:
+    """Trainer-style keys -> field names; unknown keys, near misses and conflicting spellings are errors."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(f"memfit config must be a mapping of SPEC keys, got {type(data).__name__}")
+    known = {_long_name(f.name): f.name for f in fields(MemfitConfig)}
+    values: dict[str, Any] = {}
+    spelled: dict[str, str] = {}
+    for raw_key, value in data.items():
+        # SimpleTuner-style configs spell keys as command-line flags ("--gradient_checkpointing")
+        key = raw_key[2:] if isinstance(raw_key, str) and raw_key.startswith("--") else raw_key
+        attr = known.get(key) or (key if key in known.values() else None)
+        if attr is None:
+            near = _near_miss(str(key), known)
+            if not strict and near is None and not str(key).startswith(_PREFIX):
+                continue
+            raise ConfigError(_unknown_key_message(str(raw_key), list(known), near))
+        if attr in values and values[attr] != value:
+            raise ConfigError(
+                f"memfit config sets {_long_name(attr)} twice, as {spelled[attr]!r}={values[attr]!r} and "
+                f"{raw_key!r}={value!r}; keep one of them."
+            )
+        values[attr] = value
+        spelled[attr] = str(raw_key)
+    return values
+
+
+def _unknown_key_message(key: str, known: list[str], near: str | None) -> str:
+    close = near or next(iter(difflib.get_close_matches(key, known, n=1, cutoff=0.6)), None)
+    hint = f" Did you mean {close!r}?" if close else ""
     return f"unknown memfit config key {key!r}.{hint} Known keys: {', '.join(sorted(known))}."
+
+
+# A foreign key this close to one of ours (after case and -/_ folding) is a typo, not another tool's key.
+_NEAR_MISS_EDITS = 3
+
+
+def _near_miss(key: str, known: Mapping[str, str]) -> str | None:
+    """The memfit key ``key`` almost spells (case, ``-``/``_``, a leading ``--``, up to three edits), if any."""
+    folded = key.lstrip("-").lower().replace("-", "_")
+    for candidate in known:
+        if _within_edits(folded, candidate, _NEAR_MISS_EDITS):
+            return candidate
+    return None
+
+
+def _within_edits(a: str, b: str, limit: int) -> bool:
+    """Whether the Levenshtein distance of ``a`` and ``b`` is at most ``limit`` (stops early: a trainer config
+    has a hundred foreign keys to compare)."""
+    if abs(len(a) - len(b)) > limit:
+        return False
+    previous = list(range(len(b) + 1))
+    for i, ca in enumerate(a, 1):
+        current = [i]
+        for j, cb in enumerate(b, 1):
+            current.append(min(previous[j] + 1, current[j - 1] + 1, previous[j - 1] + (ca != cb)))
+        if min(current) > limit:
+            return False
+        previous = current
+    return previous[-1] <= limit
 
 
 def _as_bool(key: str, value: Any) -> bool:
@@ -191,12 +278,17 @@ def _as_bool(key: str, value: Any) -> bool:
     raise ConfigError(f"{key} must be true or false, got {value!r}")
 
 
-def _as_int(key: str, value: Any, *, minimum: int) -> int:
+_ASCII_INT = re.compile(r"\s*[+-]?[0-9]+\s*")
+
+
+def _as_int(key: str, value: Any, *, minimum: int, unset: int | None) -> int | None:
+    """An integer >= ``minimum`` (an int, or a string of ASCII digits); ``None`` (JSON null) gives ``unset``."""
+    if value is None:
+        return unset
+    if isinstance(value, str) and _ASCII_INT.fullmatch(value):
+        value = int(value)
     if isinstance(value, bool) or not isinstance(value, int):
-        if isinstance(value, str) and value.strip().lstrip("-").isdigit():
-            value = int(value)
-        else:
-            raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
+        raise ConfigError(f"{key} must be an integer >= {minimum}, got {value!r}")
     if value < minimum:
         raise ConfigError(f"{key} must be an integer >= {minimum}, got {value}")
     return value
@@ -236,7 +328,11 @@ def as_config(
     strict: bool = True,
     **overrides: Any,
 ) -> MemfitConfig:
-    """Normalise whatever the user passed (config object, dict, JSON path, keywords) into a MemfitConfig."""
+    """Normalise whatever the user passed (config object, dict, JSON path, keywords) into a MemfitConfig to install.
+
+    Raises:
+        ConfigError: as :meth:`MemfitConfig.from_dict`; or a memory budget with checkpointing on and a fixed backend.
+    """
     if config is None:
         base: dict[str, Any] = {}
     elif isinstance(config, MemfitConfig):
@@ -244,14 +340,24 @@ def as_config(
     elif isinstance(config, (str, os.PathLike)):
         base = MemfitConfig.from_file(config, strict=strict).to_dict()
     elif isinstance(config, Mapping):
-        base = dict(config)
+        base = _normalise(config, strict=strict)
     else:
         raise ConfigError(
             f"config must be a dict of gradient_checkpointing_* keys, a MemfitConfig or a path to a JSON file; "
             f"got {type(config).__name__}"
         )
-    base.update(overrides)
-    return MemfitConfig.from_dict(base, strict=strict)
+    values = _normalise(base, strict=True)
+    values.update(_normalise(overrides, strict=strict))  # keyword arguments win over the config's keys
+    cfg = MemfitConfig(**values)
+    if cfg.enabled and cfg.backend is not Backend.AUTO and cfg.memory_budget is not None:
+        # A MemfitConfig may carry a budget with a fixed backend (`memfit fit --config` reads a trainer config's
+        # budget as its own); installing one would silently not keep it.
+        raise ConfigError(
+            f"gradient_checkpointing_memory_budget is the budget the 'auto' backend plans against; the fixed "
+            f"backend {cfg.backend.value!r} cannot keep it (it would be ignored). Set "
+            f"gradient_checkpointing_backend to 'auto', or remove the budget (or set it to null)."
+        )
+    return cfg
 
 
 def _as_stream_blocks(cfg: MemfitConfig) -> int | str | None:
@@ -278,15 +384,8 @@ def _as_stream_blocks(cfg: MemfitConfig) -> int | str | None:
             value = text
     elif isinstance(value, bool) or not isinstance(value, int) or value < 0:
         raise bad
-    if not value:
+    if not value or not cfg.enabled:  # relations between keys only matter when checkpointing is on
         return value
-    if not cfg.enabled:
-        raise ConfigError(
-            f"{key}={value!r} needs memfit's checkpointing on (a block whose weights stream is recomputed in "
-            f"backward): set gradient_checkpointing: true, or unset {key}. (With it on, this means FSDP's "
-            f"activation checkpointing is already on the model and turned memfit's off: remove FSDP's checkpoint "
-            f"wrapper.)"
-        )
     if cfg.backend is Backend.AUTO:
         raise ConfigError(
             f"{key} fixes how many blocks stream their weights; gradient_checkpointing_backend='auto' plans "

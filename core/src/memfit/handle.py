@@ -78,6 +78,8 @@ class MemfitHandle:
             "recomputes": s.recomputes,
             "unused": s.unused,
             "chain_breaks": s.chain_breaks,
+            "calls_skipped_early_stop": s.calls_skipped_early_stop,
+            "calls_cut_early_stop": s.calls_cut_early_stop,
             "entries": s.entries,
             "entry_bytes": s.entry_bytes,
             "saved_tensors_replaced": s.holders,

@@ -34,6 +34,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+from memfit.distributed import is_fsdp_module
 from memfit.engine import state
 from memfit.engine.frame import Frame, FrameStats
 from memfit.engine.hooks import Attached, HookRuns, attached_hook, detached_forward, eager_hook
@@ -322,9 +323,15 @@ class RegionEngine:
             module.__dict__["gradient_checkpointing"] = False
 
     def _install_region_hooks(self, module: nn.Module, *, eager_body: bool = False) -> None:
+        # The region's boundary is outside the module's other forward pre-hooks, as torch.utils.checkpoint's is
+        # around a module call: a hook that returns new arguments runs again in the recompute on the arguments
+        # the forward got, not twice on the same ones. Except inside FSDP2's hooks (a sharded block): FSDP casts
+        # and unshards around the region, and skips its forward hooks in the recompute.
         handles = self._region_handles.setdefault(module, [])
         handles.append(
-            module.register_forward_pre_hook(attached_hook(self._region_pre_hook), with_kwargs=True)
+            module.register_forward_pre_hook(
+                attached_hook(self._region_pre_hook), with_kwargs=True, prepend=not is_fsdp_module(module)
+            )
         )
         handles.append(
             module.register_forward_hook(

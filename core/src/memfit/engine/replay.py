@@ -1,59 +1,241 @@
-"""Capture the state a call ran under (RNG, autocast) and restore it for the recompute.
+"""What a region call ran under, captured in forward and put back for the recompute.
 
-Non-reentrant checkpoint semantics: the recompute must see the same random numbers
-(dropout) and the same autocast dtype as the forward, and must not disturb the
-caller's RNG stream.
+Non-reentrant checkpoint semantics: the recompute must compute exactly what the forward
+computed. So it replays, per call:
+
+* the RNG state (dropout draws the same numbers) without disturbing the caller's stream;
+* the autocast state (same dtypes);
+* the scaled-dot-product-attention backend selection (``sdpa_kernel`` around the forward
+  only: a different kernel saves different tensors);
+* the state of PEFT tuner layers inside the call's module (LoRA ``scaling``, active and
+  disabled adapters: diffusers' ``joint_attention_kwargs={"scale": s}`` sets the scale
+  for the forward's duration only).
+
+And it checks what it cannot replay: parameters and buffers the call's module reads are
+compared by version counter (an optimizer step or an in-place edit between forward and
+backward would make the recompute use the new values).
+
+Cost. Everything above is read per call, so it is kept flat: the module's parameters,
+buffers and tuner layers come from :data:`TREES`, a cache that is only rebuilt after a
+module, parameter or buffer was registered somewhere (PEFT's ``add_adapter``, a model
+built, a weight replaced): no module-tree walk per call. Importing memfit registers the
+three global registration hooks this needs (each only bumps a counter).
+
+Random numbers and threads. The recompute sets the process-wide generator to the state
+captured before the call and restores the caller's afterwards, as ``torch.utils.checkpoint``
+does. Another thread that draws random numbers from the same generator *while* a region
+call runs (in forward or in its recompute) changes what that call draws, and the
+recompute no longer matches: torch has one default generator per device, shared by all
+threads, so neither memfit nor ``torch.utils.checkpoint`` can isolate a call from it.
+Draws by other threads between the forward and the backward do not matter.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+import operator
+import sys
+import weakref
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 import torch
+from torch import nn
+
+from memfit.errors import MemfitError
 
 _AUTOCAST_DEVICE_TYPES = ("cpu", "cuda")
+VERSION = operator.attrgetter("_version")
+
+# -- SDPA backend selection ---------------------------------------------------------------------------------------
+# ``torch.nn.attention.sdpa_kernel`` flips these process-wide flags; the names differ across torch versions, so the
+# getters and setters are looked up once.
+_SDPA_ACCESSORS = (
+    *(
+        (f"_get_{n}_sdp_enabled", f"_set_sdp_use_{n}")
+        for n in ("flash", "mem_efficient", "math", "cudnn", "overrideable", "fa3", "fa4")
+    ),
+    ("_get_sdp_priority_order", "_set_sdp_priority_order"),
+    ("_get_math_sdp_allow_fp16_bf16_reduction", "_set_math_sdp_allow_fp16_bf16_reduction"),
+)
+_SDPA_STATE = tuple(
+    (getattr(torch._C, get), getattr(torch._C, set_))
+    for get, set_ in _SDPA_ACCESSORS
+    if hasattr(torch._C, get) and hasattr(torch._C, set_)
+)
+_SDPA_STATE_GET = tuple(get for get, _ in _SDPA_STATE)
 
 
-@dataclass(frozen=True)
-class _AutocastState:
-    device_type: str
-    enabled: bool
-    dtype: torch.dtype
+def _sdpa_state() -> tuple:
+    """Every SDPA selection flag, the priority order and the math reduction flag (one C call each)."""
+    return tuple(map(operator.call, _SDPA_STATE_GET))
 
 
-@dataclass(frozen=True)
+def _set_sdpa_state(sdpa: tuple) -> None:
+    for (_, set_), value in zip(_SDPA_STATE, sdpa, strict=True):
+        set_(value)
+
+
+# -- what a module's call reads: parameters, buffers, tuner layers (cached) -------------------------------------------
+
+
+class ModuleTree:
+    """What one module's call reads, for the checks and the replay: built once per module, per generation."""
+
+    __slots__ = ("generation", "tensors", "names", "buffers", "tuners")
+
+    def __init__(self, module: nn.Module, generation: int) -> None:
+        self.generation = generation
+        params = [(n, t) for n, t in module.named_parameters() if t is not None]
+        buffers = [(n, t) for n, t in module.named_buffers() if t is not None]
+        self.tensors = tuple(t for _, t in params + buffers)
+        self.names = tuple(n for n, _ in params + buffers)
+        self.buffers = len(buffers)  # a module may update its buffers itself (running statistics)
+        base = _tuner_base()
+        layers = tuple(m for m in module.modules() if isinstance(m, base)) if base is not None else ()
+        scaled = tuple(m for m in layers if type(m.__dict__.get("scaling")) is dict)
+        # PEFT tuner layers (all, and those with a LoRA-style ``scaling`` dict); empty without PEFT
+        self.tuners: tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]] | None = (
+            (scaled, layers) if layers else None
+        )
+
+    def versions(self) -> tuple[int, ...]:
+        return tuple(map(VERSION, self.tensors))
+
+    def name_of(self, tensor: torch.Tensor) -> str | None:
+        """The name of ``tensor`` (or of the parameter it is a view of) in this module, if it is one of its own."""
+        target = tensor._base if tensor._base is not None else tensor
+        for name, t in zip(self.names, self.tensors, strict=True):
+            if t is target:
+                return name
+        return None
+
+
+def _tuner_base() -> type | None:
+    """PEFT's tuner-layer base class if PEFT is imported (a model without PEFT has no tuner layers)."""
+    utils = sys.modules.get("peft.tuners.tuners_utils")
+    return getattr(utils, "BaseTunerLayer", None) if utils is not None else None
+
+
+class ModuleTrees:
+    """Per-module :class:`ModuleTree` cache, dropped whenever a module, parameter or buffer is registered anywhere.
+
+    The invalidation uses torch's global registration hooks (``register_module_*_registration_hook``), registered
+    once, when memfit is imported: they only count (``generation``) and drop the cache, so a replaced parameter is
+    never kept alive by it; the cache holds modules weakly. :meth:`close` takes them off.
+    """
+
+    def __init__(self) -> None:
+        self.generation = 0
+        self._cache: weakref.WeakKeyDictionary[nn.Module, ModuleTree] = weakref.WeakKeyDictionary()
+        mod = torch.nn.modules.module
+        self._handles = [
+            mod.register_module_module_registration_hook(self._changed),
+            mod.register_module_parameter_registration_hook(self._changed),
+            mod.register_module_buffer_registration_hook(self._changed),
+        ]
+
+    def of(self, module: nn.Module) -> ModuleTree:
+        tree = self._cache.get(module)
+        if tree is None:
+            tree = ModuleTree(module, self.generation)
+            if self._handles:  # kept only while changes are watched
+                self._cache[module] = tree
+        return tree
+
+    def close(self) -> None:
+        """Remove the registration hooks: every later lookup walks its module again, and a module changed between
+        a forward and its recompute is no longer noticed."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+        self._changed(None, "", None)
+
+    def _changed(self, module: nn.Module | None, name: str, value: Any) -> None:
+        self.generation += 1
+        self._cache.clear()
+
+
+TREES = ModuleTrees()
+
+
+# -- the captured context -----------------------------------------------------------------------------------------
+
+
 class CallContext:
-    """RNG and autocast state captured just before a region call."""
+    """RNG, autocast, SDPA backend and tuner-layer state captured just before a region call."""
 
-    cpu_rng: torch.Tensor
-    cuda_rng: tuple[tuple[int, torch.Tensor], ...]
-    autocast: tuple[_AutocastState, ...]
-    autocast_cache: bool
+    __slots__ = ("cpu_rng", "cuda_rng", "autocast", "autocast_cache", "sdpa", "tuners", "tuner_state")
 
-    @classmethod
-    def capture(cls, tensors: Sequence[torch.Tensor]) -> CallContext:
+    def __init__(self, tensors: Sequence[torch.Tensor], tree: ModuleTree) -> None:
         cuda_devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
-        cuda_rng = tuple((d, torch.cuda.get_rng_state(d)) for d in cuda_devices)
-        autocast = tuple(
-            _AutocastState(dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = tuple((d, torch.cuda.get_rng_state(d)) for d in cuda_devices)
+        self.autocast = tuple(
+            (dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
             for dt in _AUTOCAST_DEVICE_TYPES
             if dt != "cuda" or torch.cuda.is_available()
         )
-        return cls(torch.get_rng_state(), cuda_rng, autocast, torch.is_autocast_cache_enabled())
+        self.autocast_cache = torch.is_autocast_cache_enabled()
+        self.sdpa = _sdpa_state()
+        self.tuners = tree.tuners
+        self.tuner_state = _tuner_state(tree.tuners) if tree.tuners is not None else ()
 
     @contextlib.contextmanager
-    def restored(self) -> Iterator[None]:
+    def restored(self, where: Callable[[], str]) -> Iterator[None]:
+        """Run the recompute of this call under the captured state; ``where()`` names the call in errors."""
         devices = [d for d, _ in self.cuda_rng]
         with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as stack:
             torch.set_rng_state(self.cpu_rng)
             for device, state in self.cuda_rng:
                 torch.cuda.set_rng_state(state, device)
-            for ac in self.autocast:
+            for device_type, enabled, dtype in self.autocast:
                 stack.enter_context(
                     torch.autocast(
-                        ac.device_type, dtype=ac.dtype, enabled=ac.enabled, cache_enabled=self.autocast_cache
+                        device_type, dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache
                     )
                 )
+            sdpa = _sdpa_state()
+            if sdpa != self.sdpa:
+                _set_sdpa_state(self.sdpa)
+                stack.callback(_set_sdpa_state, sdpa)
+            if self.tuners is not None:
+                now = _tuner_state(self.tuners)
+                if now != self.tuner_state:
+                    _check_same_adapters(self.tuner_state, now, where)
+                    _set_tuner_state(self.tuners, self.tuner_state)
+                    stack.callback(_set_tuner_state, self.tuners, now)
             yield
+
+
+# PEFT tuner layers: ``scaling`` (a dict adapter -> float: LoRA and its relatives; other tuners have none),
+# ``_disable_adapters``, ``_active_adapter``. Read per call; written back only when they differ at the recompute.
+_TUNER_FLAGS = operator.attrgetter("_disable_adapters", "_active_adapter")
+_SCALING = operator.attrgetter("scaling")
+
+
+def _tuner_state(tuners: tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]]) -> tuple:
+    """(copies of the scaling dicts of the layers that have one, (disabled, active) of every tuner layer)."""
+    scaled, layers = tuners
+    return tuple(map(dict.copy, map(_SCALING, scaled))), tuple(map(_TUNER_FLAGS, layers))
+
+
+def _set_tuner_state(tuners: tuple[tuple[nn.Module, ...], tuple[nn.Module, ...]], state: tuple) -> None:
+    scaled, layers = tuners
+    scalings, flags = state
+    for layer, scaling in zip(scaled, scalings, strict=True):
+        layer.scaling.update(scaling)
+    for layer, (disabled, active) in zip(layers, flags, strict=True):
+        layer._disable_adapters = disabled
+        layer._active_adapter = active
+
+
+def _check_same_adapters(then: tuple, now: tuple, where: Callable[[], str]) -> None:
+    """Adapters the forward used must still exist (one added since is inactive in the replay: harmless)."""
+    for scaling_then, scaling_now in zip(then[0], now[0], strict=True):
+        gone = sorted(set(scaling_then) - set(scaling_now))
+        if gone:
+            raise MemfitError(
+                f"the PEFT adapter(s) {gone} of {where()} were deleted between the forward and the backward, so the "
+                f"region cannot be recomputed as it ran. Delete adapters after backward()."
+            )

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 import torch
 
@@ -48,6 +48,25 @@ def exit_region_call() -> None:
 def regions_may_open() -> bool:
     """A new region may start: autograd records, we are not recomputing, not inside another region call."""
     return torch.is_grad_enabled() and not recomputing() and not in_region_call()
+
+
+# Parameters whose data streams from host memory (``memfit.offload.weights``): a frame never keeps one (or a view
+# of one) as saved, since that would hold the block's uploaded weights from its forward until its backward;
+# they are recomputed like activations. By id: the streamer holds the parameters while they are listed.
+_streamed_parameters: set[int] = set()
+
+
+def mark_streamed(parameters: Iterable[torch.Tensor], *, streamed: bool) -> None:
+    """List (or unlist) parameters whose data streams from host memory."""
+    ids = {id(p) for p in parameters}
+    if streamed:
+        _streamed_parameters.update(ids)
+    else:
+        _streamed_parameters.difference_update(ids)
+
+
+def is_streamed(parameter: torch.Tensor) -> bool:
+    return id(parameter) in _streamed_parameters
 
 
 def add_held_listener(fn: Callable[[torch.Tensor], None]) -> None:

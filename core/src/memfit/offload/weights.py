@@ -49,11 +49,11 @@ from typing import Any
 import torch
 from torch import nn
 
+import memfit.offload.hostmem as hostmem
 from memfit.distributed import is_fsdp_module
 from memfit.engine import state
 from memfit.engine.hooks import Attached, attached_hook
 from memfit.errors import HostMemoryError, MemfitError, MemfitWarning, NotAvailableError
-from memfit.offload import hostmem
 from memfit.offload.copy import StreamApi, dense_layout
 from memfit.units import format_bytes
 
@@ -328,6 +328,7 @@ class WeightStreamer:
         for block in self.blocks:
             for w in block.weights:
                 w.param.data = w.placeholder
+            state.mark_streamed([w.param for w in block.weights], streamed=True)
             module = block.module
             self._handles.append(module.register_forward_pre_hook(attached_hook(self._pre)))
             self._handles.append(module.register_forward_hook(attached_hook(self._post), always_call=True))
@@ -358,6 +359,7 @@ class WeightStreamer:
             handle.remove()
         self._handles.clear()
         for block in self.blocks:
+            state.mark_streamed([w.param for w in block.weights], streamed=False)
             for w in block.weights:
                 assert w.master is not None
                 restored = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
