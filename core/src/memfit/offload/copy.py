@@ -57,6 +57,11 @@ which memory is tied to which stream) is then checked without a GPU.
 
 ``SyncCopyEngine`` does the same bookkeeping with plain synchronous copies: it runs on
 CPU tensors, so the parking, dedup and pool logic is testable without a GPU.
+
+Copies outside autograd.  A parked tensor is usually part of the graph (a block's input requires grad), and
+``host_view.copy_(tensor)`` or ``torch.cat`` of such tensors would record graph nodes; into a pooled host
+buffer, whose view objects are kept and reused, each step's graph would chain onto the last one's and never be
+freed (every step's block inputs and the step's leaf inputs leaked). Parking runs under ``torch.no_grad()``.
 """
 
 from __future__ import annotations
@@ -246,6 +251,10 @@ class CopyEngine:
         """Park several tensors produced on the same stream: one ordering event, one completion event."""
         if not tensors:
             return []
+        with torch.no_grad():  # see "Copies outside autograd"
+            return self._offload_many(tensors)
+
+    def _offload_many(self, tensors: list[torch.Tensor]) -> list[Parked]:
         api = self.streams
         compute = api.current_stream(tensors[0].device)
         if len(tensors) > 1:
@@ -579,6 +588,7 @@ class SyncCopyEngine(CopyEngine):
     def offload_many(self, tensors: list[torch.Tensor]) -> list[Parked]:
         return [self.offload(t) for t in tensors]
 
+    @torch.no_grad()  # see "Copies outside autograd"
     def offload(self, tensor: torch.Tensor) -> Parked:
         src = tensor if dense_layout(tensor) else tensor.contiguous()
         nbytes = src.numel() * src.element_size()
