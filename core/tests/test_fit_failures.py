@@ -170,3 +170,24 @@ def test_the_fork_server_preload_never_touches_cuda():
         [sys.executable, "-c", script], capture_output=True, text=True, check=True, timeout=300
     )
     assert out.stdout.strip() == "[]"
+
+
+def test_when_nothing_fits_by_activations_the_ladder_streams_weights_the_least_first(workload):
+    """On a card smaller than the frozen weights every activation rung runs out of memory: the ladder then tries
+    unsloth with weights streamed from host memory, the fewest bytes first, and recommends the first that fits."""
+    budget = 24 << 30
+    tried: list[str] = []
+
+    class Card:
+        def measure(self, rung, on_phase):
+            tried.append(rung.name)
+            streamed = (rung.config or {}).get("gradient_checkpointing_stream_blocks")
+            if streamed is None or streamed == f"{budget // 4 >> 20}MiB":
+                return RungFailure(FailureKind.OUT_OF_MEMORY, "CUDA out of memory", "forward", peak_bytes=budget)
+            return StepMeasurement(held_bytes=1, peak_bytes=budget - (1 << 30), step_seconds=1.0, frames=57)
+
+    report = run_ladder(Card(), adapter=workload.adapter, budget_bytes=budget, device_type="cuda")
+    streaming = [name for name in tried if "stream" in name]
+    assert streaming == ["unsloth + stream 6144MiB", "unsloth + stream 12288MiB"]  # stops at the first fit
+    assert report.recommended is not None and report.recommended.rung.name == "unsloth + stream 12288MiB"
+    assert report.recommended_config()["gradient_checkpointing_stream_blocks"] == "12288MiB"

@@ -56,7 +56,7 @@ def _one_budget(args: dict[str, Any]) -> dict[str, Any]:
     if cuda:
         torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN's SDPA backward fails on this stack (README)
         total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), device)
+        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), torch.cuda.current_device())
     adapter = memfit.get_adapter(args["family"])
     preset = adapter.presets[args["preset"]]
     dtype = torch.bfloat16 if cuda else torch.float32

@@ -42,6 +42,8 @@ from memfit.measure import (
 )
 
 MIN_TIE = 0.01  # step times closer than this are the same speed (see "Ranking")
+# weight-streaming rungs tried when nothing fits by activations: frozen bytes to stream, as shares of the budget
+STREAM_SHARES = (0.25, 0.5, 0.75)
 
 
 @dataclass(frozen=True)
@@ -64,6 +66,20 @@ class Rung:
             cfg["gradient_checkpointing_interval"] = interval
             name += f" interval {interval}"
         return cls(name, cfg)
+
+    @classmethod
+    def streaming(cls, stream_bytes: int) -> Rung:
+        """``unsloth`` with the frozen weights of blocks holding at least ``stream_bytes`` streamed from host
+        memory (``gradient_checkpointing_stream_blocks``)."""
+        size = f"{max(1, stream_bytes >> 20)}MiB"
+        return cls(
+            f"unsloth + stream {size}",
+            {
+                "gradient_checkpointing": True,
+                "gradient_checkpointing_backend": Backend.UNSLOTH.value,
+                "gradient_checkpointing_stream_blocks": size,
+            },
+        )
 
     @classmethod
     def auto(cls, budget_bytes: int) -> Rung:
@@ -333,6 +349,14 @@ def run_ladder(
             if not result.fits:
                 break  # a larger interval keeps more resident: it will not fit either
             candidates.append(result)
+    if not candidates and on_cuda and budget_bytes is not None and adapter is not None:
+        # nothing fits by activations alone (the frozen weights are most of the card): stream weights, the
+        # least first (each more streamed byte is a copy the step may wait for)
+        for j, share in enumerate(STREAM_SHARES):
+            result = run(Rung.streaming(int(budget_bytes * share)), len(STREAM_SHARES) - j - 1 + len(extra))
+            if result.fits:
+                candidates.append(result)
+                break
     for j, rung in enumerate(extra):
         result = run(rung, len(extra) - j - 1)
         if result.fits:
