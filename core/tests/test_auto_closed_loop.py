@@ -168,3 +168,20 @@ def test_settled_shapes_are_not_measured_any_more(model, monkeypatch):
     monkeypatch.setattr(budget_planner, "default_peak_meter", lambda device: meter)
     train(model, batch, (none + smallest) // 2, meter, steps=12)
     assert len(meter.readings) <= budget_planner.CALIBRATION_STEPS + 3  # calibration only, then no resets
+
+
+def test_a_budget_the_allocator_headroom_would_refuse_runs_the_smallest_plan(model, monkeypatch):
+    """On a card of the budget's size the headroom kept for the caching allocator (a guess until a step is
+    measured) can put the plannable budget below every plan while the smallest plan is within the budget itself:
+    that plan runs (the closed loop measures it) instead of a BudgetError."""
+    batch = inputs(model)
+    _, smallest = no_checkpoint_peak(model, batch)
+    budget = int(smallest * 1.05)
+    monkeypatch.setattr(budget_planner, "device_capacity", lambda device: budget)  # 0.84 x budget < smallest
+    meter = StandInMeter(error=0)
+    monkeypatch.setattr(budget_planner, "default_peak_meter", lambda device: meter)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemfitWarning)
+        ran, stats = train(model, batch, budget, meter, steps=2)
+    assert ran[0].predicted_peak_bytes == smallest
+    assert all(m <= budget for m in meter.readings)

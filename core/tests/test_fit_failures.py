@@ -183,7 +183,9 @@ def test_when_nothing_fits_by_activations_the_ladder_streams_weights_the_least_f
             tried.append(rung.name)
             streamed = (rung.config or {}).get("gradient_checkpointing_stream_blocks")
             if streamed is None or streamed == f"{budget // 4 >> 20}MiB":
-                return RungFailure(FailureKind.OUT_OF_MEMORY, "CUDA out of memory", "forward", peak_bytes=budget)
+                return RungFailure(
+                    FailureKind.OUT_OF_MEMORY, "CUDA out of memory", "forward", peak_bytes=budget
+                )
             return StepMeasurement(held_bytes=1, peak_bytes=budget - (1 << 30), step_seconds=1.0, frames=57)
 
     report = run_ladder(Card(), adapter=workload.adapter, budget_bytes=budget, device_type="cuda")
@@ -191,3 +193,48 @@ def test_when_nothing_fits_by_activations_the_ladder_streams_weights_the_least_f
     assert streaming == ["unsloth + stream 6144MiB", "unsloth + stream 12288MiB"]  # stops at the first fit
     assert report.recommended is not None and report.recommended.rung.name == "unsloth + stream 12288MiB"
     assert report.recommended_config()["gradient_checkpointing_stream_blocks"] == "12288MiB"
+
+
+def test_a_failed_step_frees_its_activations_before_memfit_is_removed(monkeypatch):
+    """Putting streamed weights back on the device at remove() needs memory; after an out-of-memory step that
+    memory is held by the traceback's frames until they are freed, so remove() comes after they are."""
+    import weakref
+
+    import memfit
+    from memfit.measure import measure_step
+    from memfit.offload import weights
+
+    from toy import TOY, build
+
+    model = build(dim=64, blocks=4)
+    model.requires_grad_(False)
+    alive: list[weakref.ref] = []
+
+    class Failing(torch.nn.Module):
+        def forward(self, hidden_states):
+            big = torch.ones(1 << 20)  # an activation the failed step held
+            alive.append(weakref.ref(big))
+            raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    seen_at_remove = []
+    real_remove = weights.WeightStreamer.remove
+
+    def remove(self):
+        seen_at_remove.append(alive[0]() is None)
+        real_remove(self)
+
+    monkeypatch.setattr(weights.WeightStreamer, "remove", remove)
+    model.blocks[-1].register_forward_pre_hook(lambda m, a: Failing()(a[0]))
+    cfg = {"gradient_checkpointing": True, "gradient_checkpointing_stream_blocks": 2}
+    with pytest.raises(torch.OutOfMemoryError):
+        measure_step(
+            model,
+            {"hidden_states": torch.randn(1, 8, 64)},
+            lambda out: out.sum(),
+            config=cfg,
+            adapter=TOY,
+            warmup=0,
+            steps=1,
+        )
+    assert seen_at_remove and seen_at_remove[0]  # the activation was gone when the weights went back
+    memfit.apply(model, cfg, adapter=TOY).remove()  # and memfit is off the model

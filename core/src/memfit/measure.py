@@ -133,39 +133,63 @@ def measure_step(
     on_phase("apply")
     handle = memfit.apply(model, config, adapter=adapter) if config else None
     try:
-        times: list[float] = []
-        held = 0
-        frames = 0
-        exclude = [*model.parameters(), *model.buffers()]
-        for i in range(warmup + steps):
-            model.zero_grad(set_to_none=True)
-            if handle is not None:
-                handle.reset_stats()
-            if i == warmup and device.type == "cuda":
-                torch.cuda.reset_peak_memory_stats(device)
-            _sync(device)
-            start = time.perf_counter()
-            on_phase("forward")
-            with SavedBytesMeter(exclude=exclude) as meter:
-                loss = loss_fn(model(**inputs))
-            on_phase("backward")
-            loss.backward()
-            _sync(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - start)
-            held = meter.device_bytes
-            frames = handle.stats()["frames"] if handle is not None else 0
-            del loss
-        cuda = device.type == "cuda"
-        peak = torch.cuda.max_memory_allocated(device) if cuda else None
-        reserved = torch.cuda.max_memory_reserved(device) if cuda else None
-        model.zero_grad(set_to_none=True)
-        return StepMeasurement(
-            held, peak, statistics.median(times), frames, relative_spread(times), peak_reserved_bytes=reserved
+        return _timed_steps(
+            model, inputs, loss_fn, handle, device, warmup=warmup, steps=steps, on_phase=on_phase
         )
+    except BaseException as exc:
+        if handle is not None:
+            # the failed step's activations live in the traceback's frames: free them before memfit takes its
+            # hooks off (putting streamed weights back on the device needs the memory an out-of-memory step held)
+            exc.__traceback__ = None
+            release_memory(model, device)
+            handle.remove()
+        raise
     finally:
         if handle is not None:
             handle.remove()
+
+
+def _timed_steps(
+    model: nn.Module,
+    inputs: dict[str, Any],
+    loss_fn: Callable[[Any], torch.Tensor],
+    handle: Any,
+    device: torch.device,
+    *,
+    warmup: int,
+    steps: int,
+    on_phase: Callable[[str], None],
+) -> StepMeasurement:
+    times: list[float] = []
+    held = 0
+    frames = 0
+    exclude = [*model.parameters(), *model.buffers()]
+    for i in range(warmup + steps):
+        model.zero_grad(set_to_none=True)
+        if handle is not None:
+            handle.reset_stats()
+        if i == warmup and device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+        _sync(device)
+        start = time.perf_counter()
+        on_phase("forward")
+        with SavedBytesMeter(exclude=exclude) as meter:
+            loss = loss_fn(model(**inputs))
+        on_phase("backward")
+        loss.backward()
+        _sync(device)
+        if i >= warmup:
+            times.append(time.perf_counter() - start)
+        held = meter.device_bytes
+        frames = handle.stats()["frames"] if handle is not None else 0
+        del loss
+    cuda = device.type == "cuda"
+    peak = torch.cuda.max_memory_allocated(device) if cuda else None
+    reserved = torch.cuda.max_memory_reserved(device) if cuda else None
+    model.zero_grad(set_to_none=True)
+    return StepMeasurement(
+        held, peak, statistics.median(times), frames, relative_spread(times), peak_reserved_bytes=reserved
+    )
 
 
 def is_cuda_fault(exc: BaseException) -> bool:

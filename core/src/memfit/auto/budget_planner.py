@@ -288,7 +288,9 @@ class BudgetPlanner:
             )
         # with a closed loop the first plan is made with a margin (its own step must fit too)
         target = budget - int(FIRST_PLAN_MARGIN * self.budget_bytes) if self.meter is not None else budget
-        plan = self._plan_at(profile, target, at_least=budget)
+        # below what any plan reaches, the smallest plan is still tried if it is within the user's own budget: the
+        # closed loop measures it (the allocator's headroom above is a guess until a step was measured)
+        plan = self._plan_at(profile, target, at_least=self.budget_bytes)
         shape = self.shapes[signature] = ShapeBudget(profile, plan, target)
         if not plan.needed and not self._warned_unneeded:
             self._warned_unneeded = True
