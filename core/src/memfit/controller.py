@@ -12,6 +12,7 @@ of the module being called); the controller forwards the start and end of each f
 from __future__ import annotations
 
 import sys
+import threading
 from collections.abc import Hashable, Mapping
 from typing import Any, Protocol
 
@@ -19,6 +20,7 @@ import torch
 from torch import nn
 
 from memfit.adapters.spec import FamilyAdapter
+from memfit.engine import state
 from memfit.engine.frame import FrameStats
 from memfit.engine.hooks import Attached
 from memfit.install import Installation, install
@@ -105,6 +107,7 @@ class Controller:
         self.stats = FrameStats()  # one set of counters across re-plans
         self.replans = 0
         self._signature: Hashable = None
+        self._local = threading.local()  # per thread: a forward of this model is running (depth)
         self._handles: list[Any] = []
         self.installation = self._install(initial)
         self._handles.append(model.register_forward_pre_hook(Attached(self._pre), with_kwargs=True))
@@ -115,6 +118,7 @@ class Controller:
         self._handles.append(handle)
 
     def remove(self) -> None:
+        self._undo_interrupted()
         self.installation.remove()
         for h in self._handles:
             h.remove()
@@ -133,6 +137,10 @@ class Controller:
     # -- model hooks --------------------------------------------------------------------------------------------
 
     def _pre(self, module: nn.Module, args: tuple, kwargs: dict) -> None:
+        depth = getattr(self._local, "depth", 0)
+        if depth:  # the last forward on this thread never ended (interrupted): start clean
+            self._undo_interrupted()
+        self._local.depth = 1
         if self.planner.adaptive and torch.is_grad_enabled():
             if self._signature is not None:
                 self.planner.step_finished(self._signature)
@@ -142,7 +150,15 @@ class Controller:
         self.installation.begin_forward()
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
+        self._local.depth = 0
         self.installation.end_forward(failed=output is None and sys.exc_info()[0] is not None)
+
+    def _undo_interrupted(self) -> None:
+        """Undo what an interrupted forward left on this thread (``KeyboardInterrupt`` skips the hooks that
+        would): its region calls' saved-tensor hooks, and the engine's open frames."""
+        state.undo_open_calls()
+        self.installation.engine.forget_open_calls()
+        self._local.depth = 0
 
     def _switch(self, signature: Hashable, args: tuple, kwargs: dict) -> None:
         current = self.installation.plan

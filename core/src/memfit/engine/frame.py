@@ -237,7 +237,7 @@ class Frame:
             functools.partial(self._pack, call), self._unpack
         )
         self._hooks.__enter__()
-        state.enter_region_call()
+        state.enter_region_call(self._undo_call)
         self.stats.calls += 1
 
     def end_call(self, output: Any) -> None:
@@ -265,6 +265,13 @@ class Frame:
         ]
         if self.complete:
             self.close()
+
+    def _undo_call(self) -> None:
+        """The call was interrupted and never ended (see :func:`memfit.engine.state.undo_open_calls`)."""
+        hooks, self._hooks = self._hooks, None
+        if hooks is not None:
+            hooks.__exit__(None, None, None)
+        self.close()
 
     def abort_call(self) -> None:
         """The call raised: stop swapping and make sure nothing more joins this frame."""

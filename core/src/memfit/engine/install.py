@@ -434,6 +434,12 @@ class RegionEngine:
 
     # -- hook entry -------------------------------------------------------------------------------------------------
 
+    def forget_open_calls(self) -> None:
+        """Drop this thread's calls begun by pre-hooks and the open frame (after an interrupted forward; their
+        saved-tensor hooks were undone by :func:`memfit.engine.state.undo_open_calls`)."""
+        self._stack().clear()
+        self._close_open()
+
     def _stack(self) -> list[tuple[nn.Module, Frame]]:
         stack = getattr(self._local, "stack", None)
         if stack is None:

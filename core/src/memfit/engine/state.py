@@ -25,7 +25,7 @@ def recomputing() -> bool:
 
 
 def in_region_call() -> bool:
-    return getattr(_local, "call_depth", 0) > 0
+    return bool(getattr(_local, "open_calls", None))
 
 
 @contextlib.contextmanager
@@ -37,12 +37,35 @@ def recompute_scope() -> Iterator[None]:
         _local.recompute_depth -= 1
 
 
-def enter_region_call() -> None:
-    _local.call_depth = getattr(_local, "call_depth", 0) + 1
+# -- Interrupted calls -------------------------------------------------------------------------------------------
+# A region call pushes saved-tensor hooks on the thread's autograd state and pops them when the call returns or
+# raises. A ``KeyboardInterrupt`` skips the forward hooks that pop them (``always_call`` hooks run for
+# ``Exception`` only), and the thread would go on packing every saved tensor into a dead region. So each open
+# call registers how to undo itself, and whatever finds calls left open where none can be (the model's next
+# forward, ``handle.remove()``) undoes them, innermost first.
+
+
+def enter_region_call(undo: Callable[[], None]) -> None:
+    """A region call starts on this thread; ``undo`` pops what it pushed if it is never ended."""
+    calls = getattr(_local, "open_calls", None)
+    if calls is None:
+        calls = _local.open_calls = []
+    calls.append(undo)
 
 
 def exit_region_call() -> None:
-    _local.call_depth -= 1
+    _local.open_calls.pop()
+
+
+def undo_open_calls() -> int:
+    """Undo every region call left open on this thread (interrupted), innermost first; returns how many."""
+    calls = getattr(_local, "open_calls", None) or []
+    undone = 0
+    while calls:
+        undo = calls.pop()
+        undo()
+        undone += 1
+    return undone
 
 
 def regions_may_open() -> bool:

@@ -118,7 +118,7 @@ class AttentionOffloader:
         # a partial, not a lambda: one Python frame less per saved tensor
         hooks = torch.autograd.graph.saved_tensors_hooks(functools.partial(self._pack, group), self._unpack)
         hooks.__enter__()
-        state.enter_region_call()
+        state.enter_region_call(functools.partial(self._undo, module, hooks))
         self._active.append((module, hooks, group))
         self.calls += 1
 
@@ -128,6 +128,11 @@ class AttentionOffloader:
         _, hooks, group = self._active.pop()
         state.exit_region_call()
         hooks.__exit__(None, None, None)
+
+    def _undo(self, module: nn.Module, hooks: Any) -> None:
+        """The attention call was interrupted and never ended (:func:`memfit.engine.state.undo_open_calls`)."""
+        hooks.__exit__(None, None, None)
+        self._active = [a for a in self._active if a[0] is not module]
 
     def _pack(self, group: SavedGroup, tensor: torch.Tensor) -> SavedHandle:
         if not self.session.worth_parking(tensor):
