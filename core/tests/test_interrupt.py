@@ -8,8 +8,9 @@ import pytest
 import torch
 
 import memfit
-from helpers import assert_same, step
 from memfit_conformance.base import cpu_copy_engine
+
+from helpers import assert_same, step
 from toy import TOY, build
 
 ON = {"gradient_checkpointing": True}
