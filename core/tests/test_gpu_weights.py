@@ -15,6 +15,7 @@ import torch
 from test_weights import frozen_toy, streamer_of
 
 import memfit
+import memfit.controller
 from memfit.offload.copy import StreamApi
 from memfit.offload.weights import frozen_block_bytes
 from memfit_conformance.plugin import require_cuda
@@ -183,7 +184,7 @@ def test_delayed_streams_still_give_identical_gradients(monkeypatch, delayed):
     x = torch.randn(1, 2048, 1024, device="cuda")
     hooks = []
     if delayed == "copies":
-        monkeypatch.setattr(memfit.install, "stream_api_for", lambda block: _DelayedCopies(10_000_000))
+        monkeypatch.setattr(memfit.controller, "stream_api_for", lambda block: _DelayedCopies(10_000_000))
     else:
         hooks = [
             b.ff_out.register_forward_hook(lambda *_: torch.cuda._sleep(2_000_000)) for b in model.blocks

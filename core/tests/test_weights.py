@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import memfit
+import memfit.controller
 from memfit import BlockPolicy, ConfigError, HostMemoryError, MemfitError, MemfitWarning, NotAvailableError
 from memfit.offload import weights as weights_mod
 from memfit.offload.weights import WeightStreamer, choose_streamed_blocks, frozen_block_bytes
@@ -329,7 +330,7 @@ class _WeightStreams(RecordingStreams):
 
 def test_every_use_of_an_upload_waits_for_its_copy(monkeypatch, x):
     streams = _WeightStreams()
-    monkeypatch.setattr(memfit.install, "stream_api_for", lambda block: streams)
+    monkeypatch.setattr(memfit.controller, "stream_api_for", lambda block: streams)
     model = frozen_toy()
     ref = step(model, x)
     with apply(model, {**ON, KEY: 3}) as handle:

@@ -23,8 +23,9 @@ from memfit.adapters.spec import FamilyAdapter
 from memfit.engine import state
 from memfit.engine.frame import FrameStats
 from memfit.engine.hooks import Attached
-from memfit.install import Installation, install
+from memfit.install import Installation, install, streamed_modules
 from memfit.offload.session import OffloadSession
+from memfit.offload.weights import WeightStreamer, stream_api_for
 from memfit.plan import RegionPlan
 
 
@@ -109,6 +110,8 @@ class Controller:
         self._signature: Hashable = None
         self._local = threading.local()  # per thread: a forward of this model is running (depth)
         self._handles: list[Any] = []
+        # streams the current plan's streamed blocks; outlives re-plans, so host masters are made once per block
+        self.streamer: WeightStreamer | None = None
         self.installation = self._install(initial)
         self._handles.append(model.register_forward_pre_hook(Attached(self._pre), with_kwargs=True))
         self._handles.append(model.register_forward_hook(Attached(self._post), always_call=True))
@@ -120,6 +123,9 @@ class Controller:
     def remove(self) -> None:
         self._undo_interrupted()
         self.installation.remove()
+        if self.streamer is not None:
+            self.streamer.remove()
+            self.streamer = None
         for h in self._handles:
             h.remove()
         self._handles.clear()
@@ -132,7 +138,22 @@ class Controller:
             stats=self.stats,
             session=self.session,
             kept_bytes=self.planner.kept_bytes(),
+            streamer=self._streamer_for(plan),
         )
+
+    def _streamer_for(self, plan: RegionPlan) -> WeightStreamer | None:
+        """The streamer, pointed at ``plan``'s streamed blocks (made on first need; freed when none stream)."""
+        modules = streamed_modules(self.model, self.adapter, plan)
+        if not modules:
+            if self.streamer is not None:
+                self.streamer.remove()
+                self.streamer = None
+            return None
+        if self.streamer is None:
+            self.streamer = WeightStreamer(self.model, modules, streams=stream_api_for(modules[0][1]))
+        else:
+            self.streamer.retarget(modules)
+        return self.streamer
 
     # -- model hooks --------------------------------------------------------------------------------------------
 

@@ -15,8 +15,10 @@ Per block policy (:class:`~memfit.plan.BlockPolicy`):
 * keep, in a plan that parks anything → the block still counts as a region of the step's offload timeline
   (:func:`~memfit.offload.regions.mark_keeping_blocks`), as do recomputed regions that keep their entries.
 
-Blocks whose weights stream (:attr:`~memfit.plan.PlannedBlock.stream_weights`) also go to one
-:class:`~memfit.offload.weights.WeightStreamer`, installed before the region hooks and removed after them.
+Blocks whose weights stream (:attr:`~memfit.plan.PlannedBlock.stream_weights`) go to the controller's
+:class:`~memfit.offload.weights.WeightStreamer` (:func:`streamed_modules` names them): it outlives installations
+(its host masters are made once), and each installation installs it before the region hooks and suspends it
+after them.
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ from memfit.errors import MemfitError, UnsupportedBoundaryError
 from memfit.offload.attention import AttentionOffloader
 from memfit.offload.regions import OffloadStash, device_stash_after_parking, mark_keeping_blocks
 from memfit.offload.session import OffloadSession
-from memfit.offload.weights import WeightStreamer, stream_api_for, weight_stats
+from memfit.offload.weights import WeightStreamer, weight_stats
 from memfit.plan import BlockEntry, BlockPolicy, RegionPlan
 
 
@@ -45,7 +47,7 @@ class Installation:
         plan: the plan it installs.
         engine: the region engine (block and FFN regions).
         offloader: the attention offloader, or None when no block offloads attention.
-        streamer: the weight streamer, or None when no block streams its weights.
+        streamer: the weight streamer (the controller's), or None when no block streams its weights.
     """
 
     def __init__(
@@ -87,7 +89,7 @@ class Installation:
         if self.offloader is not None:
             self.offloader.remove()
         if self.streamer is not None:
-            self.streamer.remove()
+            self.streamer.suspend()  # its weights back on the device; its host masters stay for the next plan
 
 
 def install(
@@ -98,6 +100,7 @@ def install(
     stats: FrameStats,
     session: OffloadSession | None,
     kept_bytes: Mapping[str, int] | None = None,
+    streamer: WeightStreamer | None = None,
 ) -> Installation:
     """Install ``plan`` on ``model``.
 
@@ -109,6 +112,7 @@ def install(
         session: the offload session; required when a policy copies to host memory.
         kept_bytes: per block name, the bytes a block that keeps everything holds (``auto``'s profile): its
             weight in the reload-ahead rule. Unknown: 0.
+        streamer: streams the plan's streamed blocks (:func:`streamed_modules`, in that order); installed here.
 
     Raises:
         UnsupportedBoundaryError: a policy needs a boundary the family has not declared.
@@ -117,7 +121,8 @@ def install(
             :class:`~memfit.offload.weights.WeightStreamer`).
     """
     lists = block_lists(model, adapter)
-    streamer = _weight_streamer(model, lists, plan)
+    if bool(plan.streamed) != (streamer is not None):
+        raise MemfitError("internal error: a plan that streams weights must be installed with its streamer")
     copies = any(b.policy.copies for b in plan.blocks)
     if copies and session is None:
         raise MemfitError("internal error: a plan that copies to host memory was installed without a session")
@@ -178,7 +183,7 @@ def install(
         engine.install()
     except BaseException:
         if streamer is not None:
-            streamer.remove()
+            streamer.suspend()
         raise
     marks: list[Any] = []
     if copies and session is not None:
@@ -193,21 +198,25 @@ def install(
     return Installation(plan, engine, offloader, marks, streamer)
 
 
-def _weight_streamer(
-    model: nn.Module, lists: Mapping[str, nn.ModuleList], plan: RegionPlan
-) -> WeightStreamer | None:
-    """The streamer of the plan's streamed blocks (not installed yet), or None."""
+def streamed_modules(
+    model: nn.Module, adapter: FamilyAdapter | None, plan: RegionPlan
+) -> list[tuple[str, nn.Module]]:
+    """(name, block) of the plan's streamed blocks, in call order.
+
+    Raises:
+        MemfitError: a streamed block is not whole-block recomputed alone.
+    """
     streamed = plan.streamed
     if not streamed:
-        return None
+        return []
+    lists = block_lists(model, adapter)
     for b in streamed:
         if b.policy.recompute != "block" or b.chunk_length != 1:
             raise MemfitError(
                 f"internal error: block {b.name} streams its weights but is planned as {b.policy.value} in a chunk "
                 f"of {b.chunk_length}; a streamed block must be whole-block recomputed alone"
             )
-    modules = [(b.name, lists[b.path][b.index]) for b in streamed]
-    return WeightStreamer(model, modules, streams=stream_api_for(modules[0][1]))
+    return [(b.name, lists[b.path][b.index]) for b in streamed]
 
 
 def block_lists(model: nn.Module, adapter: FamilyAdapter | None) -> dict[str, nn.ModuleList]:

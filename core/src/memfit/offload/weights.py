@@ -308,13 +308,16 @@ class WeightStreamer:
         return planned
 
     def install(self) -> None:
-        """Copy every streamed weight to its host master, swap in the placeholders and add the hooks."""
+        """Copy every streamed weight to its host master (blocks that kept theirs through :meth:`suspend` reuse
+        it), swap in the placeholders and add the hooks."""
         if self.installed:
             return
-        need = sum(b.nbytes for b in self.blocks)
+        need = sum(b.nbytes for b in self.blocks if b.host is None)
         self._check_host_memory(need)
         pinned = self.device.type == "cuda"
         for block in self.blocks:
+            if block.host is not None:
+                continue
             host = self._allocate(block.nbytes, pinned)
             self.host_allocations += 1
             typed: dict[torch.dtype, torch.Tensor] = {}
@@ -349,6 +352,14 @@ class WeightStreamer:
 
     def remove(self) -> None:
         """Put every streamed weight back on its device (same values, same Parameter objects); free the masters."""
+        self.suspend()
+        for block in self.blocks:
+            self._release(block)
+
+    def suspend(self) -> None:
+        """Put every streamed weight back on its device and take the hooks off, keeping the host masters: a later
+        :meth:`install` streams again without copying to host memory (``auto`` re-plans on a model whose weights
+        are all in place, then streams the blocks of the new plan: :meth:`retarget`)."""
         if not self.installed:
             return
         for upload in [*self._pending.values(), *self._active.values()]:
@@ -364,10 +375,43 @@ class WeightStreamer:
                 assert w.master is not None
                 restored = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
                 w.param.data = restored.copy_(w.master)
-                w.master = None
-            block.host = None
-        self.pinned_bytes = 0
         self.installed = False
+
+    def retarget(self, blocks: Sequence[tuple[str, nn.Module]]) -> None:
+        """Stream ``blocks`` (name, block; in call order) from the next :meth:`install` on. Blocks streamed before
+        keep their host masters; the others' are freed. Only while not installed (after :meth:`suspend`).
+
+        Raises:
+            MemfitError: called while installed, or a new block has no frozen weight to stream.
+        """
+        if self.installed:
+            raise MemfitError(
+                "internal error: WeightStreamer.retarget while its weights stream (suspend first)"
+            )
+        kept = {b.module: b for b in self.blocks}
+        fresh = self._plan([(name, m) for name, m in blocks if m not in kept])
+        by_module = {b.module: b for b in fresh}
+        planned = []
+        for position, (name, module) in enumerate(blocks):
+            block = kept.pop(module, None) or by_module[module]
+            block.name, block.position = name, position
+            planned.append(block)
+        for block in kept.values():  # no longer streamed
+            self._release(block)
+        self.blocks = planned
+        self._by_module = {b.module: b for b in planned}
+        if planned:
+            self.device = planned[0].weights[0].param.device
+
+    def _release(self, block: _Block) -> None:
+        """Free ``block``'s host master (its weights are on the device)."""
+        if block.host is None:
+            return
+        for w in block.weights:
+            w.master = None
+        if self.device.type == "cuda":
+            self.pinned_bytes -= block.nbytes
+        block.host = None
 
     # -- step boundaries (the installation forwards the model's) ---------------------------------------------------
 
