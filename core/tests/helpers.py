@@ -1,8 +1,9 @@
 """Helpers shared by the core tests: one training step on the toy stack, and bitwise comparison of two."""
 
 import torch
+from torch import nn
 
-from toy import loss_of
+from toy import build, loss_of
 
 # Flux's usual LoRA targets: every linear of its blocks, the FFN linears memfit hooks regions on included
 FLUX_LORA_TARGETS = [
@@ -39,3 +40,14 @@ def assert_same(a, b):
     assert a[2].keys() == b[2].keys()
     for name in a[2]:
         assert torch.equal(a[2][name], b[2][name]), name
+
+
+def frozen_toy(blocks: int = 6, **kw) -> nn.Module:
+    """The toy stack with frozen linears; the LayerNorms train (a LoRA stand-in: small trainable weights inside
+    every block). ``kw`` go to ``toy.build`` (``dim``, ``device``)."""
+    model = build(blocks=blocks, **kw)
+    model.requires_grad_(False)
+    for block in model.blocks:
+        block.norm1.requires_grad_(True)
+        block.norm2.requires_grad_(True)
+    return model

@@ -444,7 +444,9 @@ def test_auto_blocks_that_keep_everything_reload_the_parked_block_before_them_ah
     from memfit.auto import BlockPolicy, budget_planner
     from memfit.auto.planner import Plan
 
-    def forced(profile, budget, *, allowed):  # block offload everywhere but the last two blocks
+    def forced(
+        profile, budget, *, allowed, streamed=None
+    ):  # block offload everywhere but the last two blocks
         names = [b.name for b in profile.blocks]
         policies = tuple(
             (n, BlockPolicy.KEEP if i >= len(names) - 2 else BlockPolicy.BLOCK_OFFLOAD)

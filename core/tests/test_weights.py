@@ -25,22 +25,11 @@ from memfit.plan import RegionPlan
 from memfit_conformance.base import cpu_copy_engine
 from memfit_conformance.streams import RecordingStreams
 
-from helpers import assert_same, step
+from helpers import assert_same, frozen_toy, step
 from toy import TOY, build
 
 ON = {"gradient_checkpointing": True}
 KEY = "gradient_checkpointing_stream_blocks"
-
-
-def frozen_toy(blocks: int = 6, **kw) -> nn.Module:
-    """The toy stack with frozen linears; the LayerNorms train (a LoRA stand-in: small trainable weights inside
-    every block). ``kw`` go to ``toy.build`` (``dim``, ``device``)."""
-    model = build(blocks=blocks, **kw)
-    model.requires_grad_(False)
-    for block in model.blocks:
-        block.norm1.requires_grad_(True)
-        block.norm2.requires_grad_(True)
-    return model
 
 
 def apply(model, config, **kw):

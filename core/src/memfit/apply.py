@@ -104,7 +104,12 @@ def apply(
         assert adapter is not None  # checked by _auto_session
         budget = cfg.memory_budget if cfg.memory_budget is not None else _free_device_memory(model)
         planner = BudgetPlanner(
-            model, adapter, budget, can_offload=session is not None, min_offload_bytes=min_offload_bytes
+            model,
+            adapter,
+            budget,
+            can_offload=session is not None,
+            min_offload_bytes=min_offload_bytes,
+            can_stream=cfg.stream_blocks != 0,  # 0: every weight stays on the device
         )
         initial = RegionPlan(())
     else:

@@ -363,7 +363,7 @@ def as_config(
 def _as_stream_blocks(cfg: MemfitConfig) -> int | str | None:
     """``gradient_checkpointing_stream_blocks``: a count of blocks (an integer >= 0) or a size (``"8GiB"``: stream
     blocks until at least that many frozen bytes stream); ``null`` is unset. Streaming needs checkpointing on (a
-    streamed block is recomputed) and a fixed backend."""
+    streamed block is recomputed); under ``auto`` only 0 is accepted (never stream: the planner chooses otherwise)."""
     key, value = f"{_PREFIX}_stream_blocks", cfg.stream_blocks
     if value is None:
         return None
@@ -389,6 +389,7 @@ def _as_stream_blocks(cfg: MemfitConfig) -> int | str | None:
     if cfg.backend is Backend.AUTO:
         raise ConfigError(
             f"{key} fixes how many blocks stream their weights; gradient_checkpointing_backend='auto' plans "
-            f"every block itself. Remove {key}, or pick a fixed backend ('torch', 'unsloth', ...)."
+            f"every block itself, weight streaming included. Remove {key} (or set it to 0 to keep every weight on "
+            f"the device), or pick a fixed backend ('torch', 'unsloth', ...)."
         )
     return value

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass
 
 from torch import nn
@@ -197,13 +197,18 @@ class RegionPlan:
 
     @classmethod
     def from_policies(
-        cls, policies: Iterable[tuple[str, BlockPolicy]], *, entry: BlockEntry = BlockEntry.AUTO
+        cls,
+        policies: Iterable[tuple[str, BlockPolicy]],
+        *,
+        streamed: Collection[str] = (),
+        entry: BlockEntry = BlockEntry.AUTO,
     ) -> RegionPlan:
-        """One policy per block name (``"transformer_blocks.3"``), each block its own region."""
+        """One policy per block name (``"transformer_blocks.3"``), each block its own region; the blocks named in
+        ``streamed`` stream their frozen weights (their policy must recompute the whole block)."""
         blocks = []
         for name, policy in policies:
             path, _, index = name.rpartition(".")
-            blocks.append(PlannedBlock(path, int(index), policy, int(index)))
+            blocks.append(PlannedBlock(path, int(index), policy, int(index), stream_weights=name in streamed))
         return cls(tuple(blocks), entry)
 
     @property

@@ -21,12 +21,14 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 
+import memfit.offload.hostmem as hostmem
 from memfit.adapters.spec import FamilyAdapter
 from memfit.auto.planner import Plan, plan_policies
 from memfit.auto.policy import allowed_policies
-from memfit.auto.profile import ModelProfile, profile_model
+from memfit.auto.profile import BlockProfile, ModelProfile, profile_model
+from memfit.auto.streaming import choose_streaming, streamable_counts
 from memfit.errors import BudgetError, MemfitWarning
-from memfit.plan import RegionPlan
+from memfit.plan import BlockPolicy, RegionPlan
 from memfit.units import format_bytes
 
 # a budget is planned for at most this share of what the process can hold, until a step measured the
@@ -142,6 +144,12 @@ class BudgetPlanner:
         can_offload: a copy engine is there (the offload policies are offered only then).
         min_offload_bytes: smaller tensors are never copied.
         copy_bytes_per_second: pinned copy bandwidth for the cost model (None: measured once on CUDA).
+        peak_meter: reads each step's peak for the closed loop (default: CUDA's allocator statistics).
+        can_stream: frozen block weights may stream from host memory where activation policies alone do not fit
+            the budget, or where streaming is cheaper (:mod:`memfit.auto.streaming`); only where the budget
+            counts the device's allocated bytes (CUDA).
+        host_bytes: host RAM the streamed weights may pin (default: what is available less the reserve kept for
+            the rest of the process, :mod:`memfit.offload.hostmem`).
     """
 
     adaptive = True
@@ -156,6 +164,8 @@ class BudgetPlanner:
         min_offload_bytes: int,
         copy_bytes_per_second: float | None = None,
         peak_meter: PeakMeter | None = None,
+        can_stream: bool = True,
+        host_bytes: Callable[[], int] | None = None,
     ) -> None:
         self.model = model
         self.adapter = adapter
@@ -163,6 +173,8 @@ class BudgetPlanner:
         self.can_offload = can_offload
         self.min_offload_bytes = min_offload_bytes
         self.copy_bytes_per_second = copy_bytes_per_second
+        self.can_stream = can_stream
+        self._host_bytes = host_bytes or _host_bytes_for_weights
         device = next(model.parameters()).device
         # the closed loop runs where a step's peak can be read: CUDA (or a meter given, in tests)
         self.meter = peak_meter if peak_meter is not None else default_peak_meter(device)
@@ -189,7 +201,7 @@ class BudgetPlanner:
         self._installed[signature] = shape.plan
         if self.meter is not None and not shape.settled:
             self.meter.reset()  # the next step is measured on its own (profiling is not part of it)
-        return RegionPlan.from_policies(shape.plan.blocks)
+        return RegionPlan.from_policies(shape.plan.blocks, streamed=shape.plan.streamed)
 
     def kept_bytes(self) -> Mapping[str, int] | None:
         return {b.name: b.saved_bytes for b in self.profile.blocks} if self.profile is not None else None
@@ -219,7 +231,7 @@ class BudgetPlanner:
         elif shape.fallback is None and target > shape.target_bytes:
             # within the budget with room to spare: a faster plan may fit; the measured one is kept to fall back to
             faster = self._plan_at(shape.profile, target)
-            if faster.blocks != shape.plan.blocks:
+            if (faster.blocks, faster.streamed) != (shape.plan.blocks, shape.plan.streamed):
                 shape.fallback, shape.plan, shape.target_bytes, shape.quiet = shape.plan, faster, target, 0
         if shape.quiet >= CALIBRATION_STEPS:
             shape.settled = True
@@ -307,13 +319,17 @@ class BudgetPlanner:
         """The cheapest plan for ``target``; below what any plan reaches, the smallest plan if that is within
         ``at_least`` (default: the budget), else the BudgetError for the user's budget."""
 
+        def allowed(b: BlockProfile) -> tuple[BlockPolicy, ...]:
+            return allowed_policies(
+                has_ffn=b.has_ffn, has_attention=b.has_attention, can_offload=self.can_offload
+            )
+
         def plan(bytes_: int) -> Plan:
-            return plan_policies(
+            return choose_streaming(
                 profile,
-                bytes_,
-                allowed=lambda b: allowed_policies(
-                    has_ffn=b.has_ffn, has_attention=b.has_attention, can_offload=self.can_offload
-                ),
+                lambda streamed: plan_policies(profile, bytes_, allowed=allowed, streamed=streamed),
+                seconds=lambda p: p.predicted_extra_seconds,
+                max_count=self._streamable(profile),
             )
 
         try:
@@ -325,6 +341,15 @@ class BudgetPlanner:
             if limit == target:
                 raise
             return plan(limit)  # raises the BudgetError that names the user's budget
+
+    def _streamable(self, profile: ModelProfile) -> int:
+        """How many blocks may stream their weights at this profile (0: none)."""
+        # off CUDA the budget counts held activations, which streaming does not change
+        if not self.can_stream or not profile.counts_transient or not profile.static_bytes:
+            return 0
+        if not any(b.frozen_bytes for b in profile.blocks) or not profile.copy_bytes_per_second:
+            return 0
+        return streamable_counts(profile, self._host_bytes())
 
     def _bandwidth(self) -> float | None:
         if not self.can_offload:
@@ -341,6 +366,11 @@ class BudgetPlanner:
                 f"auto: budget {format_bytes(self.budget_bytes)}; planned at the first forward with gradients"
             )
         return self.plan.describe()
+
+
+def _host_bytes_for_weights() -> int:
+    """Host RAM streamed weights may pin: what is available less the reserve kept for the rest of the process."""
+    return max(0, hostmem.available_host_bytes() - hostmem.default_host_reserve())
 
 
 # Bandwidth probe: the fastest of samples spread over ~0.1 s is the link's own rate, not another

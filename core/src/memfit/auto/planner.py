@@ -57,6 +57,7 @@ from typing import Any
 import memfit.auto.search as search
 from memfit.auto.cost import Choice, block_choices
 from memfit.auto.profile import BlockProfile, ModelProfile
+from memfit.auto.streaming import StreamedSet
 from memfit.errors import BudgetError
 from memfit.offload.ahead import PREFETCH_DEPTH, bytes_ahead
 from memfit.plan import BlockPolicy
@@ -77,6 +78,8 @@ class Plan:
     smallest_peak_bytes: int
     copied_bytes: int
     metric: str  # "peak allocated" (CUDA) or "held activations" (elsewhere)
+    streamed: tuple[str, ...] = ()  # blocks whose frozen weights stream from host memory
+    streamed_bytes: int = 0
 
     @property
     def needed(self) -> bool:
@@ -101,6 +104,8 @@ class Plan:
             "smallest_peak_bytes": self.smallest_peak_bytes,
             "copied_bytes_per_step": self.copied_bytes,
             "metric": self.metric,
+            "streamed_blocks": list(self.streamed),
+            "streamed_bytes": self.streamed_bytes,
         }
 
     def describe(self) -> str:
@@ -111,6 +116,11 @@ class Plan:
             f"), +{self.predicted_extra_seconds * 1e3:.1f} ms/step, {format_bytes(self.copied_bytes)} "
             f"copied/step"
         ]
+        if self.streamed:
+            lines.append(
+                f"  weights streamed from host memory: {len(self.streamed)} block(s), "
+                f"{format_bytes(self.streamed_bytes)} ({', '.join(self.streamed)})"
+            )
         run: list[Any] = []
         for name, policy in [*self.blocks, ("", None)]:
             path, _, index = name.rpartition(".")
@@ -124,9 +134,16 @@ class Plan:
 
 
 def plan_policies(
-    profile: ModelProfile, budget_bytes: int, *, allowed: Callable[[BlockProfile], tuple[BlockPolicy, ...]]
+    profile: ModelProfile,
+    budget_bytes: int,
+    *,
+    allowed: Callable[[BlockProfile], tuple[BlockPolicy, ...]],
+    streamed: StreamedSet | None = None,
 ) -> Plan:
     """The fastest plan (by the cost model) whose predicted peak is within ``budget_bytes``.
+
+    ``streamed``: blocks whose frozen weights stream from host memory (:mod:`memfit.auto.streaming`): they are
+    whole-block recomputed, the static bytes drop by their weights, and their uploads count where they are alive.
 
     Raises:
         BudgetError: no plan reaches the budget (the message and ``smallest_peak_bytes`` give the smallest).
@@ -148,7 +165,7 @@ def plan_policies(
     metric = "peak allocated" if profile.static_bytes or profile.workspace_bytes else "held activations"
     depth = PREFETCH_DEPTH if profile.counts_transient else 0
 
-    def peak(picks: list[Choice]) -> int:
+    def peak(picks: list[Choice], base: int, forward: int = 0) -> int:
         prefix = worst = 0
         for b, c in enumerate(picks):
             if profile.counts_transient:
@@ -156,44 +173,82 @@ def plan_policies(
                     worst, prefix + c.need(bytes_ahead([p.copied for p in reversed(picks[:b])], depth))
                 )
             prefix += c.kept
-        return base + max(worst, prefix + profile.workspace_bytes)
+        return base + max(worst, prefix + profile.workspace_bytes + forward)
 
     keep_all = [next(c for c in opts if c.policy is BlockPolicy.KEEP) for opts in options]
-    no_checkpoint = peak(keep_all)
+    no_checkpoint = peak(keep_all, base)
+    forward = 0
+    if streamed is not None:
+        options = _streaming_options(options, streamed)
+        base -= streamed.total_bytes
+        forward = streamed.forward_bytes
     unit = max(1, -(-sum(b.saved_bytes for b in profile.blocks) // _UNITS))
     problem = search.Problem(options, unit, depth, own_counts=profile.counts_transient)
     # the least peak any plan reaches: exact under the model up to the units, recomputed in bytes
     floor_picks = search.smallest(
-        problem, sum(max(problem.units(c) for c in opts) for opts in options), profile.workspace_bytes
+        problem,
+        sum(max(problem.units(c) for c in opts) for opts in options),
+        profile.workspace_bytes + forward,
     )
-    smallest = min(peak(floor_picks), no_checkpoint)
+    smallest = peak(floor_picks, base, forward)
+    if streamed is None:
+        smallest = min(smallest, no_checkpoint)
 
     def make(picks: list[Choice]) -> Plan:
         return Plan(
             blocks=tuple((b.name, c.policy) for b, c in zip(profile.blocks, picks, strict=True)),
             budget_bytes=budget_bytes,
-            predicted_peak_bytes=peak(picks),
-            predicted_extra_seconds=sum(c.seconds for c in picks),
+            predicted_peak_bytes=peak(picks, base, forward),
+            predicted_extra_seconds=sum(c.seconds for c in picks) + (streamed.seconds if streamed else 0.0),
             no_checkpoint_peak_bytes=no_checkpoint,
             smallest_peak_bytes=smallest,
             copied_bytes=sum(c.copied for c in picks),
             metric=metric,
+            streamed=streamed.names if streamed is not None else (),
+            streamed_bytes=streamed.total_bytes if streamed is not None else 0,
         )
 
-    if no_checkpoint <= budget_bytes:
+    if streamed is None and no_checkpoint <= budget_bytes:
         return make(keep_all)
     if smallest > budget_bytes:
+        streaming = (
+            f" with the frozen weights of {len(streamed.names)} block(s) ({format_bytes(streamed.total_bytes)}) "
+            f"streamed from host memory"
+            if streamed is not None
+            else ""
+        )
         raise BudgetError(
             f"memory budget {format_bytes(budget_bytes)} is below what any plan reaches: the smallest predicted "
-            f"{metric} is {format_bytes(smallest)} (no checkpointing: {format_bytes(no_checkpoint)}). Raise "
-            f"gradient_checkpointing_memory_budget to at least that, or shrink the step (batch, resolution).",
+            f"{metric} is {format_bytes(smallest)}{streaming} (no checkpointing: {format_bytes(no_checkpoint)}). "
+            f"Raise gradient_checkpointing_memory_budget to at least that, or shrink the step (batch, resolution).",
             smallest_peak_bytes=smallest,
         )
     room = budget_bytes - base  # for kept bytes, and each block's own peak on top of those before it
-    picks = search.cheapest(problem, (room - profile.workspace_bytes) // unit, room)
-    if picks is None or peak(picks) > budget_bytes:  # only the units' rounding stood in the way
+    picks = search.cheapest(problem, (room - profile.workspace_bytes - forward) // unit, room)
+    if (
+        picks is None or peak(picks, base, forward) > budget_bytes
+    ):  # only the units' rounding stood in the way
         picks = floor_picks  # the smallest plan, which fits exactly
     return make(picks)
+
+
+def _streaming_options(options: list[list[Choice]], streamed: StreamedSet) -> list[list[Choice]]:
+    """The choices with ``streamed`` in place: a streamed block is whole-block recomputed, and every block's own
+    term carries the uploads alive during its backward."""
+    out = []
+    for i, opts in enumerate(options):
+        if i in streamed.indices:
+            opts = [c for c in opts if c.policy.recompute == "block"]
+        extra = streamed.backward_bytes[i]
+        if extra:
+            opts = [
+                dataclasses.replace(
+                    c, own=c.own + extra, own_late=None if c.own_late is None else c.own_late + extra
+                )
+                for c in opts
+            ]
+        out.append(opts)
+    return out
 
 
 def _gradients_after(profile: ModelProfile) -> list[int]:

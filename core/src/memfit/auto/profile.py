@@ -39,6 +39,8 @@ from torch.utils.flop_counter import FlopCounterMode
 from memfit.accounting import tensor_storages
 from memfit.adapters.spec import FamilyAdapter
 from memfit.auto.blockpeak import BlockRun, ForwardMemory
+from memfit.errors import NotAvailableError
+from memfit.offload.weights import frozen_block_bytes
 
 
 @dataclass(frozen=True)
@@ -86,6 +88,8 @@ class BlockProfile:
     # projection saving the last block's output, a concatenation between two stacks): held from the forward
     # until backward reaches those layers, so under the backward of the blocks after this one only
     saved_after_bytes: int = 0
+    # its frozen weights that could stream from host memory (memfit.offload.weights): what streaming it frees
+    frozen_bytes: int = 0
 
     @property
     def name(self) -> str:
@@ -413,6 +417,7 @@ def profile_model(
                 attention_calls=rec.attention_calls[b],
                 saved_after_bytes=rec.saved_after(b),
                 trainable_bytes=_trainable_bytes(block.parameters()),
+                frozen_bytes=_streamable_bytes(block),
             )
         )
     # (an input of several blocks counts too: every checkpointed region among them holds it; what is saved
@@ -447,6 +452,14 @@ def profile_model(
             0, _trainable_bytes(model.parameters()) - sum(p.trainable_bytes for p in profiles)
         ),
     )
+
+
+def _streamable_bytes(block: nn.Module) -> int:
+    """The block's frozen weights that weight streaming moves (0 where they cannot stream: quantized)."""
+    try:
+        return frozen_block_bytes(block)
+    except NotAvailableError:
+        return 0
 
 
 def _trainable_bytes(params: Any) -> int:

@@ -1,0 +1,165 @@
+"""Weight streaming in the ``auto`` plan: which blocks stream, what that does to the peak, what it costs.
+
+Design notes (``docs/weight-streaming.md``, "Planning it with auto", has the longer story)
+-------------------------------------------------------------------------------------------
+A set.  For a count *n*, the streamed blocks are the spread rule's (:func:`memfit.offload.weights.
+choose_streamed_blocks`): with the set fixed, streaming is per-block constants the planner's search takes as
+they are (:class:`StreamedSet`), and the streamed blocks may only be whole-block recomputed (``block`` or
+``block-offload``).
+
+Peak.  The static bytes drop by the streamed frozen bytes. While block *i*'s backward runs, the uploads alive
+are its own (if it streams: its recomputed saved tensors hold it) and the nearest streamed block before it
+(uploaded ahead when the streamed block after *i* began its recompute, or at the forward's end): a constant per
+block, added to its own term. The forward adds at most two uploads (a streamed block's and the next one's) to
+the forward's-end bound.
+
+Cost.  Each upload hides behind the compute between two streamed blocks: in forward the forward of the blocks
+from the streamed block before up to it, in backward the recompute and backward of the streamed block after it
+and the backward of the blocks between; what does not hide is exposed, each way. The other blocks' own
+recompute (more compute to hide behind) is not counted, and the activation copies on the same link are not
+subtracted: the two errors point opposite ways, and the closed loop measures the result.
+
+Search.  :func:`choose_streaming`: no streaming if the plan fits and recomputes nothing; otherwise the fewest
+blocks whose plan fits (the peak falls as *n* grows: binary search), then a few counts above it, where streaming
+more lets cheaper activation policies fit; the cheapest by the cost model wins (ties: fewer streamed blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TypeVar
+
+from memfit.auto.cost import OFFLOAD_REGION_SECONDS
+from memfit.auto.profile import ModelProfile
+from memfit.errors import BudgetError
+from memfit.offload.weights import choose_streamed_blocks
+
+P = TypeVar("P")
+EXTRA_COUNTS = (1, 2, 4, 8)  # counts tried above the fewest that fit (or above none), for a cheaper plan
+
+
+@dataclass(frozen=True)
+class StreamedSet:
+    """Blocks whose frozen weights stream, as the peak and cost models see them (indices in call order)."""
+
+    indices: tuple[int, ...]
+    names: tuple[str, ...]
+    total_bytes: int  # taken off the static bytes
+    backward_bytes: tuple[int, ...]  # per block: uploads alive while its backward runs
+    forward_bytes: int  # uploads alive at most during the forward
+    seconds: float  # upload time not hidden behind compute, per step
+
+    @classmethod
+    def of(cls, profile: ModelProfile, indices: Sequence[int]) -> StreamedSet:
+        """The set of the blocks at ``indices`` (call order) of ``profile``."""
+        blocks = profile.blocks
+        chosen = sorted(indices)
+        weight = {i: blocks[i].frozen_bytes for i in chosen}
+        backward, previous = [], None
+        for i in range(len(blocks)):
+            backward.append(weight.get(i, 0) + (weight[previous] if previous is not None else 0))
+            if i in weight:
+                previous = i
+        pairs = [weight[a] + weight[b] for a, b in zip(chosen, chosen[1:], strict=False)]
+        forward = max([*pairs, *weight.values()], default=0)
+        return cls(
+            indices=tuple(chosen),
+            names=tuple(blocks[i].name for i in chosen),
+            total_bytes=sum(weight.values()),
+            backward_bytes=tuple(backward) if profile.counts_transient else (0,) * len(blocks),
+            forward_bytes=forward if profile.counts_transient else 0,
+            seconds=_exposed_seconds(profile, chosen),
+        )
+
+
+def _exposed_seconds(profile: ModelProfile, chosen: list[int]) -> float:
+    """Upload time not hidden behind compute, per step (see "Cost"), plus the host's bookkeeping per upload."""
+    bandwidth = profile.copy_bytes_per_second
+    if not chosen:
+        return 0.0
+    fwd = [b.flops / profile.flops_per_second * profile.forward_with_grad for b in profile.blocks]
+    bwd = [f * profile.backward_to_forward for f in fwd]
+    seconds = 2 * len(chosen) * OFFLOAD_REGION_SECONDS
+    if not bandwidth:
+        return seconds
+    starts = [0, *chosen]  # forward: an upload is issued when the streamed block before it starts
+    ends = [*chosen[1:], len(fwd)]  # backward: when the streamed block after it starts its recompute
+    for k, i in enumerate(chosen):
+        copy = profile.blocks[i].frozen_bytes / bandwidth
+        forward_hide = sum(fwd[starts[k] : i])
+        after = ends[k]
+        backward_hide = sum(bwd[i + 1 : after + 1]) + (fwd[after] if after < len(fwd) else 0.0)
+        seconds += max(0.0, copy - forward_hide) + max(0.0, copy - backward_hide)
+    return seconds
+
+
+def streamable_counts(profile: ModelProfile, max_bytes: int) -> int:
+    """The most blocks the spread rule can stream within ``max_bytes`` of host memory."""
+    sizes = [(i, b.frozen_bytes) for i, b in enumerate(profile.blocks)]
+    n = 0
+    for count in range(1, sum(1 for _, s in sizes if s) + 1):
+        if (
+            sum(profile.blocks[i].frozen_bytes for i in choose_streamed_blocks(sizes, count=count))
+            > max_bytes
+        ):
+            break
+        n = count
+    return n
+
+
+def streamed_set(profile: ModelProfile, count: int) -> StreamedSet | None:
+    """The spread rule's ``count`` blocks as a :class:`StreamedSet` (None for 0)."""
+    if not count:
+        return None
+    sizes = [(i, b.frozen_bytes) for i, b in enumerate(profile.blocks)]
+    return StreamedSet.of(profile, choose_streamed_blocks(sizes, count=count))
+
+
+def choose_streaming(
+    profile: ModelProfile,
+    plan: Callable[[StreamedSet | None], P],
+    *,
+    seconds: Callable[[P], float],
+    max_count: int,
+) -> P:
+    """The cheapest of the plans ``plan(set)`` makes for the candidate sets (see "Search").
+
+    Args:
+        profile: the model's profile (each block's ``frozen_bytes``).
+        plan: the activation plan for a streamed set (None: nothing streams); raises BudgetError when none fits.
+        seconds: a plan's predicted extra seconds per step.
+        max_count: the most blocks that may stream (host memory); 0: streaming is not offered.
+
+    Raises:
+        BudgetError: no count up to ``max_count`` fits (the error of the largest: the smallest peak reached).
+    """
+    try:
+        best = plan(None)
+        first = 0
+    except BudgetError:
+        if max_count == 0:
+            raise
+        plan(streamed_set(profile, max_count))  # raises the BudgetError with the smallest peak of all
+        lo, hi = 1, max_count  # the fewest that fit: the peak falls as the count grows
+        while lo < hi:
+            mid = (lo + hi) // 2
+            try:
+                plan(streamed_set(profile, mid))
+                hi = mid
+            except BudgetError:
+                lo = mid + 1
+        best, first = plan(streamed_set(profile, lo)), lo
+    if seconds(best) <= 0:
+        return best
+    for extra in EXTRA_COUNTS:
+        count = first + extra
+        if count > max_count:
+            break
+        try:
+            candidate = plan(streamed_set(profile, count))
+        except BudgetError:
+            continue
+        if seconds(candidate) < seconds(best):
+            best = candidate
+    return best

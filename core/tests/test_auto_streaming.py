@@ -1,0 +1,296 @@
+"""``auto`` plans weight streaming with the activation policies: the planner on made-up profiles (where streaming
+is chosen, what it does to the peak, what it costs), and the whole path on CPU with a profile that counts the
+device's bytes as CUDA's does (a stand-in: on CPU the budget counts held activations, which streaming does not
+change), through the synchronous copy engine: gradients bitwise equal, re-plans keep the host masters."""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+
+import pytest
+import torch
+
+import memfit
+from memfit import BudgetError, ConfigError, MemfitWarning
+from memfit.auto import BlockPolicy, BlockProfile, ModelProfile, budget_planner, plan_policies
+from memfit.auto.cost import OFFLOAD_REGION_SECONDS, block_choices
+from memfit.auto.policy import allowed_policies
+from memfit.auto.streaming import StreamedSet, choose_streaming, streamable_counts, streamed_set
+
+from helpers import assert_same, frozen_toy, step
+from toy import TOY
+
+MiB = 1 << 20
+WEIGHTS = 100 * MiB  # per block
+
+
+def block(i: int, *, frozen: int = WEIGHTS, flops: int = 10**12) -> BlockProfile:
+    return BlockProfile(
+        path="blocks",
+        index=i,
+        saved_bytes=40 * MiB,
+        input_bytes=4 * MiB,
+        input_parkable_bytes=4 * MiB,
+        ffn_saved_bytes=20 * MiB,
+        ffn_input_bytes=4 * MiB,
+        ffn_input_parkable_bytes=4 * MiB,
+        attention_bytes=10 * MiB,
+        attention_copy_bytes=10 * MiB,
+        flops=flops,
+        ffn_flops=flops // 2,
+        has_ffn=True,
+        has_attention=True,
+        backward_peak_bytes=60 * MiB,
+        frozen_bytes=frozen,
+    )
+
+
+def profile(n: int = 12, *, bandwidth: float = 50e9, **kw) -> ModelProfile:
+    blocks = tuple(block(i, **kw) for i in range(n))
+    return ModelProfile(
+        blocks=blocks,
+        device="cuda:0",
+        static_bytes=sum(b.frozen_bytes for b in blocks) + 50 * MiB,
+        outside_bytes=8 * MiB,
+        workspace_bytes=32 * MiB,
+        flops_per_second=1e14,
+        copy_bytes_per_second=bandwidth,
+    )
+
+
+def allowed(b: BlockProfile) -> tuple[BlockPolicy, ...]:
+    return allowed_policies(has_ffn=True, has_attention=True, can_offload=True)
+
+
+def plan_for(prof: ModelProfile, budget: int, *, max_count: int | None = None):
+    return choose_streaming(
+        prof,
+        lambda streamed: plan_policies(prof, budget, allowed=allowed, streamed=streamed),
+        seconds=lambda p: p.predicted_extra_seconds,
+        max_count=len(prof.blocks) if max_count is None else max_count,
+    )
+
+
+def floor_without_streaming(prof: ModelProfile) -> int:
+    with pytest.raises(BudgetError) as info:
+        plan_policies(prof, 1, allowed=allowed)
+    return info.value.smallest_peak_bytes
+
+
+# -- the planner ------------------------------------------------------------------------------------------------
+
+
+def test_a_budget_activations_alone_cannot_meet_streams_blocks_and_fits():
+    prof = profile()
+    budget = floor_without_streaming(prof) - 3 * WEIGHTS
+
+    def fits(count: int) -> bool:
+        try:
+            plan_policies(prof, budget, allowed=allowed, streamed=streamed_set(prof, count))
+        except BudgetError:
+            return False
+        return True
+
+    fewest = next(n for n in range(1, 13) if fits(n))
+    assert fewest >= 3  # three blocks' weights under the floor: at least three stream
+    plan = plan_for(prof, budget)
+    assert plan.predicted_peak_bytes <= budget
+    assert len(plan.streamed) >= fewest
+    at_fewest = plan_policies(prof, budget, allowed=allowed, streamed=streamed_set(prof, fewest))
+    assert plan.predicted_extra_seconds <= at_fewest.predicted_extra_seconds
+    policies = dict(plan.blocks)
+    assert all(policies[name].recompute == "block" for name in plan.streamed)
+    assert plan.streamed_bytes == len(plan.streamed) * WEIGHTS
+
+
+def test_a_budget_that_fits_without_streaming_streams_nothing_unless_it_is_cheaper():
+    prof = profile()
+    keep_all = plan_for(prof, 1 << 40)
+    assert keep_all.streamed == () and not keep_all.needed
+    # a budget that needs recompute everywhere without streaming: with a fast link, streaming a few blocks
+    # buys back cheaper policies elsewhere
+    budget = floor_without_streaming(prof) + 20 * MiB
+    without = plan_policies(prof, budget, allowed=allowed)
+    chosen = plan_for(prof, budget)
+    assert chosen.predicted_extra_seconds <= without.predicted_extra_seconds
+    assert chosen.streamed, "streaming was cheaper here, and the planner did not take it"
+    assert chosen.predicted_peak_bytes <= budget
+    # on a slow link the uploads cost more than the recompute they save
+    slow = profile(bandwidth=1e8)
+    assert plan_for(slow, budget).streamed == ()
+
+
+def test_the_peak_counts_the_uploads_alive_during_each_backward():
+    prof = profile(n=6)
+    streamed = StreamedSet.of(prof, [1, 4])
+    # block 0: nothing streamed before it; 1: its own; 2-3: block 1's (uploaded ahead); 4: its own and 1's;
+    # 5: block 4's (uploaded at the forward's end)
+    assert streamed.backward_bytes == (0, WEIGHTS, WEIGHTS, WEIGHTS, 2 * WEIGHTS, WEIGHTS)
+    assert streamed.forward_bytes == 2 * WEIGHTS
+    assert streamed.total_bytes == 2 * WEIGHTS
+    no_copies = lambda b: allowed_policies(has_ffn=True, has_attention=True, can_offload=False)  # noqa: E731
+    plan = plan_policies(prof, 1 << 40, allowed=no_copies, streamed=streamed)
+    assert [p for _, p in plan.blocks] == [
+        BlockPolicy.KEEP,
+        BlockPolicy.BLOCK,
+        BlockPolicy.KEEP,
+        BlockPolicy.KEEP,
+        BlockPolicy.BLOCK,
+        BlockPolicy.KEEP,
+    ]
+    # the peak model written out: each block's own term on top of what the blocks before it keep, or all that is
+    # kept plus the forward's working memory and uploads
+    choices = [
+        next(c for c in block_choices(b, prof, no_copies(b)) if c.policy is policy)
+        for b, (_, policy) in zip(prof.blocks, plan.blocks, strict=True)
+    ]
+    held = worst = 0
+    for c, extra in zip(choices, streamed.backward_bytes, strict=True):
+        worst = max(worst, held + c.own + extra)
+        held += c.kept
+    base = prof.static_bytes - streamed.total_bytes + prof.outside_bytes
+    expected = base + max(worst, held + prof.workspace_bytes + streamed.forward_bytes)
+    assert plan.predicted_peak_bytes == expected
+
+
+def test_uploads_hidden_behind_compute_cost_only_their_bookkeeping():
+    fast = StreamedSet.of(profile(n=8, bandwidth=1e15), [3])
+    slow = StreamedSet.of(profile(n=8, bandwidth=1e9), [3])
+    bookkeeping = 2 * OFFLOAD_REGION_SECONDS
+    assert fast.seconds == pytest.approx(bookkeeping)
+    # block 3's upload hides behind the forward of blocks 0-2 (10 ms each) and the backward of blocks 4-7 (20 ms
+    # each, twice the forward)
+    copy = WEIGHTS / 1e9
+    assert slow.seconds == pytest.approx(bookkeeping + (copy - 0.03) + (copy - 0.08))
+
+
+def test_host_memory_caps_how_many_blocks_stream():
+    prof = profile()
+    assert streamable_counts(prof, 3 * WEIGHTS) == 3
+    assert streamable_counts(prof, WEIGHTS - 1) == 0
+    budget = floor_without_streaming(prof) - 6 * WEIGHTS
+    with pytest.raises(BudgetError, match="streamed from host memory"):
+        plan_for(prof, budget, max_count=3)
+    with pytest.raises(BudgetError, match="smallest predicted"):
+        plan_for(prof, budget, max_count=0)
+
+
+def test_quantized_blocks_without_streamable_weights_are_never_streamed():
+    blocks = [block(i, frozen=0 if i % 2 else WEIGHTS) for i in range(8)]
+    prof = dataclasses.replace(profile(n=8), blocks=tuple(blocks))
+    assert streamable_counts(prof, 1 << 40) == 4
+    plan = plan_for(prof, floor_without_streaming(prof) - 2 * WEIGHTS, max_count=4)
+    assert plan.streamed and all(int(name.rpartition(".")[2]) % 2 == 0 for name in plan.streamed)
+
+
+# -- the whole path on CPU ----------------------------------------------------------------------------------------
+
+
+def device_like(profile_model):
+    """``profile_model`` whose profile counts the model's bytes as CUDA's would (weights are static bytes, each
+    block's own backward peak counts), so that streaming lowers the predicted peak on CPU too."""
+
+    def profile(model, *args, **kwargs):
+        prof = profile_model(model, *args, **kwargs)
+        blocks = tuple(dataclasses.replace(b, backward_peak_bytes=b.saved_bytes) for b in prof.blocks)
+        weights = sum(p.numel() * p.element_size() for p in model.parameters())
+        return dataclasses.replace(
+            prof,
+            blocks=blocks,
+            static_bytes=weights,
+            workspace_bytes=1024,
+            counts_transient=True,
+            copy_bytes_per_second=1e12,
+        )
+
+    return profile
+
+
+@pytest.fixture
+def streaming_on_cpu(monkeypatch):
+    monkeypatch.setattr(budget_planner, "profile_model", device_like(budget_planner.profile_model))
+
+
+def auto(budget, **extra) -> dict:
+    return {
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_backend": "auto",
+        "gradient_checkpointing_memory_budget": budget,
+        **extra,
+    }
+
+
+def planned_floor(model, x) -> tuple[int, int]:
+    """The smallest peak ``auto`` reaches on ``model`` without streaming, and its blocks' frozen bytes."""
+    with (
+        pytest.raises(BudgetError) as info,
+        memfit.apply(model, auto(1, gradient_checkpointing_stream_blocks=0), adapter=TOY),
+    ):
+        step(model, x)
+    frozen = sum(
+        p.numel() * p.element_size() for b in model.blocks for p in b.parameters() if not p.requires_grad
+    )
+    return info.value.smallest_peak_bytes, frozen
+
+
+def test_auto_streams_weights_where_the_budget_needs_it_and_gradients_stay_exact(streaming_on_cpu):
+    model = frozen_toy(blocks=8, dim=32)
+    x = torch.randn(2, 8, 32)
+    reference = step(model, x)
+    floor, frozen = planned_floor(model, x)
+    budget = floor - frozen // 3
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemfitWarning)
+        handle = memfit.apply(model, auto(budget), adapter=TOY)
+        got = [step(model, x) for _ in range(2)]
+    stats = handle.stats()
+    plan = handle.plan
+    assert plan.streamed and plan.predicted_peak_bytes <= budget
+    assert stats["streamed_blocks"] == len(plan.streamed) and stats["weight_uploads"] > 0
+    assert "weights streamed from host memory" in handle.describe()
+    for g in got:
+        assert_same(g, reference)
+    state = {k: v.clone() for k, v in model.state_dict().items()}
+    handle.remove()
+    after = model.state_dict()
+    assert state.keys() == after.keys() and all(torch.equal(state[k], after[k]) for k in state)
+    assert_same(step(model, x), reference)
+
+
+def test_a_new_input_shape_replans_and_keeps_the_host_masters_of_blocks_that_stay(streaming_on_cpu):
+    model = frozen_toy(blocks=8, dim=32)
+    x, wide = torch.randn(2, 8, 32), torch.randn(2, 12, 32)
+    reference = step(model, x), step(model, wide)
+    floor, frozen = planned_floor(model, wide)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemfitWarning)
+        handle = memfit.apply(model, auto(floor - frozen // 3), adapter=TOY)
+        first = step(model, x)
+        streamer = handle._controller.streamer
+        before = streamer.host_allocations if streamer is not None else 0
+        second = step(model, wide)
+        again = step(model, x)
+    assert handle.stats()["replans"] >= 2
+    streamer = handle._controller.streamer
+    assert streamer is not None and streamer.installed
+    # pinning happens once per block: the blocks streamed at both shapes were not copied to host memory again
+    assert streamer.host_allocations - before <= len(streamer.blocks)
+    assert_same(first, reference[0])
+    assert_same(second, reference[1])
+    assert_same(again, reference[0])
+    handle.remove()
+    assert_same(step(model, x), reference[0])
+
+
+def test_stream_blocks_zero_keeps_every_weight_on_the_device_under_auto(streaming_on_cpu):
+    model = frozen_toy(blocks=8, dim=32)
+    x = torch.randn(2, 8, 32)
+    floor, frozen = planned_floor(model, x)
+    with (
+        pytest.raises(BudgetError, match="smallest predicted"),
+        memfit.apply(model, auto(floor - frozen // 3, gradient_checkpointing_stream_blocks=0), adapter=TOY),
+    ):
+        step(model, x)
+    with pytest.raises(ConfigError, match="set it to 0"):
+        memfit.apply(model, auto(floor, gradient_checkpointing_stream_blocks=2), adapter=TOY)
