@@ -23,6 +23,8 @@ def test_streaming_tiny_flux_cpu(tmp_path):
             "torch",
             "--blocks",
             "0,2,200KiB,7",
+            "--budgets",
+            "1GiB",
             "--steps",
             "1",
         ]
@@ -32,7 +34,15 @@ def test_streaming_tiny_flux_cpu(tmp_path):
     assert path.name == "streaming.json" and (tmp_path / "streaming.md").exists()
     assert data["suite"] == "streaming" and data["family"] == "flux" and data["tokens"] == 64
     rows = {r["mode"]: r for r in data["rows"]}
-    assert list(rows) == ["torch", "torch + stream 2", "torch + stream 200KiB", "torch + stream 7"]
+    assert list(rows) == [
+        "torch",
+        "torch + stream 2",
+        "torch + stream 200KiB",
+        "torch + stream 7",
+        "auto 1GiB",
+    ]
+    # off CUDA the budget counts held activations: auto streams nothing, and 1 GiB holds the tiny model's
+    assert rows["auto 1GiB"]["streamed_blocks"] == 0 and rows["auto 1GiB"]["budget_bytes"] == 1 << 30
     assert rows["torch"]["streamed_blocks"] == 0 and rows["torch"]["weight_bytes_uploaded_per_step"] == 0
     for name, streamed in (("torch + stream 2", 2), ("torch + stream 200KiB", 2), ("torch + stream 7", 7)):
         r = rows[name]

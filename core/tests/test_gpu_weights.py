@@ -12,7 +12,7 @@ import gc
 
 import pytest
 import torch
-from test_weights import frozen_toy, streamer_of
+from test_weights import streamer_of
 
 import memfit
 import memfit.controller
@@ -20,7 +20,7 @@ from memfit.offload.copy import StreamApi
 from memfit.offload.weights import frozen_block_bytes
 from memfit_conformance.plugin import require_cuda
 
-from helpers import assert_same, step
+from helpers import assert_same, frozen_toy, step
 from toy import TOY
 
 pytestmark = pytest.mark.gpu
@@ -56,6 +56,31 @@ def test_toy_gradients_bitwise(name):
     assert stats["weight_uploads"] == 3 * 2 * streamed and stats["weight_uploads_on_demand"] == 0
     assert stats["weight_held_after_forward"] == 0 and stats["weight_uploads_alive_max"] <= 2
     assert stats["weight_pinned_bytes"] >= streamed * frozen_block_bytes(model.blocks[0])
+
+
+def test_auto_streams_what_the_budget_needs_within_it_and_bitwise():
+    """``auto`` at a budget below what activation policies alone reach streams weights; every step's peak is within
+    the budget and the gradients are the unmodified model's."""
+    model = frozen_toy(device="cuda", dim=1024, blocks=6)
+    x = torch.randn(1, 2048, 1024, device="cuda")
+    ref = step(model, x)
+    auto = {**ON, "gradient_checkpointing_backend": "auto"}
+    with (
+        pytest.raises(memfit.BudgetError) as info,
+        memfit.apply(model, {**auto, "gradient_checkpointing_memory_budget": 1, KEY: 0}, adapter=TOY),
+    ):
+        step(model, x)
+    budget = info.value.smallest_peak_bytes - 2 * frozen_block_bytes(model.blocks[0])
+    peaks = []
+    with memfit.apply(model, {**auto, "gradient_checkpointing_memory_budget": budget}, adapter=TOY) as handle:
+        for _ in range(6):
+            torch.cuda.reset_peak_memory_stats()
+            assert_same(ref, step(model, x))
+            peaks.append(torch.cuda.max_memory_allocated())
+        stats = handle.stats()
+    assert stats["streamed_blocks"] >= 2 and stats["weight_held_after_forward"] == 0
+    assert max(peaks) <= budget, (peaks, budget, stats["shapes"])
+    assert_same(ref, step(model, x))
 
 
 def test_flux_bf16_lora_within_noise():

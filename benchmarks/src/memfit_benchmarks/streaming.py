@@ -2,12 +2,15 @@
 
     python -m memfit_benchmarks.streaming --out DIR                                  # GPU: Flux full, 4096 tokens
     python -m memfit_benchmarks.streaming --blocks 0,8GiB,57 --rounds 2 --out DIR    # counts or sizes
+    python -m memfit_benchmarks.streaming --blocks 0,19,27 --budgets 16GiB,12GiB --out DIR   # and auto
     python -m memfit_benchmarks.streaming --preset tiny --device cpu --backend torch --blocks 0,2,7 --out DIR
 
 One model (the preset's, random weights, bf16 on CUDA), LoRA r16 on every ``nn.Linear`` of the declared blocks,
 inputs at ``--tokens`` (default: the preset's), flash SDPA (cuDNN SDPA disabled). Per entry of ``--blocks`` one
 row: ``--backend`` (default ``unsloth``) with ``gradient_checkpointing_stream_blocks`` set to that entry (``0``:
-the unconstrained row every other row is compared with). Each row reports the median step, the peak allocated, the
+the unconstrained row every other row is compared with); per entry of ``--budgets`` one row of ``auto`` at that
+budget, which chooses what streams itself (it is measured after ``--warmup`` steps: use at least 4, so that its
+closed loop has settled; a row is "within budget" when its peak allocated over the timed steps is). Each row reports the median step, the peak allocated, the
 frozen bytes streaming took off the device, the bytes uploaded per step, the exposed upload wait (compute waiting
 for a copy) and the upload stream's copy time per step. Writes ``streaming.json`` and ``streaming.md`` to ``--out``.
 
@@ -27,6 +30,7 @@ from typing import Any
 import torch
 
 import memfit
+from memfit.units import parse_bytes
 from memfit_benchmarks.environment import environment
 from memfit_benchmarks.families import build_lora_model
 from memfit_benchmarks.modes import Mode
@@ -65,6 +69,18 @@ def mode_for(backend: str, target: int | str) -> Mode:
     return Mode(backend, config)
 
 
+def auto_mode(budget: str) -> Mode:
+    """The row of ``auto`` at ``budget`` (it plans weight streaming with the activation policies)."""
+    return Mode(
+        f"auto {budget}",
+        {
+            "gradient_checkpointing": True,
+            "gradient_checkpointing_backend": "auto",
+            "gradient_checkpointing_memory_budget": budget,
+        },
+    )
+
+
 def weight_row(handle: memfit.MemfitHandle, steps: int) -> dict[str, Any]:
     """What a row records about weight streaming (``handle.stats()`` counts the timed steps only)."""
     s = handle.stats()
@@ -95,6 +111,8 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
         r["x_unconstrained"] = paired_ratio(r, base) or r["step_s"] / base["step_s"]  # paired by round if any
         if r.get("peak_allocated") and base.get("peak_allocated"):
             r["peak_saved_bytes"] = base["peak_allocated"] - r["peak_allocated"]
+        if r.get("budget_bytes") and r.get("peak_allocated"):
+            r["within_budget"] = r["peak_allocated"] <= r["budget_bytes"]
 
 
 def _gib(n: float | None) -> str:
@@ -111,6 +129,9 @@ def render(payload: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in payload["rows"]:
+        if r.get("budget_bytes") and measured(r):
+            verdict = "within" if r.get("within_budget") else "OVER"
+            r = {**r, "mode": f"{r['mode']} ({verdict} budget)"}
         if not measured(r):
             lines.append(
                 f"| {r['mode']} | {'out of memory' if r.get('oom') else 'not measured'} |" + " |" * 9
@@ -153,7 +174,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, batch, info = build_lora_model(
         adapter, args.preset, dtype=dtype, device=device, rank=args.rank, tokens=tokens
     )
-    modes = [mode_for(args.backend, t) for t in args.blocks]
+    modes = [mode_for(args.backend, t) for t in args.blocks] + [auto_mode(b) for b in args.budgets]
+    budgets = {auto_mode(b).name: parse_bytes(b) for b in args.budgets}
 
     def measure(mode: Mode) -> dict[str, Any]:
         row = measure_mode(
@@ -166,6 +188,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             steps=args.steps,
             inspect=lambda handle: weight_row(handle, args.steps),
         )
+        if mode.name in budgets:
+            row["budget_bytes"] = budgets[mode.name]
         summary = (
             "OOM" if not measured(row) else f"{row['step_s']:.3f} s, peak {_gib(row['peak_allocated'])} GiB"
         )
@@ -212,6 +236,11 @@ def main(argv: list[str] | None = None) -> Path | None:
     parser.add_argument(
         "--blocks", default=DEFAULT_BLOCKS, help=f"stream targets, counts or sizes (default {DEFAULT_BLOCKS})"
     )
+    parser.add_argument(
+        "--budgets",
+        default="",
+        help="comma-separated budgets for rows of auto (e.g. 16GiB,12GiB; default none)",
+    )
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
@@ -225,12 +254,21 @@ def main(argv: list[str] | None = None) -> Path | None:
         args.blocks = parse_blocks(args.blocks)
     except (ValueError, memfit.ConfigError) as exc:
         parser.error(f"--blocks: {exc}")
+    try:
+        args.budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
+        for b in args.budgets:
+            if parse_bytes(b) <= 0:
+                raise ValueError(f"{b!r} is not a positive size")
+    except ValueError as exc:
+        parser.error(f"--budgets: {exc}")
     if args.steps < 1 or args.rounds < 1 or args.warmup < 0:
         parser.error("--steps and --rounds must be at least 1, --warmup at least 0")
     if args.family not in memfit.available_adapters():
         parser.error(f"--family {args.family!r} is not installed ({sorted(memfit.available_adapters())})")
     if args.dry_run:
-        rows = [mode_for(args.backend, t).name for t in args.blocks]
+        rows = [mode_for(args.backend, t).name for t in args.blocks] + [
+            auto_mode(b).name for b in args.budgets
+        ]
         print(f"would measure {args.family} {args.preset}: {rows}, {args.rounds} round(s)", flush=True)
         return None
     if args.device.startswith("cuda") and not torch.cuda.is_available():
