@@ -11,7 +11,8 @@
 #   fit-flash    memfit fit --preset full --budget 24GiB --sdpa flash on a process limited to 24 GiB
 #   fit-default  the same with the default SDPA dispatch (crashed rungs become rows, no traceback)
 #   fit-job      memfit fit --resolution 1024x1024 --lora-rank 16 --lora-targets attn --budget 24GiB
-#   streaming    weight streaming's GPU tests and its Flux benchmark (streaming.{json,md})
+#   streaming    weight streaming's GPU tests and its Flux benchmark (streaming.{json,md}; STREAM_ARGS adds options,
+#                e.g. STREAM_ARGS="--blocks 0,19,27 --budgets 16GiB,12GiB --warmup 4")
 # Each part's exit status is printed; the script exits non-zero if any part failed.
 set -uo pipefail
 START=$(date +%s)
@@ -40,7 +41,7 @@ for part in ${PARTS:-gpu}; do
         fit-job) run_part fit-job fit_test "lora_job_at_1024px" ;;
         streaming) run_part streaming-tests env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest core/tests/test_gpu_weights.py \
                 -m gpu -q -p no:cacheprovider
-            run_part streaming python3 -m memfit_benchmarks.streaming --out "$OUT" ;;
+            run_part streaming python3 -m memfit_benchmarks.streaming --out "$OUT" ${STREAM_ARGS:-} ;;
         *) echo "unknown part $part" >&2; status=1 ;;
     esac
 done
