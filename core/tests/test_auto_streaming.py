@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import memfit
+import memfit.controller
 from memfit import BudgetError, ConfigError, MemfitWarning
 from memfit.auto import BlockPolicy, BlockProfile, ModelProfile, budget_planner, plan_policies
 from memfit.auto.cost import OFFLOAD_REGION_SECONDS, block_choices
@@ -294,3 +295,75 @@ def test_stream_blocks_zero_keeps_every_weight_on_the_device_under_auto(streamin
         step(model, x)
     with pytest.raises(ConfigError, match="set it to 0"):
         memfit.apply(model, auto(floor, gradient_checkpointing_stream_blocks=2), adapter=TOY)
+
+
+class ResetRecorder:
+    """A stand-in peak meter: reports the plan's prediction plus ``error`` and records, at each reset, whether the
+    weights of the blocks the plan streams were already off the device (the step must be measured from there)."""
+
+    def __init__(self, error: int = 0) -> None:
+        self.error = error
+        self.handle = None
+        self.resets: list[bool] = []
+
+    def read(self) -> tuple[int, int]:
+        peak = self.handle.plan.predicted_peak_bytes + self.error
+        return peak, peak
+
+    def reset(self) -> None:
+        streamer = self.handle._controller.streamer if self.handle is not None else None
+        self.resets.append(streamer is not None and streamer.installed)
+
+
+def test_steps_are_measured_from_after_the_weights_left_the_device(streaming_on_cpu, monkeypatch):
+    """The closed loop's meter starts a step's measurement once the plan is installed: measured before the
+    streamer took the weights off, a step would carry every weight in its peak (and the loop would correct a plan
+    that fits)."""
+    model = frozen_toy(blocks=8, dim=32)
+    x = torch.randn(2, 8, 32)
+    floor, frozen = planned_floor(model, x)
+    meter = ResetRecorder()
+    monkeypatch.setattr(budget_planner, "default_peak_meter", lambda device: meter)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemfitWarning)
+        meter.handle = handle = memfit.apply(model, auto(floor - frozen // 3), adapter=TOY)
+        for _ in range(3):
+            step(model, x)
+    assert handle.plan.streamed and meter.resets
+    assert all(meter.resets), meter.resets
+    handle.remove()
+
+
+def test_a_correction_moves_only_the_blocks_that_change(streaming_on_cpu, monkeypatch):
+    """A re-plan of a known input shape (the closed loop's correction) retargets the installed streamer: the
+    weights that keep streaming never come back to the device (a card smaller than the weights could not hold
+    them), and their host masters are not made again."""
+    model = frozen_toy(blocks=8, dim=32)
+    x = torch.randn(2, 8, 32)
+    reference = step(model, x)
+    floor, frozen = planned_floor(model, x)
+    budget = floor - frozen // 3
+    meter = ResetRecorder(error=frozen // 4)  # the first plan's step reads over the budget: corrected once
+    monkeypatch.setattr(budget_planner, "default_peak_meter", lambda device: meter)
+    suspends = []
+    original = memfit.controller.WeightStreamer.suspend
+    monkeypatch.setattr(
+        memfit.controller.WeightStreamer, "suspend", lambda self: (suspends.append(1), original(self))[1]
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemfitWarning)
+        meter.handle = handle = memfit.apply(model, auto(budget), adapter=TOY)
+        first = step(model, x)
+        streamed_first = set(handle.plan.streamed)
+        allocations = handle._controller.streamer.host_allocations
+        got = [step(model, x) for _ in range(3)]
+    stats = handle.stats()
+    assert stats["shapes"][0]["corrections"] >= 1
+    streamed_after = set(handle.plan.streamed)
+    assert len(streamed_after) > len(streamed_first)  # the correction streams more
+    assert suspends == []
+    assert handle._controller.streamer.host_allocations == allocations + len(streamed_after - streamed_first)
+    for g in [first, *got]:
+        assert_same(g, reference)
+    handle.remove()
+    assert_same(step(model, x), reference)

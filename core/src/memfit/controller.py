@@ -50,6 +50,12 @@ class Planner(Protocol):
     def replan_wanted(self, signature: Hashable) -> bool:
         """The plan of ``signature`` changed since it was installed (``auto``'s closed loop)."""
 
+    def needs_bare_model(self, signature: Hashable) -> bool:
+        """:meth:`plan_for` runs the model (``auto`` profiles a new signature): every weight must be in place."""
+
+    def installed(self, signature: Hashable) -> None:
+        """The plan for ``signature`` is installed (``auto`` starts measuring its steps from here)."""
+
     def describe(self) -> str:
         """One line or more for :meth:`memfit.MemfitHandle.describe`."""
 
@@ -76,6 +82,12 @@ class FixedPlanner:
 
     def replan_wanted(self, signature: Hashable) -> bool:
         return False
+
+    def needs_bare_model(self, signature: Hashable) -> bool:
+        return False
+
+    def installed(self, signature: Hashable) -> None:
+        return None
 
     def describe(self) -> str:
         return ""
@@ -151,7 +163,7 @@ class Controller:
             return None
         if self.streamer is None:
             self.streamer = WeightStreamer(self.model, modules, streams=stream_api_for(modules[0][1]))
-        else:
+        else:  # installed: only the blocks that change move (no round trip of every weight through the device)
             self.streamer.retarget(modules)
         return self.streamer
 
@@ -184,6 +196,8 @@ class Controller:
     def _switch(self, signature: Hashable, args: tuple, kwargs: dict) -> None:
         current = self.installation.plan
         self.installation.remove()
+        if self.streamer is not None and self.planner.needs_bare_model(signature):
+            self.streamer.suspend()  # profiling runs the model with its weights in place
         plan = None
         try:
             plan = self.planner.plan_for(signature, args, kwargs)
@@ -191,3 +205,4 @@ class Controller:
             self.installation = self._install(plan if plan is not None else current)
         self._signature = signature
         self.replans += 1
+        self.planner.installed(signature)

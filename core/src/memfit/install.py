@@ -17,8 +17,8 @@ Per block policy (:class:`~memfit.plan.BlockPolicy`):
 
 Blocks whose weights stream (:attr:`~memfit.plan.PlannedBlock.stream_weights`) go to the controller's
 :class:`~memfit.offload.weights.WeightStreamer` (:func:`streamed_modules` names them): it outlives installations
-(its host masters are made once), and each installation installs it before the region hooks and suspends it
-after them.
+(its host masters are made once); an installation installs it before the region hooks, and leaves it to the
+controller.
 """
 
 from __future__ import annotations
@@ -88,8 +88,7 @@ class Installation:
         self._marks.clear()
         if self.offloader is not None:
             self.offloader.remove()
-        if self.streamer is not None:
-            self.streamer.suspend()  # its weights back on the device; its host masters stay for the next plan
+        # (the streamer is the controller's: it stays for the next plan, see memfit.controller)
 
 
 def install(

@@ -199,9 +199,17 @@ class BudgetPlanner:
             shape = self._new_shape(signature, args, kwargs)
         self.plan, self.profile = shape.plan, shape.profile
         self._installed[signature] = shape.plan
-        if self.meter is not None and not shape.settled:
-            self.meter.reset()  # the next step is measured on its own (profiling is not part of it)
         return RegionPlan.from_policies(shape.plan.blocks, streamed=shape.plan.streamed)
+
+    def needs_bare_model(self, signature: Hashable) -> bool:
+        return signature not in self.shapes  # a new signature is profiled
+
+    def installed(self, signature: Hashable) -> None:
+        """The next step is measured on its own: from here, after profiling and after the installation took
+        streamed weights off the device."""
+        shape = self.shapes.get(signature)
+        if self.meter is not None and shape is not None and not shape.settled:
+            self.meter.reset()
 
     def kept_bytes(self) -> Mapping[str, int] | None:
         return {b.name: b.saved_bytes for b in self.profile.blocks} if self.profile is not None else None

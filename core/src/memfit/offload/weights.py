@@ -186,6 +186,7 @@ class _Block:
     nbytes: int  # its buffers' size (each weight at an ``_ALIGN`` boundary)
     payload: int  # the weights' own bytes
     host: torch.Tensor | None = None
+    handles: list[Any] = field(default_factory=list)  # its hooks while it streams
 
 
 @dataclass(eq=False)
@@ -279,7 +280,6 @@ class WeightStreamer:
         self._forward_uploads: list[tuple[_Block, weakref.ref]] = []  # this forward's, checked as it returns
         self._training = False
         self._warned_held = False
-        self._handles: list[Any] = []
         self._h2d: Any = None
         self.installed = False
 
@@ -312,12 +312,17 @@ class WeightStreamer:
         it), swap in the placeholders and add the hooks."""
         if self.installed:
             return
-        need = sum(b.nbytes for b in self.blocks if b.host is None)
-        self._check_host_memory(need)
-        pinned = self.device.type == "cuda"
+        self._check_host_memory(sum(b.nbytes for b in self.blocks if b.host is None))
+        if self.streams is not None and self._h2d is None:
+            self._h2d = self.streams.new_stream()
         for block in self.blocks:
-            if block.host is not None:
-                continue
+            self._stream(block)
+        self.installed = True
+
+    def _stream(self, block: _Block) -> None:
+        """``block``'s weights to their host master (made once), placeholders in their place, its hooks on."""
+        if block.host is None:
+            pinned = self.device.type == "cuda"
             host = self._allocate(block.nbytes, pinned)
             self.host_allocations += 1
             typed: dict[torch.dtype, torch.Tensor] = {}
@@ -326,18 +331,31 @@ class WeightStreamer:
                 w.master.copy_(w.param.data)
             block.host = host
             self.pinned_bytes += block.nbytes if pinned else 0
-        if self.streams is not None and self.blocks:
-            self._h2d = self.streams.new_stream()
-        for block in self.blocks:
-            for w in block.weights:
-                w.param.data = w.placeholder
-            state.mark_streamed([w.param for w in block.weights], streamed=True)
-            module = block.module
-            self._handles.append(module.register_forward_pre_hook(attached_hook(self._pre)))
-            self._handles.append(module.register_forward_hook(attached_hook(self._post), always_call=True))
-            self._handles.append(module.register_state_dict_post_hook(_StateDictHook(self._state_dict)))
-            self._handles.append(module.register_load_state_dict_pre_hook(Attached(self._refuse_load)))
-        self.installed = True
+        for w in block.weights:
+            w.param.data = w.placeholder
+        state.mark_streamed([w.param for w in block.weights], streamed=True)
+        module = block.module
+        block.handles = [
+            module.register_forward_pre_hook(attached_hook(self._pre)),
+            module.register_forward_hook(attached_hook(self._post), always_call=True),
+            module.register_state_dict_post_hook(_StateDictHook(self._state_dict)),
+            module.register_load_state_dict_pre_hook(Attached(self._refuse_load)),
+        ]
+
+    def _restore(self, block: _Block) -> None:
+        """``block``'s weights back on the device from their host master (kept), its hooks off."""
+        for uploads in (self._pending, self._active):
+            upload = uploads.pop(block, None)
+            if upload is not None:
+                self._settle(upload)
+        for handle in block.handles:
+            handle.remove()
+        block.handles = []
+        state.mark_streamed([w.param for w in block.weights], streamed=False)
+        for w in block.weights:
+            assert w.master is not None
+            restored = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
+            w.param.data = restored.copy_(w.master)
 
     def _check_host_memory(self, need: int) -> None:
         reserve = self._reserve if self._reserve is not None else hostmem.default_host_reserve()
@@ -358,36 +376,23 @@ class WeightStreamer:
 
     def suspend(self) -> None:
         """Put every streamed weight back on its device and take the hooks off, keeping the host masters: a later
-        :meth:`install` streams again without copying to host memory (``auto`` re-plans on a model whose weights
-        are all in place, then streams the blocks of the new plan: :meth:`retarget`)."""
+        :meth:`install` streams again without copying to host memory (``auto`` profiles a new input shape on the
+        model with all its weights in place)."""
         if not self.installed:
             return
-        for upload in [*self._pending.values(), *self._active.values()]:
-            self._settle(upload)
-        self._pending.clear()
-        self._active.clear()
-        for handle in self._handles:
-            handle.remove()
-        self._handles.clear()
         for block in self.blocks:
-            state.mark_streamed([w.param for w in block.weights], streamed=False)
-            for w in block.weights:
-                assert w.master is not None
-                restored = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
-                w.param.data = restored.copy_(w.master)
+            self._restore(block)
         self.installed = False
 
     def retarget(self, blocks: Sequence[tuple[str, nn.Module]]) -> None:
-        """Stream ``blocks`` (name, block; in call order) from the next :meth:`install` on. Blocks streamed before
-        keep their host masters; the others' are freed. Only while not installed (after :meth:`suspend`).
+        """Stream ``blocks`` (name, block; in call order) from now on (installed) or from the next :meth:`install`.
+        Blocks streamed before keep their host masters and placeholders; blocks no longer streamed get their
+        weights back on the device and their masters freed; new ones are copied to host memory (installed: now).
 
         Raises:
-            MemfitError: called while installed, or a new block has no frozen weight to stream.
+            MemfitError: a new block has no frozen weight to stream.
+            HostMemoryError: installed, and the new blocks' masters do not fit in host RAM.
         """
-        if self.installed:
-            raise MemfitError(
-                "internal error: WeightStreamer.retarget while its weights stream (suspend first)"
-            )
         kept = {b.module: b for b in self.blocks}
         fresh = self._plan([(name, m) for name, m in blocks if m not in kept])
         by_module = {b.module: b for b in fresh}
@@ -396,7 +401,13 @@ class WeightStreamer:
             block = kept.pop(module, None) or by_module[module]
             block.name, block.position = name, position
             planned.append(block)
+        if self.installed:
+            self._check_host_memory(sum(b.nbytes for b in fresh))
+            for block in fresh:  # first: taking weights off the device makes room for those that come back
+                self._stream(block)
         for block in kept.values():  # no longer streamed
+            if self.installed:
+                self._restore(block)
             self._release(block)
         self.blocks = planned
         self._by_module = {b.module: b for b in planned}
