@@ -6,6 +6,7 @@
 * :mod:`memfit.auto.blockpeak` — a block's own forward+backward peak, measured alone (CUDA);
 * :mod:`memfit.auto.cost` — what each policy keeps, copies and costs on one block;
 * :mod:`memfit.auto.search` — the dynamic programme over blocks;
+* :mod:`memfit.auto.streaming` — which blocks stream their frozen weights, and what that does to peak and cost;
 * :mod:`memfit.auto.planner` — the peak model and the cheapest plan whose predicted peak fits;
 * :mod:`memfit.auto.budget_planner` — a plan per input signature, for the controller to install.
 """
