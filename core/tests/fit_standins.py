@@ -3,7 +3,8 @@ sys.path there too: spawn passes the parent's path).
 
 ``crashing_workload`` builds the tiny Flux job and makes the first backward of the k-th measuring process
 crash as ``plan[k]`` says: ``"abort"`` (the process dies of SIGABRT), ``"cuda"`` (a CUDA fault as torch
-raises it: the process survives but its context is lost) or ``None`` (runs normally). Processes count
+raises it: the process survives but its context is lost), ``"left-behind"`` (out of memory with memfit left on
+the model, as when its removal failed) or ``None`` (runs normally). Processes count
 themselves in ``counter`` (a file), so the plan holds across the restarts the runner makes.
 """
 
@@ -22,7 +23,12 @@ CUDA_FAULT = (
 )
 
 
-def _crash(how: str) -> None:
+def _crash(how: str, model: torch.nn.Module) -> None:
+    if how == "left-behind":
+        import memfit
+
+        memfit.apply(model, {"gradient_checkpointing": True})
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
     if how == "abort":
         os.abort()
     if how == "cuda":
@@ -42,7 +48,7 @@ def crashing_workload(counter: str, plan: tuple[str | None, ...]) -> Workload:
 
     def crashing_loss(output) -> torch.Tensor:
         value = loss(output)
-        value.register_hook(lambda grad: _crash(how))  # runs in backward
+        value.register_hook(lambda grad: _crash(how, workload.model))  # runs in backward
         return value
 
     workload.loss = crashing_loss

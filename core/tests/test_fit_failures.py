@@ -238,3 +238,43 @@ def test_a_failed_step_frees_its_activations_before_memfit_is_removed(monkeypatc
         )
     assert seen_at_remove and seen_at_remove[0]  # the activation was gone when the weights went back
     memfit.apply(model, cfg, adapter=TOY).remove()  # and memfit is off the model
+
+
+def test_a_rung_whose_removal_fails_asks_for_a_fresh_process(workload, monkeypatch):
+    """Out of memory inside memfit's own removal (putting streamed weights back on a full card) leaves memfit on
+    the model: the failure says so, so that the next rung runs in a fresh process instead of failing with
+    "already applied"."""
+    import memfit
+    from memfit.measure import measure_guarded
+
+    handles = []
+
+    def apply_then_fail(model, inputs, loss_fn, *, config, adapter, steps, on_phase):
+        handles.append(memfit.apply(model, config, adapter=adapter))  # its removal "fails": never removed
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    def just_fail(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
+
+    config = {"gradient_checkpointing": True}
+    common = {"config": config, "adapter": workload.adapter}
+    failure = measure_guarded(
+        workload.model, workload.inputs, workload.loss, **common, measure=apply_then_fail
+    )
+    assert isinstance(failure, RungFailure) and failure.kind is FailureKind.OUT_OF_MEMORY
+    assert failure.left_behind and failure.needs_fresh_process and not failure.context_lost
+    handles[0].remove()
+    ok = measure_guarded(workload.model, workload.inputs, workload.loss, **common, measure=just_fail)
+    assert not ok.left_behind  # a plain out-of-memory rung keeps the process
+
+
+def test_a_child_whose_rung_left_memfit_behind_is_replaced(tmp_path):
+    build = functools.partial(crashing_workload, str(tmp_path / "count"), ("left-behind", None))
+    with ChildRunner(build, steps=1) as runner:
+        runner.start()
+        report = run_ladder(runner, adapter=None, budget_bytes=None, device_type="cpu", extra=[Rung.of(None)])
+        starts = runner.starts
+    first, second = report.results[:2]
+    assert first.failure is not None and first.failure.left_behind
+    assert second.measurement is not None, second.status  # not "already applied"
+    assert starts == 2

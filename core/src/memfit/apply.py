@@ -208,6 +208,11 @@ def _offload_session(
     return OffloadSession(copy_engine, model, min_offload_bytes=min_offload_bytes)
 
 
+def is_applied(model: nn.Module) -> bool:
+    """memfit is on ``model`` (a handle not removed yet)."""
+    return model in _applied
+
+
 def _effective_config(model: nn.Module, cfg: MemfitConfig, adapter: FamilyAdapter | None) -> MemfitConfig:
     """Apply the SPEC §1 interaction rules that turn settings off (each with one warning)."""
     if not cfg.enabled:

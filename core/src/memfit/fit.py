@@ -162,10 +162,14 @@ class InProcessRunner:
 
     def measure(self, rung: Rung, on_phase: Callable[[str], None] = _noop) -> StepMeasurement | RungFailure:
         if self._lost is not None:
+            what = (
+                "the CUDA context was lost" if self._lost.context_lost else "memfit or memory was left behind"
+            )
             return RungFailure(
                 FailureKind.CRASHED,
-                f"not measured: the CUDA context was lost in an earlier rung ({self._lost.message})",
-                context_lost=True,
+                f"not measured: {what} in an earlier rung ({self._lost.message})",
+                context_lost=self._lost.context_lost,
+                left_behind=self._lost.left_behind,
             )
         with sdpa_context(self.sdpa):
             outcome = measure_guarded(
@@ -178,7 +182,7 @@ class InProcessRunner:
                 on_phase=on_phase,
                 measure=self._measure,
             )
-        if isinstance(outcome, RungFailure) and outcome.context_lost:
+        if isinstance(outcome, RungFailure) and outcome.needs_fresh_process:
             self._lost = outcome
         return outcome
 

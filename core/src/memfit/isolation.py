@@ -82,7 +82,7 @@ def _worker(conn: Connection, build: Callable[[], Any], steps: int, sdpa: str, s
             break
         outcome = runner.measure(message[1], lambda phase: conn.send(("phase", phase)))
         conn.send(("result", outcome))
-        if isinstance(outcome, RungFailure) and outcome.context_lost:
+        if isinstance(outcome, RungFailure) and outcome.needs_fresh_process:
             break
     conn.close()
     # skip interpreter teardown: with a lost CUDA context, destructors abort and print C++ stack traces
@@ -198,7 +198,7 @@ class ChildRunner:
                 on_phase(phase)
                 continue
             outcome = message[1]
-            if isinstance(outcome, RungFailure) and outcome.context_lost:
+            if isinstance(outcome, RungFailure) and outcome.needs_fresh_process:
                 self._stop()  # the child exits by itself; the next rung gets a fresh one
             return outcome
 

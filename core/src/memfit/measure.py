@@ -8,6 +8,7 @@ a CUDA fault into a "crashed" failure that says the CUDA context is lost (only a
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import enum
 import gc
 import statistics
@@ -23,6 +24,9 @@ from memfit.accounting import SavedBytesMeter
 from memfit.adapters.spec import FamilyAdapter
 from memfit.errors import BudgetError, MemfitError
 from memfit.units import format_bytes
+
+# device memory a failed rung may leave allocated (cached small blocks, RNG state) before the next needs a fresh process
+LEFT_BEHIND_TOLERANCE = 64 << 20
 
 # `--sdpa` choices: the backend names of torch.nn.attention.SDPBackend users know, plus torch's own dispatch.
 SDPA_BACKENDS = {
@@ -75,6 +79,8 @@ class RungFailure:
         phase: where: ``"apply"``, ``"forward"``, ``"backward"`` or ``"build"`` (None if unknown).
         peak_bytes: on CUDA, the peak allocated before the failure (None elsewhere).
         context_lost: the CUDA context is unusable; nothing more can run in this process.
+        left_behind: the failed rung left memfit on the model or device memory allocated (an out-of-memory
+            error inside memfit's own removal): the next rung needs a fresh process.
     """
 
     kind: FailureKind
@@ -82,6 +88,11 @@ class RungFailure:
     phase: str | None = None
     peak_bytes: int | None = None
     context_lost: bool = False
+    left_behind: bool = False
+
+    @property
+    def needs_fresh_process(self) -> bool:
+        return self.context_lost or self.left_behind
 
     def describe(self) -> str:
         """The row's status, e.g. ``does not fit (out of memory at 23.94 GiB)`` or ``crashed: CUDA error: …``."""
@@ -248,6 +259,7 @@ def measure_guarded(
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
+    before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     failure: RungFailure | None = None
     try:
         return measure(model, inputs, loss_fn, config=config, adapter=adapter, steps=steps, on_phase=track)
@@ -264,6 +276,11 @@ def measure_guarded(
         failure = RungFailure(FailureKind.ERROR, f"{type(exc).__name__}: {first_line(exc)}", phase[0])
     # out of the except blocks: the exception and the frames (and tensors) its traceback held are gone now
     release_memory(model, device)
+    from memfit.apply import is_applied
+
+    leaked = device.type == "cuda" and torch.cuda.memory_allocated(device) > before + LEFT_BEHIND_TOLERANCE
+    if is_applied(model) or leaked:
+        failure = dataclasses.replace(failure, left_behind=True)
     return failure
 
 
