@@ -446,8 +446,10 @@ def markdown(result: dict[str, Any]) -> str:
             for c in target.get("configs", [])
             for b in c.get("budgets", [])
         ]
-        lines.append(f"{target['target']}:")
-        lines.append("")
+        lines += [f"{target['target']}:", ""]
+        if target.get(NOT_MEASURED):
+            lines += [f"- not measured ({target[NOT_MEASURED]})", ""]
+            continue
         lines += [
             f"- {'PASS' if ok else 'FAIL'} {label}: {detail}" for label, ok, detail in budget_checks(flat)
         ]
@@ -557,6 +559,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     return ns
 
 
+def _run_child(context: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """One target's child (none once the deadline passed: not worth a process and a model build)."""
+    target, progress = job["target"], Path(job["progress"])
+    if job["stop_at"] is not None and time.time() >= job["stop_at"]:
+        return {"target": target, NOT_MEASURED: DEADLINE}
+    with context.Pool(1) as pool:
+        try:
+            return pool.apply(_one_target, (job,))
+        except Exception as exc:  # a crashed child keeps what it saved; the next target still runs
+            entry = json.loads(progress.read_text()) if progress.exists() else {"target": target}
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            return entry
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parse(argv)
     plan = (
@@ -588,18 +604,9 @@ def main(argv: list[str] | None = None) -> int:
     context = multiprocessing.get_context("spawn")  # a fresh CUDA context and allocator per target
     with tempfile.TemporaryDirectory() as scratch:
         for target in ns.targets:
-            if ns.stop_at is not None and time.time() >= ns.stop_at:  # not worth a child and a model build
-                result["targets"].append({"target": target, NOT_MEASURED: DEADLINE})
-                continue
             progress = Path(scratch) / f"{target}.json"
             job = {**vars(ns), "out": str(ns.out), "target": target, "progress": str(progress)}
-            with context.Pool(1) as pool:
-                try:
-                    entry = pool.apply(_one_target, (job,))
-                except Exception as exc:  # a crashed child keeps what it saved; the next target still runs
-                    entry = json.loads(progress.read_text()) if progress.exists() else {"target": target}
-                    entry["error"] = f"{type(exc).__name__}: {exc}"
-            result["targets"].append(entry)
+            result["targets"].append(_run_child(context, job))
             stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
             stem.with_suffix(".md").write_text(markdown(result))
     text = markdown(result)

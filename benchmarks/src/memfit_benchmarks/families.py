@@ -229,10 +229,9 @@ def parse_tokens(text: str | None) -> int | dict[str, int] | None:
     if text is None or not text.strip():
         return None
     if "=" not in text:
-        value = int(text)
-        if value < 1:
-            raise ValueError(f"--tokens {text!r}: a count of at least 1")
-        return value
+        if not text.strip().isdigit() or int(text) < 1:
+            raise ValueError(f"--tokens {text!r}: give one count of at least 1, or name=N pairs")
+        return int(text)
     pairs: dict[str, int] = {}
     for part in text.split(","):
         name, sep, count = part.partition("=")
