@@ -115,6 +115,9 @@ def test_a_family_without_the_peer_is_a_row_saying_so(tmp_path):
         line for line in headline.family_table(found, {"chroma": {"64"}}) if line.startswith("| chroma")
     )
     assert "no diffusers-ckpt (the family's checkpointing branch" in row
+    from memfit_benchmarks.report import render_markdown
+
+    assert "**Not measured:** no peer to compare memfit with (diffusers-ckpt)." in render_markdown(data)
 
 
 def test_a_family_after_the_deadline_is_not_built(tmp_path):

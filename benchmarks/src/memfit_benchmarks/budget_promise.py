@@ -495,7 +495,10 @@ def markdown(result: dict[str, Any]) -> str:
         f"commit {env.get('git_commit')}. {result['rounds']} round-robin rounds per budget ({result['warmup']} "
         f"warm-up + {result['steps']} timed steps per measurement; auto {result['auto_warmup']} warm-up steps, the "
         "first with its planning forward); a mode out of memory is not measured again at that budget. "
-        "`every step within budget`: the peak allocated of every warm-up and timed step of every auto round. "
+        "`every step within budget`: in a process limited to the budget a step over it runs out of memory, so "
+        "`ok` means no step of any round did; the peaks shown are of the timed steps (every round) and must be "
+        "within the budget too (auto's closed loop resets the allocator's peak at each forward, so the warm-up "
+        "peak is its last warm-up step's). "
         "`auto ÷ fixed`: the median over rounds of auto's step over the fixed mode's in the same round. Each "
         "target ran in its own process, limited to each budget with torch.cuda.set_per_process_memory_fraction "
         "(not where the weights alone exceed the budget). SDPA: cuDNN disabled; flash on the synthetic stack.",
