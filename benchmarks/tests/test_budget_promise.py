@@ -1,5 +1,5 @@
-"""The budget-promise script runs end to end on CPU (tiny Flux): one child per budget, auto and a fixed mode,
-results as JSON and markdown."""
+"""The budget-promise sweep: its verdicts from measured rows (pure), and one tiny run end to end on CPU (a child per
+target, a budget below the floor refused before any step, auto and fixed modes in paired rounds at the floor)."""
 
 from __future__ import annotations
 
@@ -7,37 +7,174 @@ import json
 
 import pytest
 
-pytest.importorskip("memfit_flux")
-pytest.importorskip("peft")
+from memfit_benchmarks.budget_promise import budget_checks, resolve_budgets, summarize
+
+GIB = 1 << 30
+
+
+def _row(mode, rounds, peak=10 * GIB, **kw):
+    return {
+        "mode": mode,
+        "oom": False,
+        "step_s": sorted(rounds)[len(rounds) // 2],
+        "step_s_rounds": rounds,
+        "peak_allocated": peak,
+        "peak_allocated_warmup": peak,
+        **kw,
+    }
+
+
+def _entry(budget_gib, rows, *, below=False, auto_rounds=None):
+    entry = {"budget_bytes": budget_gib * GIB, "below_floor": below, "rows": rows}
+    if auto_rounds is not None:
+        entry["auto_rounds"] = auto_rounds
+    return {"config": "attn", **entry, **summarize(entry)}
+
+
+def test_summarize_picks_the_fastest_fixed_mode_that_fits_and_pairs_by_round():
+    auto = _row("auto", [0.90, 0.80, 0.85], within_budget=True)
+    entry = _entry(
+        24,
+        [
+            auto,
+            _row("torch", [1.0, 1.0, 1.0]),
+            _row("torch-ffn", [0.5, 0.5, 0.5], peak=30 * GIB),  # faster, but over the budget: does not fit
+            {"mode": "none", "oom": True},
+        ],
+        auto_rounds=[{"within_budget": True}] * 3,
+    )
+    assert entry["auto"] == "ok" and entry["within_budget"] is True
+    assert entry["best_fixed"] == "torch" and entry["x_fixed_paired"]
+    assert entry["x_fixed"] == pytest.approx(0.85)  # the median of 0.90, 0.80, 0.85
+    assert entry["x_fixed_rounds"] == pytest.approx([0.9, 0.8, 0.85])
+
+
+def test_summarize_says_what_auto_did_when_it_did_not_run():
+    refused = _entry(
+        16, [{"mode": "auto", "oom": False, "budget_error": "below", "failed": "BudgetError"}], below=True
+    )
+    assert refused["auto"] == "BudgetError" and "best_fixed" not in refused
+    oom = _entry(24, [{"mode": "auto", "oom": True}, _row("unsloth", [1.0, 1.0, 1.0])])
+    assert oom["auto"] == "OOM" and oom["best_fixed"] == "unsloth" and "x_fixed" not in oom
+    over = _entry(
+        24, [_row("auto", [1.0, 1.0])], auto_rounds=[{"within_budget": True}, {"within_budget": False}]
+    )
+    assert over["within_budget"] is False  # one round over the budget is over
+    cut = {"config": "attn", "budget_bytes": GIB, "not_measured": "deadline"}
+    assert summarize(cut) == {"auto": "not measured"}
+
+
+def _passing():
+    ok = [{"within_budget": True}] * 3
+    return [
+        _entry(
+            16, [{"mode": "auto", "oom": False, "budget_error": "x", "failed": "BudgetError"}], below=True
+        ),
+        _entry(24, [_row("auto", [0.8] * 3), _row("unsloth", [1.0] * 3)], auto_rounds=ok),
+        _entry(32, [_row("auto", [0.85] * 3), _row("torch", [1.0] * 3)], auto_rounds=ok),
+        _entry(48, [_row("auto", [1.01] * 3), _row("torch-ffn", [1.0] * 3)], auto_rounds=ok),
+    ]
+
+
+def test_the_checks_pass_when_auto_keeps_its_promise_and_wins_twice():
+    checks = budget_checks(_passing())
+    assert [ok for _, ok, _ in checks] == [True, True, True], checks
+    assert "attn @ 24.00 GiB 1.25× vs unsloth" in checks[2][2]
+
+
+@pytest.mark.parametrize(
+    ("change", "failing"),
+    [
+        # below the floor auto ran a step instead of refusing
+        (lambda e: e[0].update(auto="ok"), 0),
+        # a step over the budget
+        (lambda e: e[1].update(within_budget=False), 0),
+        # out of memory where a fixed mode fits: breaks the promise and loses to the fixed mode
+        (lambda e: e[2].update(auto="OOM", x_fixed=None), 0),
+        (lambda e: e[2].update(auto="OOM", x_fixed=None), 1),
+        # 5% slower than the fastest fixed mode that fits
+        (lambda e: e[3].update(x_fixed=1.05), 1),
+        # faster by 10% at one budget only
+        (lambda e: e[2].update(x_fixed=0.95), 2),
+    ],
+)
+def test_each_check_fails_on_its_own_miss(change, failing):
+    entries = _passing()
+    change(entries)
+    checks = budget_checks(entries)
+    assert not checks[failing][1], checks[failing]
+
+
+def test_budgets_not_measured_count_for_no_check_and_are_named():
+    entries = [*_passing(), {"config": "all", "budget_bytes": GIB, "auto": "not measured"}]
+    assert all(ok for _, ok, _ in budget_checks(entries))
+    assert all("1 budget(s) not measured" in detail for *_, detail in budget_checks(entries))
+    assert not any(ok for _, ok, _ in budget_checks([entries[-1]]))  # nothing measured proves nothing
+
+
+def test_the_floor_joins_the_sizes_in_order():
+    assert resolve_budgets([3, "floor", 1], 2) == [(1, False), (2, True), (3, False)]
+    assert resolve_budgets([3, "floor"], None) == [(3, False)]  # no floor known: only the sizes
+    assert resolve_budgets([2, "floor"], 2) == [(2, True)]
 
 
 def test_budget_promise_runs_on_cpu(tmp_path):
+    pytest.importorskip("memfit_flux")
+    pytest.importorskip("peft")
     from memfit_benchmarks import budget_promise
 
     rc = budget_promise.main(
         [
+            "--targets",
+            "flux",
             "--preset",
             "tiny",
             "--tokens",
             "64",
             "--device",
             "cpu",
+            "--configs",
+            "attn",
             "--budgets",
-            "600KiB,1MiB",
-            "--lora-targets",
-            "all",
-            "--steps",
+            "1KiB,floor",
+            "--fixed",
+            "none,torch",
+            "--rounds",
             "2",
+            "--warmup",
+            "0",
+            "--auto-warmup",
+            "1",
+            "--steps",
+            "1",
             "--out",
             str(tmp_path),
         ]
     )
     assert rc == 0
-    result = json.loads((tmp_path / "budget-promise-flux.json").read_text())
-    assert [b["budget_bytes"] for b in result["budgets"]] == [600 << 10, 1 << 20]
-    for entry in result["budgets"]:
-        assert [row["mode"] for row in entry["modes"]] == ["auto", "torch"]
-        assert all(len(row["steps"]) == 2 for row in entry["modes"])
-        auto = entry["modes"][0]
-        assert auto["plan"] and auto["shapes"] and "budget_error" not in auto
-    assert "| 600.00 KiB | auto |" in (tmp_path / "budget-promise-flux.md").read_text()
+    result = json.loads((tmp_path / "budget-promise.json").read_text())
+    (target,) = result["targets"]
+    assert "error" not in target, target
+    (config,) = target["configs"]
+    assert config["config"] == "attn" and config["lora_targets_count"] > 0 and config["floor_bytes"] > 1024
+    below, floor = config["budgets"]
+    assert below["budget_bytes"] == 1024 and below["below_floor"] and below["auto"] == "BudgetError"
+    assert [r["mode"] for r in below["rows"]] == ["auto"]  # no fixed mode below the floor
+    assert floor["is_floor"] and floor["budget_bytes"] == config["floor_bytes"] and floor["auto"] == "ok"
+    by = {r["mode"]: r for r in floor["rows"]}
+    assert list(by) == ["auto", "none", "torch"] and len(by["auto"]["step_s_rounds"]) == 2
+    assert by["auto"]["plan_counts"] and floor["x_fixed_paired"]
+    text = (tmp_path / "budget-promise.md").read_text()
+    assert text.startswith("# auto's budget on a card of that size\n\n| target | config | budget |")
+    assert "| flux | attn | 1.00 KiB | BudgetError (below the floor) |" in text
+    assert "- PASS auto's budget is a promise" in text
+
+
+def test_a_deadline_in_the_past_starts_no_child(tmp_path):
+    from memfit_benchmarks import budget_promise
+
+    args = ["--preset", "tiny", "--device", "cpu", "--stop-at", "1", "--out", str(tmp_path)]
+    assert budget_promise.main(args) == 0
+    result = json.loads((tmp_path / "budget-promise.json").read_text())
+    assert [t["target"] for t in result["targets"]] == ["flux", "synthetic-4096"]
+    assert all(t["not_measured"] == "the run's deadline passed first" for t in result["targets"])

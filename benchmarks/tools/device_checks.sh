@@ -7,7 +7,8 @@
 # Parts (in the order given):
 #   gpu          nox -s gpu: the GPU half of the core tests and of the kit for every adapter (log: nox-gpu.log)
 #   budget       auto at 24 GiB on Flux full size, LoRA on the attention projections, in a process limited to
-#                24 GiB (memfit_benchmarks.budget_promise; budget-promise-flux.{json,md})
+#                24 GiB (memfit_benchmarks.budget_promise; budget-promise-flux.{json,md}; the whole sweep:
+#                device_sweeps.sh)
 #   fit-flash    memfit fit --preset full --budget 24GiB --sdpa flash on a process limited to 24 GiB
 #   fit-default  the same with the default SDPA dispatch (crashed rungs become rows, no traceback)
 #   fit-job      memfit fit --resolution 1024x1024 --lora-rank 16 --lora-targets attn --budget 24GiB
@@ -34,8 +35,8 @@ fit_test() {
 for part in ${PARTS:-gpu}; do
     case "$part" in
         gpu) run_part nox-gpu python3 -m nox -s gpu ;;
-        budget) run_part budget python3 -m memfit_benchmarks.budget_promise --family flux --budgets 24GiB \
-            --out "$OUT" ;;
+        budget) run_part budget python3 -m memfit_benchmarks.budget_promise --targets flux --configs attn \
+            --budgets 24GiB --fixed torch,unsloth --rounds 1 --steps 5 --stem budget-promise-flux --out "$OUT" ;;
         fit-flash) run_part fit-flash fit_test "24gib_card_with_flash" ;;
         fit-default) run_part fit-default fit_test "default_attention_dispatch" ;;
         fit-job) run_part fit-job fit_test "lora_job_at_1024px" ;;

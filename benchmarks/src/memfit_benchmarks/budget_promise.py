@@ -1,25 +1,44 @@
-"""Does ``auto`` keep its budget on a card of that size? Each budget runs in its own process whose CUDA memory is
-limited to the budget (``torch.cuda.set_per_process_memory_fraction``: the caching allocator cannot reserve
-more, as on a card of that size), and every step's peak allocated and peak reserved are recorded.
+"""Does ``auto`` keep its budget on a card of that size, and is it faster there than the fixed modes that fit?
 
-    python -m memfit_benchmarks.budget_promise --family flux --budgets 24GiB,32GiB --out DIR     # GPU
-    python -m memfit_benchmarks.budget_promise --family flux --preset tiny --device cpu --budgets 2MiB --out DIR
+    python -m memfit_benchmarks.budget_promise --out DIR                                  # GPU: the issue's sweep
+    python -m memfit_benchmarks.budget_promise --targets flux --configs attn --budgets 24GiB --out DIR
+    python -m memfit_benchmarks.budget_promise --preset tiny --device cpu --budgets 600KiB,floor --out DIR
 
-Per budget: the family's preset (random weights; bf16 on CUDA), PEFT LoRA r16 on the linears named by
-``--lora-targets`` (default: ``to_q,to_k,to_v,to_out.0``, the common Flux recipe; ``all`` for every linear of
-the blocks), inputs at ``--tokens``; then ``auto`` at the budget for ``--steps`` steps, and each mode of
-``--fixed`` for comparison in the same process. A step that runs out of memory is recorded (``oom``), never
-raised. Off CUDA nothing limits memory: the CPU run only proves the script (the budget counts held bytes).
-Writes ``budget-promise-<family>.json`` and ``.md`` to ``--out``.
+Per target (``flux`` or any installed family: its preset at ``--tokens``, default the preset's; ``synthetic-4096``:
+the synthetic stack, 3072 wide x 15 blocks at 4096 tokens, flash SDPA) one child process builds the model
+(random weights, bf16 on CUDA) and measures every training config of ``--configs`` on it, one after the other
+(``all``: PEFT LoRA r16 on every block linear; ``attn``: on the linears of the declared attention regions, the
+peers sweep's ``lora-attn``; ``full``: every weight trains, a foreach AdamW step inside each step;
+``memfit_benchmarks.training``). Per config:
+
+1. The floor: ``auto`` at a 1-byte budget raises ``BudgetError`` naming the smallest peak any plan reaches
+   (one profiling forward, no step).
+2. Per budget of ``--budgets`` (sizes, and ``floor``), in increasing order, the process is limited to the budget
+   with ``torch.cuda.set_per_process_memory_fraction`` (what the caching allocator may reserve, as on a card of
+   that size; not when the weights alone exceed it, then nothing could run). Below the floor only ``auto`` runs,
+   once: the expected row is a ``BudgetError`` before any step. At or above it ``auto`` and every mode of
+   ``--fixed`` run in ``--rounds`` round-robin rounds (``auto`` with ``--auto-warmup`` warm-up steps: its first
+   step profiles and plans, the next ones may correct the plan); a mode out of memory is an ``OOM`` row and is
+   not measured again at that budget.
+
+Per budget the report gives auto's status, whether every step (warm-up, planning forward and timed steps, every
+round) stayed within the budget, peak allocated and reserved, the median step, the fastest fixed mode that fits
+and auto's step over it paired by round; per target three checks (:func:`budget_checks`). A child that crashes
+keeps what it wrote after each budget. ``--stop-at``: no measurement starts later (rows left out say so). Off
+CUDA nothing limits memory: the CPU run proves the script (auto's budget counts held activation bytes there).
+Writes ``<stem>.json`` and ``<stem>.md`` (default stem ``budget-promise``) to ``--out``.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import multiprocessing
+import statistics
+import tempfile
 import time
-import warnings
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -27,192 +46,575 @@ import torch
 
 import memfit
 from memfit.units import format_bytes, parse_bytes
+from memfit_benchmarks.auto_report import AUTO_FASTER, AUTO_NOISE
 from memfit_benchmarks.environment import run_stamp
+from memfit_benchmarks.modes import MODES, Mode
+from memfit_benchmarks.options import deadline
+from memfit_benchmarks.rounds import FAILED, NOT_MEASURED, measured, per_round_ratios, round_robin
+from memfit_benchmarks.training import TrainingConfig, prepare
 
-FLUX_ATTENTION = ("to_q", "to_k", "to_v", "to_out.0")
 GIB = 1 << 30
+CONFIGS = {"all": TrainingConfig.LORA_ALL, "attn": TrainingConfig.LORA_ATTENTION, "full": TrainingConfig.FULL}
+SYNTHETIC_TARGETS = {"synthetic-4096": 1}  # name -> index into shapes.SHAPES
+FLOOR = "floor"
+FLOOR_PROBE_BYTES = 1  # a budget no plan reaches: auto's BudgetError then names the smallest peak
+DEFAULT_FIXED = "none,torch-ffn,torch,unsloth-ffn,unsloth"
+DEADLINE = "the run's deadline passed first"
 
 
-def _targets(model: torch.nn.Module, adapter: memfit.FamilyAdapter, spec: str) -> list[str]:
-    names = {id(m): n for n, m in model.named_modules()}
-    wanted = None if spec == "all" else tuple(s.strip() for s in spec.split(","))
-    out = []
-    for _path, _index, block in adapter.iter_blocks(model):
-        for name, module in block.named_modules():
-            if isinstance(module, torch.nn.Linear) and (wanted is None or name.endswith(wanted)):
-                out.append(f"{names[id(block)]}.{name}")
-    if not out:
-        raise ValueError(f"no nn.Linear in the blocks matches --lora-targets {spec!r}")
-    return out
+# -- the child: one target, every config and budget -------------------------------------------------------------
 
 
-def _one_budget(args: dict[str, Any]) -> dict[str, Any]:
-    """Runs in a child process: everything for one budget."""
-    from peft import LoraConfig, inject_adapter_in_model
+def _build(target: str, preset: str, tokens: int | None, device: torch.device, dtype: torch.dtype):
+    """(model, batch, adapter, info) of a target (no training config applied yet)."""
+    if target in SYNTHETIC_TARGETS:
+        from memfit_benchmarks.shapes import SHAPES, TINY_SHAPE
+        from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
 
-    device = torch.device(args["device"])
-    cuda = device.type == "cuda"
-    budget = args["budget"]
+        label, width, depth, shape_tokens = (
+            TINY_SHAPE if preset == "tiny" else SHAPES[SYNTHETIC_TARGETS[target]]
+        )
+        model = build(dim=width, depth=depth, dtype=dtype, device=str(device))
+        batch = inputs(model, tokens=tokens or shape_tokens, generator=torch.Generator().manual_seed(0))
+        return (
+            model,
+            batch,
+            SYNTHETIC,
+            {"description": f"synthetic {label}", "tokens": tokens or shape_tokens},
+        )
+    adapter = memfit.get_adapter(target)
+    tokens = tokens or adapter.presets[preset].default_tokens
+    model = adapter.presets[preset].build(dtype=dtype, device=device)
+    batch = adapter.presets[preset].inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    return model, batch, adapter, {"description": adapter.presets[preset].description, "tokens": tokens}
+
+
+def _auto(budget: int) -> Mode:
+    return Mode(
+        "auto",
+        {
+            "gradient_checkpointing": True,
+            "gradient_checkpointing_backend": "auto",
+            "gradient_checkpointing_memory_budget": int(budget),
+        },
+    )
+
+
+def _auto_fields(handle: Any) -> dict[str, Any]:
+    plan = getattr(handle, "plan", None)
+    stats = handle.stats()
+    shapes = stats.get("shapes") or []
+    return {
+        "plan_counts": None if plan is None else plan.counts(),
+        "predicted_peak_bytes": None if plan is None else plan.predicted_peak_bytes,
+        "shapes": shapes,
+        "corrections": sum(s.get("corrections", 0) for s in shapes),
+    }
+
+
+class _Target:
+    """One built target in the child: measures rows on it under the job's options."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        self.job = job
+        self.device = torch.device(job["device"])
+        self.cuda = self.device.type == "cuda"
+        self.dtype = torch.bfloat16 if self.cuda else torch.float32
+        self.stop = deadline(job["stop_at"])
+        started = time.perf_counter()
+        self.model, self.batch, self.adapter, self.info = _build(
+            job["target"], job["preset"], job["tokens"], self.device, self.dtype
+        )
+        if self.cuda:
+            torch.cuda.synchronize()
+        self.info["build_seconds"] = time.perf_counter() - started
+        self.optimizer_factory = None
+
+    def limit(self, budget: int | None) -> bool:
+        """Limit the process to ``budget`` bytes (None: lift the limit); False when the weights and inputs already
+        resident exceed it (then the process is left unlimited: nothing could run on such a card)."""
+        if not self.cuda:
+            return False
+        torch.cuda.empty_cache()
+        total = torch.cuda.get_device_properties(self.device).total_memory
+        fits = budget is not None and torch.cuda.memory_reserved(self.device) < budget
+        fraction = min(1.0, budget / total) if fits else 1.0
+        torch.cuda.set_per_process_memory_fraction(fraction, self.device)
+        return fits
+
+    def runs(self, mode: Mode) -> bool:
+        from memfit_benchmarks.families import skip_reason
+
+        return skip_reason(mode, self.adapter, self.device) is None
+
+    def measure(self, mode: Mode, budget: int | None = None) -> dict[str, Any]:
+        from memfit_benchmarks.runner import measure_mode
+
+        is_auto = mode.name == "auto"
+        try:
+            row = measure_mode(
+                self.model,
+                self.batch,
+                self.adapter.loss,
+                mode,
+                adapter=self.adapter,
+                warmup=self.job["auto_warmup"] if is_auto else self.job["warmup"],
+                steps=self.job["steps"],
+                optimizer_factory=self.optimizer_factory,
+                inspect=_auto_fields if is_auto else None,
+            )
+        except memfit.BudgetError as exc:  # a row (and not measured again: FAILED stops its rounds)
+            row = {"mode": mode.name, "oom": False, "budget_error": str(exc), FAILED: "BudgetError"}
+            row["smallest_peak_bytes"] = exc.smallest_peak_bytes
+        if budget is not None and measured(row) and row.get("peak_allocated") is not None:
+            peaks = [row["peak_allocated"], row.get("peak_allocated_warmup") or 0]
+            row["within_budget"] = max(peaks) <= budget
+        print(
+            f"  [{self.job['target']} {budget and format_bytes(budget)}] {mode.name}: {_cell(row)}",
+            flush=True,
+        )
+        return row
+
+    def floor(self) -> dict[str, Any]:
+        row = self.measure(_auto(FLOOR_PROBE_BYTES))
+        if "smallest_peak_bytes" in row:
+            return {"floor_bytes": row["smallest_peak_bytes"]}
+        return {"floor_error": f"auto at {FLOOR_PROBE_BYTES} byte did not raise BudgetError: {_cell(row)}"}
+
+    def budget(self, budget: int, *, is_floor: bool, floor: int | None) -> dict[str, Any]:
+        entry: dict[str, Any] = {"budget_bytes": budget, "is_floor": is_floor}
+        if self.stop():
+            entry[NOT_MEASURED] = DEADLINE
+            return entry
+        below = floor is not None and budget < floor
+        entry["below_floor"] = below
+        fixed = [] if below else [m for m in MODES if m.name in self.job["fixed"] and self.runs(m)]
+        modes = [_auto(budget), *fixed]
+        rounds: dict[str, list[dict[str, Any]]] = {m.name: [] for m in modes}
+
+        def one(mode: Mode) -> dict[str, Any]:
+            row = self.measure(mode, budget)
+            rounds[mode.name].append(row)
+            return row
+
+        try:
+            entry["process_limited"] = self.limit(budget)
+            entry["resident_bytes"] = torch.cuda.memory_allocated(self.device) if self.cuda else None
+            entry["rows"] = round_robin(modes, 1 if below else self.job["rounds"], one, stop=self.stop)
+        except Exception as exc:  # a broken budget is a row; the next budget may still run
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            entry["traceback"] = traceback.format_exc()
+            print(entry["traceback"], flush=True)
+        finally:
+            self.limit(None)
+        entry["auto_rounds"] = rounds["auto"]
+        entry.update(summarize(entry))
+        return entry
+
+
+def _one_target(job: dict[str, Any]) -> dict[str, Any]:
+    """Runs in a child process: every config and budget of one target; ``job["progress"]`` is rewritten after
+    each budget (the parent reads it if the child dies)."""
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    cuda = job["device"] == "cuda"
     if cuda:
         torch.backends.cuda.enable_cudnn_sdp(False)  # cuDNN's SDPA backward fails on this stack (README)
-        total = torch.cuda.get_device_properties(device).total_memory
-        torch.cuda.set_per_process_memory_fraction(min(1.0, budget / total), torch.cuda.current_device())
-    adapter = memfit.get_adapter(args["family"])
-    preset = adapter.presets[args["preset"]]
-    dtype = torch.bfloat16 if cuda else torch.float32
-    started = time.perf_counter()
-    model = preset.build(dtype=dtype, device=device)
-    build_s = time.perf_counter() - started
-    targets = _targets(model, adapter, args["lora_targets"])
-    inject_adapter_in_model(LoraConfig(r=16, lora_alpha=16, target_modules=targets), model)
-    for name, p in model.named_parameters():
-        p.requires_grad_("lora_" in name)
-        if "lora_" in name:
-            p.data = p.data.to(dtype)
-    batch = preset.inputs(model, tokens=args["tokens"], generator=torch.Generator().manual_seed(0))
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    out = {
-        "budget_bytes": budget,
-        "device_name": torch.cuda.get_device_name(device) if cuda else "cpu",
-        "build_seconds": build_s,
-        "lora_targets": len(targets),
-        "modes": [],
-    }
-    configs = [
-        ("auto", {"gradient_checkpointing_backend": "auto", "gradient_checkpointing_memory_budget": budget})
-    ]
-    configs += [(m, {"gradient_checkpointing_backend": m}) for m in args["fixed"]]
-    for name, cfg in configs:
-        out["modes"].append(
-            _run_mode(model, adapter, batch, name, {"gradient_checkpointing": True, **cfg}, args)
+    result: dict[str, Any] = {"target": job["target"], "configs": []}
+    progress = Path(job["progress"])
+
+    def save() -> None:
+        progress.write_text(json.dumps(result, default=str))
+
+    synthetic = job["target"] in SYNTHETIC_TARGETS
+    pin = sdpa_kernel(SDPBackend.FLASH_ATTENTION) if cuda and synthetic else contextlib.nullcontext()
+    with pin:
+        target = _Target(job)
+        result.update(target.info)
+        result["device_name"] = torch.cuda.get_device_name(target.device) if cuda else "cpu"
+        result["sdpa"] = (
+            "flash, cuDNN SDPA disabled" if synthetic and cuda else "default dispatch, cuDNN SDPA disabled"
         )
+        for name in job["configs"]:
+            entry: dict[str, Any] = {"config": name, "budgets": []}
+            result["configs"].append(entry)
+            if target.stop():
+                entry[NOT_MEASURED] = DEADLINE
+                continue
+            training = prepare(target.model, target.batch, CONFIGS[name], target.adapter, dtype=target.dtype)
+            entry.update(training.info(), config=name)
+            target.optimizer_factory = training.optimizer_factory
+            try:
+                entry.update(target.floor())
+                floor = entry.get("floor_bytes")
+                for budget, is_floor in resolve_budgets(job["budgets"], floor):
+                    entry["budgets"].append(target.budget(budget, is_floor=is_floor, floor=floor))
+                    save()
+            finally:
+                training.undo()
+                target.optimizer_factory = None
+            save()
+    return result
+
+
+# -- what a budget's rows say ------------------------------------------------------------------------------------
+
+
+def resolve_budgets(spec: list[int | str], floor: int | None) -> list[tuple[int, bool]]:
+    """``(bytes, is_floor)`` per budget of ``spec`` (sizes, and ``"floor"`` as ``floor`` when known), increasing,
+    each once."""
+    out: dict[int, bool] = {}
+    for item in spec:
+        if item == FLOOR:
+            if floor is not None:
+                out[floor] = True
+        else:
+            out.setdefault(int(item), False)
+    return sorted(out.items())
+
+
+def _fits(row: dict[str, Any], budget: int) -> bool:
+    """A fixed mode's row that ran and stayed within ``budget`` (off CUDA, with no peak to read: ran)."""
+    if not measured(row):
+        return False
+    peaks = [row.get("peak_allocated"), row.get("peak_allocated_warmup")]
+    return all(p is None or p <= budget for p in peaks)
+
+
+def summarize(entry: dict[str, Any]) -> dict[str, Any]:
+    """A budget's verdict from its rows: ``auto`` (ok / OOM / BudgetError / not measured / error), ``within_budget``
+    (every step of every auto round), the fastest fixed mode that fits, and ``x_fixed`` = auto's step over it
+    (the median of per-round ratios where both ran in two rounds or more; ``x_fixed_paired`` says which)."""
+    budget = entry["budget_bytes"]
+    rows = {r["mode"]: r for r in entry.get("rows", [])}
+    auto = rows.get("auto")
+    out: dict[str, Any] = {}
+    if entry.get(NOT_MEASURED) or auto is None or auto.get(NOT_MEASURED):
+        out["auto"] = "error" if entry.get("error") else "not measured"
+        return out
+    if auto.get("budget_error"):
+        out["auto"] = "BudgetError"
+    elif auto.get("oom"):
+        out["auto"] = "OOM"
+    else:
+        out["auto"] = "ok"
+        auto_rounds = entry.get("auto_rounds") or [auto]
+        checked = [r for r in auto_rounds if "within_budget" in r]
+        out["within_budget"] = all(r["within_budget"] for r in checked) if checked else None
+    fits = [r for m, r in rows.items() if m != "auto" and _fits(r, budget)]
+    best = min(fits, key=lambda r: r["step_s"], default=None)
+    if best is not None:
+        out["best_fixed"] = best["mode"]
+        out["best_fixed_step_s"] = best["step_s"]
+        if out["auto"] == "ok":
+            ratios = per_round_ratios(auto, best)
+            out["x_fixed"] = statistics.median(ratios) if ratios else auto["step_s"] / best["step_s"]
+            out["x_fixed_paired"] = ratios is not None
+            out["x_fixed_rounds"] = ratios
     return out
 
 
-def _run_mode(model, adapter, batch, name: str, cfg: dict, args: dict) -> dict[str, Any]:
-    cuda = next(model.parameters()).is_cuda
-    row: dict[str, Any] = {"mode": name, "steps": []}
-    handle = None
-    try:
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", memfit.MemfitWarning)
-            handle = memfit.apply(model, cfg, adapter=adapter)
-            for _ in range(args["steps"]):
-                model.zero_grad(set_to_none=True)
-                if cuda:
-                    torch.cuda.synchronize()
-                    torch.cuda.reset_peak_memory_stats()
-                t0 = time.perf_counter()
-                adapter.loss(model(**batch)).backward()
-                if cuda:
-                    torch.cuda.synchronize()
-                step = {"seconds": time.perf_counter() - t0}
-                if cuda:
-                    step["peak_allocated"] = torch.cuda.max_memory_allocated()
-                    step["peak_reserved"] = torch.cuda.max_memory_reserved()
-                row["steps"].append(step)
-            model(**batch)  # the last step's measurement (auto reads it at the next forward's start)
-            stats = handle.stats()
-            row["shapes"] = stats.get("shapes")
-            row["plan"] = handle.plan.describe() if handle.plan is not None else None
-        row["warnings"] = [str(w.message) for w in caught if issubclass(w.category, memfit.MemfitWarning)]
-    except torch.OutOfMemoryError as exc:
-        row["oom"] = str(exc).splitlines()[0]
-    except memfit.BudgetError as exc:
-        row["budget_error"] = str(exc)
-    finally:
-        if handle is not None:
-            handle.remove()
-        model.zero_grad(set_to_none=True)
-        if cuda:
-            torch.cuda.empty_cache()
-    peaks = [s.get("peak_allocated") for s in row["steps"] if s.get("peak_allocated") is not None]
-    row["within_budget_every_step"] = bool(peaks) and all(p <= args["budget"] for p in peaks)
-    return row
+def budget_checks(entries: list[dict[str, Any]], noise: float = AUTO_NOISE) -> list[tuple[str, bool, str]]:
+    """The three checks of one target over its (config, budget) entries, each ``(label, passed, detail)``:
 
+    1. auto's promise: below the floor a ``BudgetError`` before any step; from the floor up every step of every
+       round within the budget and nothing out of memory;
+    2. auto never slower than the fastest fixed mode that fits (paired ratio ≤ 1 + ``noise``), and never failing
+       where a fixed mode fits;
+    3. auto at least 10% faster than the fastest fixed mode that fits (ratio ≤ 1/1.10) at two budgets or more.
 
-def _markdown(result: dict[str, Any]) -> str:
-    env = result["environment"]
-    lines = [
-        f"# auto's budget on a card of that size: {result['family']} ({result['preset']}), "
-        f"LoRA r16 on {result['lora_targets']}, {result['tokens']} tokens",
-        "",
-        "| budget | mode | steps within budget | peak allocated per step (GiB) | peak reserved (max, GiB) | "
-        "median step (s) | corrections |",
-        "|---|---|---|---|---|---|---|",
+    Each entry carries ``config``, ``budget_bytes``, ``below_floor`` and :func:`summarize`'s keys; entries not
+    measured count for no check (the detail says how many).
+    """
+    ran = [e for e in entries if e.get("auto") not in ("not measured", None)]
+    skipped = len(entries) - len(ran)
+    tail = f"; {skipped} budget(s) not measured" if skipped else ""
+
+    def at(e: dict[str, Any]) -> str:
+        return f"{e['config']} @ {format_bytes(e['budget_bytes'])}"
+
+    broken = [
+        e
+        for e in ran
+        if (
+            e["auto"] != "BudgetError"
+            if e.get("below_floor")
+            else e["auto"] != "ok" or e.get("within_budget") is False
+        )
     ]
-    for entry in result["budgets"]:
-        for row in entry.get("modes", []):
-            steps = row["steps"]
-            allocated = " ".join(f"{s['peak_allocated'] / GIB:.2f}" for s in steps if "peak_allocated" in s)
-            reserved = max((s.get("peak_reserved", 0) for s in steps), default=0) / GIB
-            times = sorted(s["seconds"] for s in steps[1:]) or [0.0]
-            note = row.get("oom") and "OOM" or row.get("budget_error") and "BudgetError" or ""
-            within = sum(1 for s in steps if s.get("peak_allocated", 0) <= entry["budget_bytes"])
-            corrections = sum(s.get("corrections", 0) for s in row.get("shapes") or [])
-            lines.append(
-                f"| {format_bytes(entry['budget_bytes'])} | {row['mode']} | {within}/{len(steps)} {note} | "
-                f"{allocated} | {reserved:.2f} | {times[len(times) // 2]:.3f} | {corrections} |"
+    promise = (
+        "auto's budget is a promise: below the floor BudgetError before any step, from the floor up every step "
+        "within the budget and none out of memory",
+        bool(ran) and not broken,
+        (
+            "; ".join(
+                f"{at(e)}: {e['auto']}" + (", over budget" if e.get("within_budget") is False else "")
+                for e in broken
             )
-        if "error" in entry:
-            lines.append(f"| {format_bytes(entry['budget_bytes'])} | (process) | {entry['error']} | | | | |")
-    names = {entry.get("device_name") for entry in result["budgets"] if entry.get("device_name")}
-    lines += [
+            or f"{len(ran)}/{len(ran)} as promised"
+        )
+        + tail,
+    )
+    compared = [e for e in ran if e.get("x_fixed") is not None]
+    failed_where_fixed_fits = [e for e in ran if e.get("best_fixed") and e["auto"] != "ok"]
+    slow = [e for e in compared if e["x_fixed"] > 1 + noise]
+    worst = max(compared, key=lambda e: e["x_fixed"], default=None)
+    never_slower = (
+        f"auto never slower than the fastest fixed mode that fits (paired, auto ÷ fixed ≤ {1 + noise:.2f})",
+        bool(compared) and not slow and not failed_where_fixed_fits,
+        (
+            f"worst {worst['x_fixed']:.3f}× at {at(worst)} vs {worst['best_fixed']}"
+            if worst
+            else "no budget where auto and a fixed mode both ran"
+        )
+        + "".join(
+            f"; {at(e)}: auto {e['auto']} where {e['best_fixed']} fits" for e in failed_where_fixed_fits
+        )
+        + tail,
+    )
+    fast = [e for e in compared if e["x_fixed"] <= 1 / AUTO_FASTER]
+    faster = (
+        f"auto ≥ {AUTO_FASTER - 1:.0%} faster than the fastest fixed mode that fits at ≥ 2 budgets",
+        len(fast) >= 2,
+        (", ".join(f"{at(e)} {1 / e['x_fixed']:.2f}× vs {e['best_fixed']}" for e in fast) or "at none")
+        + f" ({len(fast)} of {len(compared)} compared)"
+        + tail,
+    )
+    return [promise, never_slower, faster]
+
+
+# -- report ------------------------------------------------------------------------------------------------------
+
+
+def _cell(row: dict[str, Any]) -> str:
+    if row.get(NOT_MEASURED):
+        return "not measured"
+    if row.get("budget_error"):
+        return "BudgetError"
+    if row.get("oom"):
+        return "OOM"
+    peak = row.get("peak_allocated")
+    return f"{row['step_s']:.4f} s" + ("" if peak is None else f", peak {peak / GIB:.2f} GiB")
+
+
+def _gib(value: Any) -> str:
+    return "-" if value is None else f"{value / GIB:.2f}"
+
+
+def _entries(result: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any], dict[str, Any]]]:
+    return [(t, c, b) for t in result["targets"] for c in t.get("configs", []) for b in c.get("budgets", [])]
+
+
+def markdown(result: dict[str, Any]) -> str:
+    """The sweep as markdown: the headline table, the checks per target, then every budget's fixed modes."""
+    lines = [
+        "# auto's budget on a card of that size",
         "",
-        f"Device: {', '.join(sorted(names)) or env.get('device')}; torch {env.get('torch')}; "
-        f"{result['date']}. SDPA: default dispatch with cuDNN SDPA disabled. Each budget ran in its own process "
-        "limited to the budget with torch.cuda.set_per_process_memory_fraction.",
+        "| target | config | budget | auto | every step within budget | peak allocated GiB | peak reserved GiB | "
+        "auto step s | fastest fixed mode that fits | its step s | auto ÷ fixed (paired) | corrections | plan |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for target, config, b in _entries(result):
+        rows = {r["mode"]: r for r in b.get("rows", [])}
+        auto = rows.get("auto", {})
+        budget = format_bytes(b["budget_bytes"]) + (" (floor)" if b.get("is_floor") else "")
+        status = b.get("auto", "not measured")
+        if status == "BudgetError" and b.get("below_floor"):
+            status = "BudgetError (below the floor)"
+        within = {True: "yes", False: "**NO**", None: "-"}[b.get("within_budget")]
+        ratio = "-"
+        if b.get("x_fixed") is not None:
+            ratio = f"{b['x_fixed']:.3f}" + ("" if b.get("x_fixed_paired") else " (unpaired)")
+        plan = ", ".join(f"{k} {v}" for k, v in (auto.get("plan_counts") or {}).items()) or "-"
+        step = f"{auto['step_s']:.4f}" if measured(auto) else "-"
+        fixed_step = "-" if b.get("best_fixed_step_s") is None else f"{b['best_fixed_step_s']:.4f}"
+        lines.append(
+            f"| {target['target']} | {config['config']} | {budget} | {status} | {within} | "
+            f"{_gib(auto.get('peak_allocated'))} | {_gib(auto.get('peak_reserved'))} | {step} | "
+            f"{b.get('best_fixed', '-')} | {fixed_step} | {ratio} | {auto.get('corrections', '-')} | {plan} |"
+        )
+    lines += ["", "## Checks", ""]
+    for target in result["targets"]:
+        flat = [
+            {
+                "config": c["config"],
+                "budget_bytes": b["budget_bytes"],
+                "below_floor": b.get("below_floor"),
+                **b,
+            }
+            for c in target.get("configs", [])
+            for b in c.get("budgets", [])
+        ]
+        lines += [f"{target['target']}:", ""]
+        if target.get(NOT_MEASURED):
+            lines += [f"- not measured ({target[NOT_MEASURED]})", ""]
+            continue
+        lines += [
+            f"- {'PASS' if ok else 'FAIL'} {label}: {detail}" for label, ok, detail in budget_checks(flat)
+        ]
+        lines.append("")
+    lines += ["## Per target and config", ""]
+    for target in result["targets"]:
+        if target.get(NOT_MEASURED):
+            lines += [f"**{target['target']}: not measured ({target[NOT_MEASURED]}).**", ""]
+        if target.get("error"):
+            lines += [f"**{target['target']}: {target['error']}**", ""]
+        for config in target.get("configs", []):
+            head = f"### {target['target']} ({target.get('description', '')}, {target.get('tokens')} tokens), {config['config']}"
+            lines += [head, ""]
+            if config.get(NOT_MEASURED):
+                lines += [f"Not measured: {config[NOT_MEASURED]}.", ""]
+                continue
+            lines.append(
+                f"{config.get('config_description', '')}; {config.get('trainable_params', 0) / 1e6:.1f} M trainable. "
+                + (
+                    f"Floor (auto's smallest predicted peak): {format_bytes(config['floor_bytes'])}."
+                    if config.get("floor_bytes")
+                    else f"Floor unknown: {config.get('floor_error', 'not probed')}."
+                )
+            )
+            lines += ["", "| budget | process limited | resident GiB | " + " | ".join(result["modes"]) + " |"]
+            lines.append("|---|---|---|" + "---|" * len(result["modes"]))
+            for b in config.get("budgets", []):
+                rows = {r["mode"]: r for r in b.get("rows", [])}
+                cells = [_cell(rows[m]) if m in rows else "-" for m in result["modes"]]
+                note = b.get(NOT_MEASURED) or b.get("error") or ""
+                lines.append(
+                    f"| {format_bytes(b['budget_bytes'])}{' (floor)' if b.get('is_floor') else ''} | "
+                    f"{'yes' if b.get('process_limited') else 'no'} | {_gib(b.get('resident_bytes'))} | "
+                    + " | ".join(cells)
+                    + (f" | {note}" if note else "")
+                    + " |"
+                )
+            lines.append("")
+    env = result["environment"]
+    names = sorted({t.get("device_name") for t in result["targets"] if t.get("device_name")})
+    lines += [
+        f"Device: {', '.join(names) or env.get('device')}; torch {env.get('torch')}; {result['date']}; "
+        f"commit {env.get('git_commit')}. {result['rounds']} round-robin rounds per budget ({result['warmup']} "
+        f"warm-up + {result['steps']} timed steps per measurement; auto {result['auto_warmup']} warm-up steps, the "
+        "first with its planning forward); a mode out of memory is not measured again at that budget. "
+        "`every step within budget`: in a process limited to the budget a step over it runs out of memory, so "
+        "`ok` means no step of any round did; the peaks shown are of the timed steps (every round) and must be "
+        "within the budget too (auto's closed loop resets the allocator's peak at each forward, so the warm-up "
+        "peak is its last warm-up step's). "
+        "`auto ÷ fixed`: the median over rounds of auto's step over the fixed mode's in the same round. Each "
+        "target ran in its own process, limited to each budget with torch.cuda.set_per_process_memory_fraction "
+        "(not where the weights alone exceed the budget). SDPA: cuDNN disabled; flash on the synthetic stack.",
     ]
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--family", default="flux")
-    parser.add_argument("--preset", default="full")
-    parser.add_argument("--tokens", type=int, default=4096)
-    parser.add_argument("--budgets", default="24GiB", help="comma-separated sizes")
-    parser.add_argument("--lora-targets", default=",".join(FLUX_ATTENTION))
-    parser.add_argument(
-        "--fixed", default="torch,unsloth", help="fixed backends measured beside auto ('' for none)"
+# -- parent ------------------------------------------------------------------------------------------------------
+
+
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--targets", default="flux,synthetic-4096", help="family names or synthetic-4096")
+    parser.add_argument("--preset", default="full", choices=("full", "tiny"))
+    parser.add_argument("--tokens", type=int, default=None, help="default: the target's own (4096 for these)")
+    parser.add_argument("--configs", default="attn,all,full", help=f"comma-separated: {', '.join(CONFIGS)}")
+    parser.add_argument("--budgets", default="16GiB,24GiB,32GiB,48GiB,floor", help="sizes and 'floor'")
+    parser.add_argument("--fixed", default=DEFAULT_FIXED, help="fixed modes measured beside auto")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1, help="warm-up steps of each fixed-mode measurement")
+    parser.add_argument("--auto-warmup", type=int, default=2, help="auto's (the first one plans)")
+    parser.add_argument("--steps", type=int, default=1, help="timed steps per measurement")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME")
+    parser.add_argument("--stem", default="budget-promise", help="file name of the results, without suffix")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="check the options, print the plan, measure nothing"
+    )
     parser.add_argument("--out", type=Path, required=True)
     ns = parser.parse_args(argv)
-    ns.out.mkdir(parents=True, exist_ok=True)
-    fixed = [m for m in ns.fixed.split(",") if m]
-    if ns.device != "cuda":
-        fixed = [m for m in fixed if not m.startswith("unsloth")]
-    result: dict[str, Any] = {
-        "family": ns.family,
-        "preset": ns.preset,
-        "tokens": ns.tokens,
-        "lora_targets": ns.lora_targets,
-        "date": time.strftime("%Y-%m-%d"),
-        # no CUDA in this process: each budget's child has the card to itself (it reports the device name)
-        "environment": run_stamp("budget-promise", ns.device),
-        "budgets": [],
-    }
-    context = multiprocessing.get_context("spawn")  # a fresh CUDA context and allocator per budget
+    ns.targets = [t.strip() for t in ns.targets.split(",") if t.strip()]
+    installed = memfit.available_adapters()
+    unknown = [t for t in ns.targets if t not in SYNTHETIC_TARGETS and t not in installed]
+    if unknown or not ns.targets:
+        parser.error(
+            f"--targets: unknown {unknown}; choose from {sorted(SYNTHETIC_TARGETS)} or {sorted(installed)}"
+        )
+    ns.configs = [c.strip() for c in ns.configs.split(",") if c.strip()]
+    if not ns.configs or set(ns.configs) - set(CONFIGS):
+        parser.error(f"--configs {ns.configs}: choose from {list(CONFIGS)}")
+    budgets: list[int | str] = []
     for text in ns.budgets.split(","):
-        budget = parse_bytes(text.strip())
-        job = {**vars(ns), "budget": budget, "fixed": fixed, "out": str(ns.out)}
-        with context.Pool(1) as pool:
-            try:
-                entry = pool.apply(_one_budget, (job,))
-            except Exception as exc:  # a crashed child is a row, not the end of the sweep
-                entry = {"budget_bytes": budget, "error": f"{type(exc).__name__}: {exc}"}
-        result["budgets"].append(entry)
-        print(json.dumps({"budget": text, **{k: v for k, v in entry.items() if k != "modes"}}), flush=True)
-        for row in entry.get("modes", []):
-            print(
-                f"  {row['mode']}: within budget every step = {row['within_budget_every_step']}", flush=True
-            )
-    stem = ns.out / f"budget-promise-{ns.family}"
-    stem.with_suffix(".json").write_text(json.dumps(result, indent=2, default=str))
-    stem.with_suffix(".md").write_text(_markdown(result))
-    print(_markdown(result))
+        text = text.strip()
+        try:
+            budgets.append(FLOOR if text == FLOOR else parse_bytes(text))
+        except ValueError:
+            parser.error(f"--budgets: {text!r} is neither a size (24GiB) nor 'floor'")
+    ns.budgets = budgets
+    names = {m.name for m in MODES}
+    ns.fixed = [m.strip() for m in ns.fixed.split(",") if m.strip()]
+    if set(ns.fixed) - names:
+        parser.error(f"--fixed: unknown {sorted(set(ns.fixed) - names)}; choose from {sorted(names)}")
+    if ns.device != "cuda":
+        ns.fixed = [m for m in ns.fixed if not m.startswith("unsloth")]  # offload needs CUDA
+    elif not ns.dry_run and not torch.cuda.is_available():
+        parser.error("--device cuda needs CUDA (use --device cpu --preset tiny for a smoke run)")
+    if ns.rounds < 1 or ns.steps < 1 or ns.warmup < 0 or ns.auto_warmup < 1:
+        parser.error("--rounds and --steps at least 1, --warmup at least 0, --auto-warmup at least 1")
+    return ns
+
+
+def _run_child(context: Any, job: dict[str, Any]) -> dict[str, Any]:
+    """One target's child (none once the deadline passed: not worth a process and a model build)."""
+    target, progress = job["target"], Path(job["progress"])
+    if job["stop_at"] is not None and time.time() >= job["stop_at"]:
+        return {"target": target, NOT_MEASURED: DEADLINE}
+    with context.Pool(1) as pool:
+        try:
+            return pool.apply(_one_target, (job,))
+        except Exception as exc:  # a crashed child keeps what it saved; the next target still runs
+            entry = json.loads(progress.read_text()) if progress.exists() else {"target": target}
+            entry["error"] = f"{type(exc).__name__}: {exc}"
+            return entry
+
+
+def main(argv: list[str] | None = None) -> int:
+    ns = _parse(argv)
+    plan = (
+        f"would measure {ns.targets} ({ns.preset}): configs {ns.configs}, budgets "
+        f"{[b if b == FLOOR else format_bytes(b) for b in ns.budgets]}, auto and fixed {ns.fixed} in {ns.rounds} "
+        f"rounds of {ns.warmup} warm-up (auto {ns.auto_warmup}) + {ns.steps} timed steps, one process per target"
+    )
+    if ns.dry_run:
+        print(plan, flush=True)
+        return 0
+    ns.out.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {
+        "suite": "budget-promise",
+        "preset": ns.preset,
+        "configs": ns.configs,
+        "budgets": [b if b == FLOOR else int(b) for b in ns.budgets],
+        "modes": ["auto", *ns.fixed],
+        "rounds": ns.rounds,
+        "warmup": ns.warmup,
+        "auto_warmup": ns.auto_warmup,
+        "steps": ns.steps,
+        "noise_tolerance": AUTO_NOISE,
+        "date": time.strftime("%Y-%m-%d"),
+        # no CUDA in this process: each target's child has the card to itself (it reports the device name)
+        "environment": run_stamp("budget-promise", ns.device),
+        "targets": [],
+    }
+    stem = ns.out / ns.stem
+    context = multiprocessing.get_context("spawn")  # a fresh CUDA context and allocator per target
+    with tempfile.TemporaryDirectory() as scratch:
+        for target in ns.targets:
+            progress = Path(scratch) / f"{target}.json"
+            job = {**vars(ns), "out": str(ns.out), "target": target, "progress": str(progress)}
+            result["targets"].append(_run_child(context, job))
+            stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+            stem.with_suffix(".md").write_text(markdown(result))
+    text = markdown(result)
+    stem.with_suffix(".md").write_text(text)
+    print(text, flush=True)
     return 0
 
 

@@ -3,6 +3,7 @@
     python -m memfit_benchmarks.families --family all --out benchmarks/results            # GPU, preset full
     python -m memfit_benchmarks.families --family flux --configs lora-all,lora-attn --modes torch,diffusers-ckpt
     python -m memfit_benchmarks.families --family flux --preset tiny --device cpu --out /tmp/f   # CPU smoke
+    python -m memfit_benchmarks.families --tokens wan=4680,ltxvideo2=3072 --family-seconds 45 --require-peer ...
     python -m memfit_benchmarks --suite families ...                                      # same, via nox bench
 
 ``--family all`` is every installed diffusion family (the ``hf-decoder*`` LLM adapters only when named).
@@ -16,6 +17,12 @@ the family supports them) and the peers' (``diffusers-ckpt`` where the model has
 the others are listed under ``skipped``. A mode that runs out of memory is an ``oom`` row. Writes
 ``family-<name>-<preset>.json`` per family to ``--out`` (rewritten after each config), then renders markdown
 and a plot unless ``--no-render``.
+
+``--tokens`` takes one count for every family or ``name=N`` pairs (the others keep their preset's default);
+``--family-seconds S`` stops starting measurements of a family S seconds after its model was built (on top
+of ``--stop-at``), so one slow family cannot take the others' time; ``--require-peer`` measures nothing for a
+family on which none of the requested peers can run (its entries say why): memfit's rows would have nothing
+to be compared with.
 """
 
 from __future__ import annotations
@@ -23,7 +30,9 @@ from __future__ import annotations
 import argparse
 import gc
 import json
+import time
 import traceback
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -35,7 +44,7 @@ from memfit import FamilyAdapter
 from memfit_benchmarks import peers
 from memfit_benchmarks.environment import environment
 from memfit_benchmarks.modes import Mode, is_offload, select_modes
-from memfit_benchmarks.options import add_sweep_options, deadline, step_count
+from memfit_benchmarks.options import add_sweep_options, step_count
 from memfit_benchmarks.results import write_json
 from memfit_benchmarks.runner import measure_modes
 from memfit_benchmarks.training import TrainingConfig, prepare
@@ -130,13 +139,22 @@ def run_family(
     """Build the family's model once and measure every config on it; ``path`` is rewritten after each config."""
     adapter = memfit.get_adapter(name)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    tokens = args.tokens or adapter.presets[args.preset].default_tokens
+    tokens = family_tokens(args.tokens, name) or adapter.presets[args.preset].default_tokens
     payload = family_payload(name, args.preset, env, dtype=dtype, tokens=tokens, rank=args.rank)
     payload.update(rounds=args.rounds, configs=[c.value for c in args.configs], complete=False)
-    stop = deadline(args.stop_at)
+    if tokens != adapter.presets[args.preset].default_tokens:
+        payload["default_tokens"] = adapter.presets[args.preset].default_tokens
+    if args.stop_at is not None and time.time() >= args.stop_at:  # not even worth building the model
+        payload["cut"] = "the run's deadline passed first"
+        return payload
     model = batch = None
     try:
+        started = time.perf_counter()
         model = adapter.presets[args.preset].build(dtype=dtype, device=device)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        payload["build_seconds"] = time.perf_counter() - started
+        stop = family_deadline(args.stop_at, args.family_seconds)
         batch, payload["input_shapes"] = _batch_on(adapter, args.preset, model, tokens, device)
         skipped = {
             m.name: reason
@@ -144,6 +162,7 @@ def run_family(
             if (reason := skip_reason(m, adapter, device, model)) is not None
         }
         modes = [m for m in args.modes if m.name not in skipped]
+        no_peer = args.require_peer and not any(m.peer is not None for m in modes)
         for config in args.configs:
             entry = {
                 "config": config.value,
@@ -154,6 +173,11 @@ def run_family(
                 "skipped": skipped,
                 "rows": [],
             }
+            if no_peer:  # what memfit's rows would be compared with cannot run here: say so, measure nothing
+                entry["no_peer"] = {m.name: skipped[m.name] for m in args.modes if m.peer is not None}
+                payload["results"].append(entry)
+                write_json(path, payload)
+                continue
             try:
                 training = prepare(model, batch, config, adapter, dtype=dtype, rank=args.rank)
             except ValueError as exc:  # e.g. lora-attn on a family without attention regions
@@ -196,13 +220,62 @@ def run_family(
     return payload
 
 
+def parse_tokens(text: str | None) -> int | dict[str, int] | None:
+    """``--tokens``: one count for every family (``"4096"``), or ``name=N`` pairs (``"wan=4680,ltxvideo2=3072"``).
+
+    Raises:
+        ValueError: not a positive count, or a pair without ``=``.
+    """
+    if text is None or not text.strip():
+        return None
+    if "=" not in text:
+        if not text.strip().isdigit() or int(text) < 1:
+            raise ValueError(f"--tokens {text!r}: give one count of at least 1, or name=N pairs")
+        return int(text)
+    pairs: dict[str, int] = {}
+    for part in text.split(","):
+        name, sep, count = part.partition("=")
+        if not sep or not name.strip() or not count.strip().isdigit() or int(count) < 1:
+            raise ValueError(f"--tokens {text!r}: give one count, or name=N pairs separated by commas")
+        pairs[name.strip()] = int(count)
+    return pairs
+
+
+def family_tokens(tokens: int | dict[str, int] | None, name: str) -> int | None:
+    """The token count ``--tokens`` asks for ``name`` (None: the preset's default)."""
+    return tokens.get(name) if isinstance(tokens, dict) else tokens
+
+
+def family_deadline(stop_at: float | None, family_seconds: float | None) -> Callable[[], bool]:
+    """``stop()`` for one family: true once ``stop_at`` (Unix time) or ``family_seconds`` from now has passed."""
+    ends = [t for t in (stop_at, None if family_seconds is None else time.time() + family_seconds) if t]
+    end = min(ends, default=None)
+    return (lambda: False) if end is None else (lambda: time.time() >= end)
+
+
 def main(argv: list[str] | None = None) -> list[Path]:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--family", default="all", help="comma-separated family names, or 'all'")
     parser.add_argument("--out", default="benchmarks/results")
-    parser.add_argument("--tokens", type=int, default=None, help="default: each preset's default_tokens")
+    parser.add_argument(
+        "--tokens",
+        default=None,
+        help="one count for every family, or name=N pairs (wan=4680,ltxvideo2=3072); default: each preset's "
+        "default_tokens",
+    )
+    parser.add_argument(
+        "--family-seconds",
+        type=float,
+        default=None,
+        help="no measurement of a family starts later than this many seconds after its model was built",
+    )
+    parser.add_argument(
+        "--require-peer",
+        action="store_true",
+        help="measure nothing on a family where none of the requested peers runs (its entries say why)",
+    )
     parser.add_argument("--preset", default="full")
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--rank", type=int, default=16)
@@ -218,8 +291,11 @@ def main(argv: list[str] | None = None) -> list[Path]:
     try:
         args.modes = select_modes(args.modes)
         args.steps, args.warmup = step_count(args.steps), step_count(args.warmup)
+        args.tokens = parse_tokens(args.tokens)
     except ValueError as exc:
         parser.error(str(exc))
+    if args.family_seconds is not None and args.family_seconds <= 0:
+        parser.error("--family-seconds must be positive")
     if args.steps < 1:
         parser.error("--steps: at least one timed step per measurement")
     families = default_families() if args.family == "all" else [f.strip() for f in args.family.split(",")]
@@ -230,11 +306,21 @@ def main(argv: list[str] | None = None) -> list[Path]:
     unknown = [f for f in families if args.preset not in installed[f].presets]
     if unknown:
         parser.error(f"--preset {args.preset!r}: {unknown} have no such preset")
+    if isinstance(args.tokens, dict) and set(args.tokens) - set(families):
+        parser.error(
+            f"--tokens names {sorted(set(args.tokens) - set(families))}, which --family does not run"
+        )
     if args.dry_run:
+        tokens = {
+            f: family_tokens(args.tokens, f) or installed[f].presets[args.preset].default_tokens
+            for f in families
+        }
         print(
             f"would measure {families} ({args.preset}): configs {[c.value for c in args.configs]}, {args.rounds} "
             f"rounds of {args.warmup} warm-up + {args.steps} timed steps, modes {[m.name for m in args.modes]} "
-            "(less those a family does not support)",
+            f"(less those a family does not support); tokens {tokens}"
+            + (f"; at most {args.family_seconds:g} s per family" if args.family_seconds else "")
+            + ("; a family without any of the peers is not measured" if args.require_peer else ""),
             flush=True,
         )
         return []

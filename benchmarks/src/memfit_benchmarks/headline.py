@@ -63,8 +63,9 @@ class Measured:
 
 
 def _has_peer(entry: dict[str, Any]) -> bool:
-    """Whether the entry ran a peer (measured, out of memory, failed or cut by the deadline)."""
-    return any(r.get("peer") for r in entry.get("rows", []))
+    """Whether the entry ran a peer (measured, out of memory, failed or cut by the deadline), or says why none
+    can run (``no_peer``: the family sweep's ``--require-peer``)."""
+    return bool(entry.get("no_peer")) or any(r.get("peer") for r in entry.get("rows", []))
 
 
 def collect(root: Path) -> tuple[dict[tuple[str, str, str], Measured], dict[str, set[str]]]:
@@ -101,6 +102,9 @@ def _cell(entry: dict[str, Any] | None, mode: str, peer: str) -> str:
     """``step ratio / peak ratio`` of ``mode`` to its peer in ``entry``; bold when the step is over its limit."""
     if entry is None:
         return NOT_YET
+    no_peer = entry.get("no_peer") or {}
+    if peer in no_peer:
+        return f"no {peer} ({no_peer[peer]})"
     rows = {r["mode"]: r for r in entry.get("rows", [])}
     skipped = entry.get("skipped") or {}
     if mode in skipped:

@@ -257,6 +257,11 @@ def _entry_section(entry: dict[str, Any], bw: dict[str, float], optimizer_in_ste
     for problem in ("error", "cut"):
         if entry.get(problem):
             lines += [f"**Not measured:** {entry[problem]}", ""]
+    if entry.get("no_peer"):
+        lines += [
+            "**Not measured:** no peer to compare memfit with (" + ", ".join(entry["no_peer"]) + ").",
+            "",
+        ]
     rows = entry.get("rows", [])
     if rows:
         lines += [*row_table(rows), ""]

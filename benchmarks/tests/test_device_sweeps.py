@@ -1,0 +1,145 @@
+"""The budget-promise and families device job, on a CPU: every command parses (a dry run) and what comes back fits
+the device tool's limits; the families sweep's new options (tokens per family, a deadline per family, no peer)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from memfit_benchmarks import families, headline
+
+pytest.importorskip("peft")
+pytest.importorskip("memfit_flux")
+
+JOB = Path(__file__).resolve().parents[1] / "tools" / "device_sweeps.sh"
+ROOT = JOB.parents[2]
+
+
+def _dry_run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path),
+        "DRY_RUN": "1",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        **env,
+    }
+    return subprocess.run(["bash", str(JOB)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+
+
+def test_the_sweeps_dry_run_checks_every_command(tmp_path):
+    done = _dry_run(tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    budget, family = [line for line in done.stdout.splitlines() if line.startswith("would measure")]
+    assert "['synthetic-4096', 'flux'] (full): configs ['full', 'attn', 'all']" in budget
+    assert "['16.00 GiB', '24.00 GiB', '32.00 GiB', '48.00 GiB', 'floor']" in budget
+    assert "fixed ['none', 'torch-ffn', 'torch', 'unsloth-ffn', 'unsloth'] in 3 rounds" in budget
+    for name in families.default_families():
+        assert f"'{name}'" in family
+    assert "'wan': 4680" in family and "'ltxvideo2': 3072" in family and "'flux': 4096" in family
+    assert "modes ['torch', 'diffusers-ckpt']" in family and "3 rounds of 1 warm-up + 1 timed steps" in family
+    assert "at most 45 s per family" in family and "without any of the peers is not measured" in family
+    files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    assert files == ["budget.log", "env.txt", "families-summary.md", "families.log"]
+    assert len(files) + 3 <= 8  # + budget-promise.json/.md and families.tar.gz on the GPU: the tool returns 8
+
+
+def test_one_part_and_an_unknown_part(tmp_path):
+    done = _dry_run(tmp_path, PARTS="families")
+    assert (
+        done.returncode == 0
+        and "budget_promise" not in done.stdout
+        and "would measure ['chroma'" in done.stdout
+    )
+    done = _dry_run(tmp_path, PARTS="budgets")
+    assert done.returncode == 1 and "unknown part budgets" in done.stderr
+
+
+def test_tokens_per_family_and_their_errors():
+    assert families.parse_tokens("wan=4680, ltxvideo2=3072") == {"wan": 4680, "ltxvideo2": 3072}
+    assert families.parse_tokens("1024") == 1024 and families.parse_tokens(None) is None
+    assert families.family_tokens({"wan": 4680}, "wan") == 4680
+    assert families.family_tokens({"wan": 4680}, "flux") is None and families.family_tokens(64, "flux") == 64
+    for bad in ("0", "wan=0", "wan", "wan=x", "=5"):
+        with pytest.raises(ValueError, match="--tokens"):
+            families.parse_tokens(bad)
+    with pytest.raises(SystemExit):
+        families.main(["--family", "flux", "--tokens", "wan=4680", "--dry-run"])  # wan is not run
+
+
+def test_a_family_deadline_ends_at_the_earlier_of_its_share_and_the_run():
+    assert not families.family_deadline(None, None)()
+    assert families.family_deadline(time.time() - 1, 100)()  # the run's deadline passed
+    stop = families.family_deadline(None, 0.005)
+    time.sleep(0.02)
+    assert stop()
+    assert not families.family_deadline(time.time() + 100, 100)()
+
+
+def test_a_family_without_the_peer_is_a_row_saying_so(tmp_path):
+    pytest.importorskip("memfit_chroma")
+    (path,) = families.main(
+        [
+            "--family",
+            "chroma",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--configs",
+            "lora-all,lora-attn",
+            "--modes",
+            "torch,diffusers-ckpt",
+            "--require-peer",
+            "--steps",
+            "1",
+            "--warmup",
+            "0",
+            "--no-render",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    data = json.loads(path.read_text())
+    assert data["complete"] and data["build_seconds"] >= 0
+    for entry in data["results"]:
+        assert entry["rows"] == [] and "diffusers-ckpt" in entry["no_peer"]
+        assert "call its blocks" in entry["no_peer"]["diffusers-ckpt"]
+    found, _ = headline.collect(tmp_path)
+    row = next(
+        line for line in headline.family_table(found, {"chroma": {"64"}}) if line.startswith("| chroma")
+    )
+    assert "no diffusers-ckpt (the family's checkpointing branch" in row
+    from memfit_benchmarks.report import render_markdown
+
+    assert "**Not measured:** no peer to compare memfit with (diffusers-ckpt)." in render_markdown(data)
+
+
+def test_a_family_after_the_deadline_is_not_built(tmp_path):
+    (path,) = families.main(
+        [
+            "--family",
+            "flux",
+            "--preset",
+            "tiny",
+            "--device",
+            "cpu",
+            "--modes",
+            "torch",
+            "--stop-at",
+            "1",
+            "--tokens",
+            "32",
+            "--no-render",
+            "--out",
+            str(tmp_path),
+        ]
+    )
+    data = json.loads(path.read_text())
+    assert data["cut"] == "the run's deadline passed first" and not data["complete"] and data["tokens"] == 32
+    assert "build_seconds" not in data and data["results"] == []
