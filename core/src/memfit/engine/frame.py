@@ -218,7 +218,7 @@ class Frame:
 
     def begin_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Record the call's arguments and start swapping saved tensors for holders."""
-        flat, spec = tree_flatten((args, kwargs))
+        flat, spec = _flatten_call(args, kwargs)
         leaves: list[tuple] = []
         tensors: list[torch.Tensor] = []
         for x in flat:
@@ -259,7 +259,7 @@ class Frame:
                     )
         # after the call: a module that updates its own buffers (running statistics) is not an edit
         call.versions = call.tree.versions()
-        out_leaves, _ = tree_flatten(output)
+        out_leaves = _flatten_output(output)
         call.outputs = [
             (weakref.ref(t), t._version) if isinstance(t, torch.Tensor) else (None, 0) for t in out_leaves
         ]
@@ -374,7 +374,7 @@ class Frame:
                 call = self.calls[index]
                 self._check_reads(index)
                 flat = [self._resolve(leaf, entries, outputs) for leaf in call.leaves]
-                args, kwargs = tree_unflatten(flat, call.spec)
+                args, kwargs = _unflatten_call(flat, call.spec)
                 filler.begin(index, stop_at if index == last else -1)
                 try:
                     with call.context.restored(functools.partial(self.describe, index)):
@@ -388,7 +388,7 @@ class Frame:
                 if filler.stopped:
                     break
                 filler.end()
-                outputs.append(tree_flatten(out)[0])
+                outputs.append(_flatten_output(out))
         self.stats.calls_skipped_early_stop += len(self.calls) - 1 - last
         self.stats.calls_cut_early_stop += filler.stopped
 
@@ -457,6 +457,42 @@ class Frame:
             if name is not None:
                 return self._edited(index, name)
         return self._edited(0, f"<a parameter of shape {tuple(tensor.shape)} saved inside the region>")
+
+
+# -- call arguments and outputs as flat lists --------------------------------------------------------------------
+# ``tree_flatten`` costs ~10 us of host time for a block's (tensor, tensor) arguments; most region calls take plain
+# tensors (or None) as arguments and return one tensor or a tuple of them, which flatten to the same leaves in the same
+# order without it. ``_FlatCall`` stands for the spec of such a call: its keyword names.
+_TENSOR = torch.Tensor
+
+
+class _FlatCall(tuple):
+    """The spec of a call whose arguments are all plain tensors or None: (positional count, keyword names)."""
+
+    __slots__ = ()
+
+
+def _flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    flat = [*args, *kwargs.values()] if kwargs else list(args)
+    for x in flat:
+        if x is not None and type(x) is not _TENSOR:
+            return tree_flatten((args, kwargs))
+    return flat, _FlatCall((len(args), tuple(kwargs)))
+
+
+def _unflatten_call(flat: list[Any], spec: Any) -> tuple[tuple, dict]:
+    if type(spec) is _FlatCall:
+        count, names = spec
+        return tuple(flat[:count]), dict(zip(names, flat[count:], strict=True))
+    return tree_unflatten(flat, spec)
+
+
+def _flatten_output(output: Any) -> list[Any]:
+    if type(output) is _TENSOR:
+        return [output]
+    if type(output) is tuple and all(type(x) is _TENSOR for x in output):
+        return list(output)
+    return tree_flatten(output)[0]
 
 
 def _on_frame_freed(stats: FrameStats, recomputed: list[bool], release: Any) -> None:
