@@ -70,10 +70,13 @@ from memfit.engine.replay import TREES, CallContext, ModuleTree
 from memfit.engine.stash import Stash
 from memfit.errors import MemfitError
 
-# A saved tensor that is a parameter or a view of one (a linear saves ``weight.t()``) is kept as is:
-# ``type(t) is _PARAMETER or type(t._base) is _PARAMETER`` in both saved-tensor hooks (``isinstance`` on
-# Parameter is a Python-level check, and these hooks run for every saved tensor).
+# A saved tensor that is a parameter or a view of one (a linear saves ``weight.t()``) is kept as is, unless its data
+# streams from host memory (a streamed block's upload must not outlive its forward: its weights are recomputed like
+# activations). Tested inline in both saved-tensor hooks, which run for every saved tensor: ``type(t) is
+# _PARAMETER`` or ``type(t._base) is _PARAMETER`` (``isinstance`` on Parameter is a Python-level check), and the id
+# not in ``_STREAMED`` (the live set ``memfit.engine.state.mark_streamed`` updates).
 _PARAMETER = torch.nn.Parameter
+_STREAMED = state.streamed_parameter_ids()
 
 # Cutting the last needed call short costs an exception through the module stack (tens of microseconds of host
 # time). It pays when what it skips holds a large projection: the forward kept at least this many parameter
@@ -314,7 +317,8 @@ class Frame:
         return index
 
     def _pack(self, call: _Call, tensor: torch.Tensor) -> _Holder | _Kept:
-        if _kept_as_saved(tensor):
+        base = tensor if type(tensor) is _PARAMETER else tensor._base
+        if type(base) is _PARAMETER and id(base) not in _STREAMED:
             call.tail += tensor.numel()
             return _Kept((tensor, tensor._version, self))
         holder = _Holder(self, (tensor.shape, tensor.dtype, tensor.device))
@@ -503,15 +507,6 @@ def _on_frame_freed(stats: FrameStats, recomputed: list[bool], release: Any) -> 
         release()
 
 
-def _kept_as_saved(tensor: torch.Tensor) -> bool:
-    """A parameter or a view of one (a linear saves ``weight.t()``), unless its data streams from host memory: a
-    streamed block's upload must not outlive its forward, so its weights are recomputed like activations."""
-    if type(tensor) is _PARAMETER:
-        return not state.is_streamed(tensor)
-    base = tensor._base
-    return type(base) is _PARAMETER and not state.is_streamed(base)
-
-
 class _Filler:
     """Saved-tensor hooks active during a recompute: route each saved tensor to its holder.
 
@@ -536,7 +531,8 @@ class _Filler:
     def pack(self, tensor: torch.Tensor) -> None:
         if self.stopped:  # the model caught the stop signal and went on: keep stopping
             raise _StopRecompute
-        if _kept_as_saved(tensor):  # kept by the forward, not a holder
+        base = tensor if type(tensor) is _PARAMETER else tensor._base
+        if type(base) is _PARAMETER and id(base) not in _STREAMED:  # kept by the forward, not a holder
             return None
         position = self.count
         if position >= len(self.holders):
