@@ -21,6 +21,20 @@ def test_host_overhead_measures_every_mode_against_its_baseline(tmp_path):
     for name, row in rows.items():
         assert len(row["step_ms_rounds"]) == 2 and row["step_ms"] > 0
         assert ("extra_ms" in row) == (name != "none")
+    # every memfit row against its peer, measured in the same rounds by the sweeps' own peer installation
+    assert {n: r["peer"] for n, r in rows.items() if "peer" in r} == {
+        "torch": "ckpt-block",
+        "unsloth": "ckpt-block",
+        "torch-ffn": "ckpt-ffn",
+        "unsloth-ffn": "ckpt-ffn",
+        "offload_attention": "save_on_cpu",
+        "torch-ffn + offload_attention": "ckpt-ffn",
+    }
+    for row in rows.values():
+        if "peer" in row:
+            peer_ms = rows[row["peer"]]["step_ms_rounds"]
+            differences = [a - b for a, b in zip(row["step_ms_rounds"], peer_ms, strict=True)]
+            assert row["vs_peer_ms_range"] == [min(differences), max(differences)]
     assert rows["none"]["hooked_tensors_per_step"] == 0
     # every saved tensor of the stack goes through the no-op hooks; the attention offload parks a share of them
     assert (
@@ -29,6 +43,15 @@ def test_host_overhead_measures_every_mode_against_its_baseline(tmp_path):
         > 0
     )
     assert "| unsloth | " in path.with_suffix(".md").read_text()
+
+
+def test_host_overhead_measures_a_subset_with_its_baselines_and_peers():
+    from memfit_benchmarks import host_overhead
+
+    assert host_overhead.selected("unsloth-ffn") == ["none", "ckpt-ffn", "torch-ffn", "unsloth-ffn"]
+    assert host_overhead.selected("offload_attention") == ["none", "save_on_cpu", "offload_attention"]
+    with pytest.raises(ValueError, match="unknown host-overhead mode"):
+        host_overhead.selected("torch,nope")
 
 
 def test_null_streams_run_the_copy_engine_on_cpu_tensors():

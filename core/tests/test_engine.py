@@ -57,6 +57,26 @@ def test_autocast_state_is_replayed(model, x):
     assert_same(ref, got)
 
 
+def _autocast_forward_plain_backward(model, x):
+    """Forward under bf16 autocast, backward outside it: the recompute must enter the forward's autocast."""
+    model.zero_grad(set_to_none=True)
+    x = x.detach().clone().requires_grad_(True)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = loss_of(model(x, None))
+    loss.backward()
+    return loss.detach(), x.grad.clone(), {n: p.grad.clone() for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch-ffn"])
+def test_autocast_of_the_forward_is_replayed_in_a_backward_outside_it(model, x, backend):
+    ref = _autocast_forward_plain_backward(model, x)
+    with memfit.apply(model, {**ON, "gradient_checkpointing_backend": backend}, adapter=TOY) as handle:
+        got = _autocast_forward_plain_backward(model, x)
+        assert handle.stats()["recomputes"] > 0
+        assert not torch.is_autocast_enabled("cpu")  # the caller's state is back after the recomputes
+    assert_same(ref, got)
+
+
 def test_retained_graph_recomputes_again(model, x):
     ref = step(model, x, retain=True, backwards=2)
     with memfit.apply(model, {**ON, "gradient_checkpointing_interval": 3}, adapter=TOY) as handle:
@@ -218,3 +238,23 @@ def test_meter_counts_each_storage_once_and_skips_parameters():
         z = (x[:2] * 2).sum() + y.sum()  # a view of x: same storage
     assert meter.device_bytes == x.untyped_storage().nbytes()
     z.backward()
+
+
+def test_plain_call_arguments_flatten_as_pytree_does():
+    """The frame's shortcut for calls of plain tensors/None (and tensor outputs) gives pytree's leaves, in its order,
+    and rebuilds the same call; anything else goes through pytree."""
+    from torch.utils._pytree import tree_flatten
+
+    from memfit.engine.frame import _flatten_call, _flatten_output, _unflatten_call
+
+    a, b = torch.randn(2), torch.randn(3)
+    calls = [((a, b), {}), ((a,), {"emb": b, "mask": None}), ((a, 2), {}), ((a,), {"rope": (a, b)}), ((), {})]
+    for args, kwargs in calls:
+        flat, spec = _flatten_call(args, kwargs)
+        assert [id(v) for v in flat] == [id(v) for v in tree_flatten((args, kwargs))[0]]
+        again, again_kwargs = _unflatten_call(flat, spec)
+        assert type(again) is tuple and [id(v) for v in again] == [id(v) for v in args]
+        assert list(again_kwargs) == list(kwargs)
+        assert all(again_kwargs[k] is v or again_kwargs[k] == v for k, v in kwargs.items())
+    for output in (a, (a, b), (a, None), [a], {"x": a}):
+        assert [id(v) for v in _flatten_output(output)] == [id(v) for v in tree_flatten(output)[0]]

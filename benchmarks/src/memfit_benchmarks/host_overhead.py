@@ -1,6 +1,6 @@
 """memfit's own host time per step, without a GPU: the cost a launch-bound step (1024 tokens on an H200) feels.
 
-    python -m memfit_benchmarks.host_overhead --out DIR [--rounds 5] [--steps 30]
+    python -m memfit_benchmarks.host_overhead --out DIR [--rounds 5] [--steps 30] [--modes unsloth,torch-ffn]
 
 A small synthetic stack (width 64, 15 blocks, 64 tokens, LoRA r16 on CPU, one thread) makes every kernel nearly
 free, so a step's time is host time: Python, dispatch, autograd and memfit's hooks. The offload modes run the
@@ -8,6 +8,12 @@ CUDA copy engine over streams and events that do nothing (:class:`NullStreams`) 
 (``min_offload_bytes=0``, as at 1024 tokens on the GPU, where each is ≥ 1 MiB): what is measured is memfit's
 Python, not CUDA's calls, which a GPU adds on top. ``none + no-op hooks`` runs saved-tensor hooks that return
 what they get: the floor any per-tensor Python hook costs.
+
+The peers run with the same harness, installed as the sweeps install them (:func:`memfit_benchmarks.peers.install`):
+``ckpt-block`` and ``ckpt-ffn`` (``torch.utils.checkpoint``, non-reentrant, around each block / each declared FFN
+region) and ``save_on_cpu`` (without CUDA its ``pin_memory=True`` path makes a pageable copy per saved tensor).
+Each memfit row reports its extra time over its peer (``vs_peer_ms``: median of the per-round differences, with
+their range) besides the extra over its baseline.
 
 Every mode is measured ``--rounds`` times round-robin; each row reports its median round and the extra time
 over its baseline (``unsloth`` over ``torch``, ``offload_attention`` over ``none``…) as the median of the
@@ -29,8 +35,9 @@ import torch
 import memfit
 from memfit.offload.copy import CopyEngine, StreamApi
 from memfit.offload.pool import PinnedBucketPool
+from memfit_benchmarks import peers
 from memfit_benchmarks.environment import run_stamp
-from memfit_benchmarks.modes import MODES, Mode, is_offload
+from memfit_benchmarks.modes import MODES, PEERS_OF, Mode, Peer, is_offload
 from memfit_benchmarks.results import write_results
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
 from memfit_benchmarks.training import TrainingConfig, prepare
@@ -44,17 +51,26 @@ BASELINES = {
     "torch": "none",
     "torch-ffn": "none",
     NOOP_HOOKS: "none",
+    Peer.CHECKPOINT_BLOCK.value: "none",
+    Peer.CHECKPOINT_FFN.value: "none",
+    Peer.SAVE_ON_CPU.value: "none",
 }
 NAMES = [
     "none",
     NOOP_HOOKS,
+    Peer.CHECKPOINT_BLOCK.value,
     "torch",
     "unsloth",
+    Peer.CHECKPOINT_FFN.value,
     "torch-ffn",
     "unsloth-ffn",
+    Peer.SAVE_ON_CPU.value,
     "offload_attention",
     "torch-ffn + offload_attention",
 ]
+_PEERS = {p.value: p for p in Peer}
+# memfit mode -> its peer: the first of the sweeps' peers (``modes.PEERS_OF``) this harness measures
+PEER_OF = {name: next(p for p in PEERS_OF[name] if p in NAMES) for name in NAMES if name in PEERS_OF}
 
 
 class _NullEvent:
@@ -126,14 +142,21 @@ def _measure(model, batch, name: str, steps: int) -> dict[str, Any]:
         parked[0] += 1
         return tensor
 
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t) if name == NOOP_HOOKS else None
+    if name == NOOP_HOOKS:
+        context: Any = lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)  # noqa: E731
+    else:
+        context = contextlib.nullcontext
+    # a peer goes on as the sweeps put it on (save_on_cpu without CUDA: a pageable copy per saved tensor)
+    installation = peers.install(_PEERS[name], model, SYNTHETIC) if name in _PEERS else None
+    if installation is not None:
+        context = installation.step_context
     kwargs = offload_on_cpu(Mode(name, config))
     handle = memfit.apply(model, config, adapter=SYNTHETIC, **kwargs) if config else None
     try:
 
         def step() -> None:
             model.zero_grad(set_to_none=True)
-            with hooks if hooks is not None else contextlib.nullcontext():
+            with context():
                 loss = SYNTHETIC.loss(model(**batch))
             loss.backward()
 
@@ -151,6 +174,8 @@ def _measure(model, batch, name: str, steps: int) -> dict[str, Any]:
     finally:
         if handle is not None:
             handle.remove()
+        if installation is not None:
+            installation.remove()
     tensors = stats.get("attention_tensors_parked", 0) + stats.get("saved_tensors_replaced", 0) + parked[0]
     return {
         "mode": name,
@@ -159,17 +184,60 @@ def _measure(model, batch, name: str, steps: int) -> dict[str, Any]:
     }
 
 
-def run(*, rounds: int, steps: int, depth: int = 15, width: int = 64, tokens: int = 64) -> dict[str, Any]:
+def _differences(ms: list[float], other: list[dict[str, Any]]) -> list[float]:
+    return [a - b["step_ms"] for a, b in zip(ms, other, strict=True)]
+
+
+def _paired_extra(ms: list[float], other: list[dict[str, Any]]) -> float:
+    """Median of the per-round differences (each round measures both within seconds)."""
+    return statistics.median(_differences(ms, other))
+
+
+def _paired_range(ms: list[float], other: list[dict[str, Any]]) -> list[float]:
+    differences = _differences(ms, other)
+    return [min(differences), max(differences)]
+
+
+def selected(modes: str | None) -> list[str]:
+    """The rows ``modes`` (comma-separated names, ``None``: every row) needs, with their baselines and peers, in
+    :data:`NAMES` order.
+
+    Raises:
+        ValueError: an unknown name, listing the known ones.
+    """
+    if modes is None:
+        return list(NAMES)
+    wanted = {n.strip() for n in modes.split(",") if n.strip()}
+    unknown = sorted(wanted - set(NAMES))
+    if unknown or not wanted:
+        raise ValueError(f"unknown host-overhead mode(s) {unknown or [modes]}: choose from {NAMES}")
+    for name in list(wanted):
+        wanted.update(n for n in (BASELINES.get(name), PEER_OF.get(name)) if n is not None)
+    for name in list(wanted):  # a peer's own baseline
+        wanted.update(n for n in (BASELINES.get(name),) if n is not None)
+    return [n for n in NAMES if n in wanted]
+
+
+def run(
+    *,
+    rounds: int,
+    steps: int,
+    depth: int = 15,
+    width: int = 64,
+    tokens: int = 64,
+    names: list[str] | None = None,
+) -> dict[str, Any]:
     torch.set_num_threads(1)
     model = build(dim=width, depth=depth, dtype=torch.float32, device="cpu")
     batch = inputs(model, tokens=tokens)
     prepare(model, batch, TrainingConfig.LORA_ALL, SYNTHETIC, dtype=torch.float32)
-    per_round: dict[str, list[dict[str, Any]]] = {n: [] for n in NAMES}
+    names = list(NAMES) if names is None else names
+    per_round: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for _ in range(rounds):
-        for name in NAMES:
+        for name in names:
             per_round[name].append(_measure(model, batch, name, steps))
     rows = []
-    for name in NAMES:
+    for name in names:
         ms = [r["step_ms"] for r in per_round[name]]
         row = {
             "mode": name,
@@ -179,10 +247,11 @@ def run(*, rounds: int, steps: int, depth: int = 15, width: int = 64, tokens: in
         }
         base = BASELINES.get(name)
         if base is not None:
-            extra = statistics.median(
-                a - b for a, b in zip(ms, (r["step_ms"] for r in per_round[base]), strict=True)
-            )
-            row["baseline"], row["extra_ms"] = base, extra
+            row["baseline"], row["extra_ms"] = base, _paired_extra(ms, per_round[base])
+        peer = PEER_OF.get(name)
+        if peer is not None:
+            row["peer"], row["vs_peer_ms"] = peer, _paired_extra(ms, per_round[peer])
+            row["vs_peer_ms_range"] = _paired_range(ms, per_round[peer])
         rows.append(row)
     return {
         "shape": {"width": width, "depth": depth, "tokens": tokens},
@@ -194,13 +263,29 @@ def run(*, rounds: int, steps: int, depth: int = 15, width: int = 64, tokens: in
 
 def render(payload: dict[str, Any]) -> str:
     shape = payload["shape"]
+    rows = {r["mode"]: r for r in payload["rows"]}
     lines = [
         f"# memfit host time per step — {payload['device']}, torch {payload['torch']}, {payload['date']}",
         "",
+        "| memfit mode | step ms | peer | peer step ms | memfit − peer ms, median [min, max] |",
+        "|---|---|---|---|---|",
+    ]
+    for r in payload["rows"]:
+        if "vs_peer_ms" in r:
+            low, high = r["vs_peer_ms_range"]
+            lines.append(
+                f"| {r['mode']} | {r['step_ms']:.2f} | {r['peer']} | {rows[r['peer']]['step_ms']:.2f} | "
+                f"{r['vs_peer_ms']:+.2f} [{low:+.2f}, {high:+.2f}] |"
+            )
+    lines += [
+        "",
         f"Synthetic stack {shape['width']}w x{shape['depth']}, {shape['tokens']} tokens, fp32 + LoRA r16, one "
         f"CPU thread: kernels nearly free, a step is host time. Offload modes: the CUDA copy engine over "
-        f"streams and events that do nothing, every saved tensor parked. Median of {payload['steps']} steps, "
-        f"{payload['rounds']} round-robin rounds; extra = median of per-round differences to the baseline. "
+        f"streams and events that do nothing, every saved tensor parked. Peers: ckpt-block / ckpt-ffn = "
+        f"torch.utils.checkpoint (non-reentrant) around each block / each declared FFN region; save_on_cpu = "
+        f"torch.autograd.graph.save_on_cpu(pin_memory=True), a pageable copy per saved tensor without CUDA. "
+        f"Median of {payload['steps']} steps, {payload['rounds']} round-robin rounds; differences are medians "
+        f"of per-round differences (both rows measured seconds apart in each round). "
         f"Commit: {payload.get('git_commit') or 'n/a'}.",
         "",
         "| mode | step ms | baseline | extra ms | hooked tensors / step |",
@@ -223,13 +308,22 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--depth", type=int, default=15)
+    parser.add_argument(
+        "--modes",
+        default=None,
+        help="comma-separated rows (their baselines and peers come along); default: all",
+    )
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1 or args.depth < 1:
         parser.error("--rounds, --steps and --depth must be at least 1")
+    try:
+        names = selected(args.modes)
+    except ValueError as e:
+        parser.error(str(e))
     payload = {
         **run_stamp("host-overhead", f"cpu ({platform.machine()}, {platform.processor() or 'unknown'})"),
         "python": platform.python_version(),
-        **run(rounds=args.rounds, steps=args.steps, depth=args.depth),
+        **run(rounds=args.rounds, steps=args.steps, depth=args.depth, names=names),
     }
     return write_results(args.out, payload, render)
 

@@ -70,10 +70,13 @@ from memfit.engine.replay import TREES, CallContext, ModuleTree
 from memfit.engine.stash import Stash
 from memfit.errors import MemfitError
 
-# A saved tensor that is a parameter or a view of one (a linear saves ``weight.t()``) is kept as is:
-# ``type(t) is _PARAMETER or type(t._base) is _PARAMETER`` in both saved-tensor hooks (``isinstance`` on
-# Parameter is a Python-level check, and these hooks run for every saved tensor).
+# A saved tensor that is a parameter or a view of one (a linear saves ``weight.t()``) is kept as is, unless its data
+# streams from host memory (a streamed block's upload must not outlive its forward: its weights are recomputed like
+# activations). Tested inline in both saved-tensor hooks, which run for every saved tensor: ``type(t) is
+# _PARAMETER`` or ``type(t._base) is _PARAMETER`` (``isinstance`` on Parameter is a Python-level check), and the id
+# not in ``_STREAMED`` (the live set ``memfit.engine.state.mark_streamed`` updates).
 _PARAMETER = torch.nn.Parameter
+_STREAMED = state.streamed_parameter_ids()
 
 # Cutting the last needed call short costs an exception through the module stack (tens of microseconds of host
 # time). It pays when what it skips holds a large projection: the forward kept at least this many parameter
@@ -218,7 +221,7 @@ class Frame:
 
     def begin_call(self, module: torch.nn.Module, args: tuple, kwargs: dict) -> None:
         """Record the call's arguments and start swapping saved tensors for holders."""
-        flat, spec = tree_flatten((args, kwargs))
+        flat, spec = _flatten_call(args, kwargs)
         leaves: list[tuple] = []
         tensors: list[torch.Tensor] = []
         for x in flat:
@@ -259,7 +262,7 @@ class Frame:
                     )
         # after the call: a module that updates its own buffers (running statistics) is not an edit
         call.versions = call.tree.versions()
-        out_leaves, _ = tree_flatten(output)
+        out_leaves = _flatten_output(output)
         call.outputs = [
             (weakref.ref(t), t._version) if isinstance(t, torch.Tensor) else (None, 0) for t in out_leaves
         ]
@@ -314,7 +317,8 @@ class Frame:
         return index
 
     def _pack(self, call: _Call, tensor: torch.Tensor) -> _Holder | _Kept:
-        if _kept_as_saved(tensor):
+        base = tensor if type(tensor) is _PARAMETER else tensor._base
+        if type(base) is _PARAMETER and id(base) not in _STREAMED:
             call.tail += tensor.numel()
             return _Kept((tensor, tensor._version, self))
         holder = _Holder(self, (tensor.shape, tensor.dtype, tensor.device))
@@ -374,7 +378,7 @@ class Frame:
                 call = self.calls[index]
                 self._check_reads(index)
                 flat = [self._resolve(leaf, entries, outputs) for leaf in call.leaves]
-                args, kwargs = tree_unflatten(flat, call.spec)
+                args, kwargs = _unflatten_call(flat, call.spec)
                 filler.begin(index, stop_at if index == last else -1)
                 try:
                     with call.context.restored(functools.partial(self.describe, index)):
@@ -388,7 +392,7 @@ class Frame:
                 if filler.stopped:
                     break
                 filler.end()
-                outputs.append(tree_flatten(out)[0])
+                outputs.append(_flatten_output(out))
         self.stats.calls_skipped_early_stop += len(self.calls) - 1 - last
         self.stats.calls_cut_early_stop += filler.stopped
 
@@ -459,21 +463,48 @@ class Frame:
         return self._edited(0, f"<a parameter of shape {tuple(tensor.shape)} saved inside the region>")
 
 
+# -- call arguments and outputs as flat lists --------------------------------------------------------------------
+# ``tree_flatten`` costs ~10 us of host time for a block's (tensor, tensor) arguments; most region calls take plain
+# tensors (or None) as arguments and return one tensor or a tuple of them, which flatten to the same leaves in the same
+# order without it. ``_FlatCall`` stands for the spec of such a call: its keyword names.
+_TENSOR = torch.Tensor
+
+
+class _FlatCall(tuple):
+    """The spec of a call whose arguments are all plain tensors or None: (positional count, keyword names)."""
+
+    __slots__ = ()
+
+
+def _flatten_call(args: tuple, kwargs: dict) -> tuple[list[Any], Any]:
+    flat = [*args, *kwargs.values()] if kwargs else list(args)
+    for x in flat:
+        if x is not None and type(x) is not _TENSOR:
+            return tree_flatten((args, kwargs))
+    return flat, _FlatCall((len(args), tuple(kwargs)))
+
+
+def _unflatten_call(flat: list[Any], spec: Any) -> tuple[tuple, dict]:
+    if type(spec) is _FlatCall:
+        count, names = spec
+        return tuple(flat[:count]), dict(zip(names, flat[count:], strict=True))
+    return tree_unflatten(flat, spec)
+
+
+def _flatten_output(output: Any) -> list[Any]:
+    if type(output) is _TENSOR:
+        return [output]
+    if type(output) is tuple and all(type(x) is _TENSOR for x in output):
+        return list(output)
+    return tree_flatten(output)[0]
+
+
 def _on_frame_freed(stats: FrameStats, recomputed: list[bool], release: Any) -> None:
     """Runs when autograd frees the graph that held a frame (never holds a reference to the frame)."""
     if not recomputed[0]:
         stats.unused += 1
     if release is not None:  # an offload stash gives its host buffers back
         release()
-
-
-def _kept_as_saved(tensor: torch.Tensor) -> bool:
-    """A parameter or a view of one (a linear saves ``weight.t()``), unless its data streams from host memory: a
-    streamed block's upload must not outlive its forward, so its weights are recomputed like activations."""
-    if type(tensor) is _PARAMETER:
-        return not state.is_streamed(tensor)
-    base = tensor._base
-    return type(base) is _PARAMETER and not state.is_streamed(base)
 
 
 class _Filler:
@@ -500,7 +531,8 @@ class _Filler:
     def pack(self, tensor: torch.Tensor) -> None:
         if self.stopped:  # the model caught the stop signal and went on: keep stopping
             raise _StopRecompute
-        if _kept_as_saved(tensor):  # kept by the forward, not a holder
+        base = tensor if type(tensor) is _PARAMETER else tensor._base
+        if type(base) is _PARAMETER and id(base) not in _STREAMED:  # kept by the forward, not a holder
             return None
         position = self.count
         if position >= len(self.holders):

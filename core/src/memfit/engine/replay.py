@@ -32,11 +32,11 @@ Draws by other threads between the forward and the backward do not matter.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import operator
 import sys
 import weakref
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -168,44 +168,90 @@ class CallContext:
     __slots__ = ("cpu_rng", "cuda_rng", "autocast", "autocast_cache", "sdpa", "tuners", "tuner_state")
 
     def __init__(self, tensors: Sequence[torch.Tensor], tree: ModuleTree) -> None:
-        cuda_devices = sorted({t.device.index or 0 for t in tensors if t.is_cuda})
         self.cpu_rng = torch.get_rng_state()
-        self.cuda_rng = tuple((d, torch.cuda.get_rng_state(d)) for d in cuda_devices)
-        self.autocast = tuple(
-            (dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt))
-            for dt in _AUTOCAST_DEVICE_TYPES
-            if dt != "cuda" or torch.cuda.is_available()
+        cuda = [t for t in tensors if t.is_cuda]
+        self.cuda_rng = (
+            tuple((d, torch.cuda.get_rng_state(d)) for d in sorted({t.device.index or 0 for t in cuda}))
+            if cuda
+            else ()
         )
+        self.autocast = _autocast_state()
         self.autocast_cache = torch.is_autocast_cache_enabled()
         self.sdpa = _sdpa_state()
         self.tuners = tree.tuners
         self.tuner_state = _tuner_state(tree.tuners) if tree.tuners is not None else ()
 
-    @contextlib.contextmanager
-    def restored(self, where: Callable[[], str]) -> Iterator[None]:
-        """Run the recompute of this call under the captured state; ``where()`` names the call in errors."""
-        devices = [d for d, _ in self.cuda_rng]
-        with torch.random.fork_rng(devices=devices), contextlib.ExitStack() as stack:
+    def restored(self, where: Callable[[], str]) -> _Restored:
+        """Context manager: run the recompute of this call under the captured state (and put back the caller's
+        after it); ``where()`` names the call in errors."""
+        return _Restored(self, where)
+
+
+@functools.cache  # whether CUDA is there does not change within a process
+def _autocast_device_types() -> tuple[str, ...]:
+    return tuple(dt for dt in _AUTOCAST_DEVICE_TYPES if dt != "cuda" or torch.cuda.is_available())
+
+
+def _autocast_state() -> tuple:
+    """(device type, enabled, dtype) of every autocast device type there is."""
+    return tuple(
+        (dt, torch.is_autocast_enabled(dt), torch.get_autocast_dtype(dt)) for dt in _autocast_device_types()
+    )
+
+
+class _Restored:
+    """The captured state of a call while its recompute runs (as ``torch.random.fork_rng`` and ``torch.autocast``
+    would set it, without their Python layers where nothing differs: the recompute of every region call enters it).
+
+    RNG: the caller's generators are saved, the captured states set, and the caller's put back on exit. Autocast,
+    SDPA flags, tuner layers: entered or written only where they differ from the caller's now (entering the same
+    autocast state computes the same)."""
+
+    __slots__ = ("context", "where", "cpu_rng", "cuda_rng", "undo")
+
+    def __init__(self, context: CallContext, where: Callable[[], str]) -> None:
+        self.context = context
+        self.where = where
+
+    def __enter__(self) -> None:
+        ctx = self.context
+        undo: list[Callable[[], Any]] = []
+        self.undo = undo
+        self.cpu_rng = torch.get_rng_state()
+        self.cuda_rng = tuple((device, torch.cuda.get_rng_state(device)) for device, _ in ctx.cuda_rng)
+        try:
+            torch.set_rng_state(ctx.cpu_rng)
+            for device, state in ctx.cuda_rng:
+                torch.cuda.set_rng_state(state, device)
+            if ctx.autocast != _autocast_state() or ctx.autocast_cache != torch.is_autocast_cache_enabled():
+                for device_type, enabled, dtype in ctx.autocast:
+                    manager = torch.autocast(
+                        device_type, dtype=dtype, enabled=enabled, cache_enabled=ctx.autocast_cache
+                    )
+                    manager.__enter__()
+                    undo.append(functools.partial(manager.__exit__, None, None, None))
+            sdpa = _sdpa_state()
+            if sdpa != ctx.sdpa:
+                _set_sdpa_state(ctx.sdpa)
+                undo.append(functools.partial(_set_sdpa_state, sdpa))
+            if ctx.tuners is not None:
+                now = _tuner_state(ctx.tuners)
+                if now != ctx.tuner_state:
+                    _check_same_adapters(ctx.tuner_state, now, self.where)
+                    _set_tuner_state(ctx.tuners, ctx.tuner_state)
+                    undo.append(functools.partial(_set_tuner_state, ctx.tuners, now))
+        except BaseException:
+            self.__exit__(None, None, None)
+            raise
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            while self.undo:
+                self.undo.pop()()
+        finally:
             torch.set_rng_state(self.cpu_rng)
             for device, state in self.cuda_rng:
                 torch.cuda.set_rng_state(state, device)
-            for device_type, enabled, dtype in self.autocast:
-                stack.enter_context(
-                    torch.autocast(
-                        device_type, dtype=dtype, enabled=enabled, cache_enabled=self.autocast_cache
-                    )
-                )
-            sdpa = _sdpa_state()
-            if sdpa != self.sdpa:
-                _set_sdpa_state(self.sdpa)
-                stack.callback(_set_sdpa_state, sdpa)
-            if self.tuners is not None:
-                now = _tuner_state(self.tuners)
-                if now != self.tuner_state:
-                    _check_same_adapters(self.tuner_state, now, where)
-                    _set_tuner_state(self.tuners, self.tuner_state)
-                    stack.callback(_set_tuner_state, self.tuners, now)
-            yield
 
 
 # PEFT tuner layers: ``scaling`` (a dict adapter -> float: LoRA and its relatives; other tuners have none),

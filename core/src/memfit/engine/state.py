@@ -92,6 +92,11 @@ def is_streamed(parameter: torch.Tensor) -> bool:
     return id(parameter) in _streamed_parameters
 
 
+def streamed_parameter_ids() -> set[int]:
+    """The set :func:`mark_streamed` updates in place (for hooks that test membership per saved tensor)."""
+    return _streamed_parameters
+
+
 def add_held_listener(fn: Callable[[torch.Tensor], None]) -> None:
     _held_listeners.append(fn)
 

@@ -147,7 +147,7 @@ class AttentionOffloader:
         group = handle.group
         # its backward starts (parked, or kept as one of the step's last two calls: that one too reloads the
         # calls before it ahead of need; not while still pending, when a backward runs inside the forward)
-        if group is not None and (handle.parked is not None or group.kept_bytes):
+        if group is not None and not group.started and (handle.parked is not None or group.kept_bytes):
             group.first_backward_use()
         if handle.parked is None:  # kept on the device (or backward ran inside the forward call)
             assert handle.device_tensor is not None

@@ -648,12 +648,12 @@ def _whole_storage_bytes(views: list[torch.Tensor]) -> torch.Tensor | None:
     Else None (each is copied on its own)."""
     first = views[0]
     storage_bytes = first.untyped_storage().nbytes()
-    extents = {(v.storage_offset() * v.element_size(), v.numel() * v.element_size()) for v in views}
-    if (
-        not storage_bytes
-        or sum(n for _, n in extents) < storage_bytes
-        or storage_bytes % first.element_size()
-    ):
+    if len(views) == 1:  # most storages hold one saved tensor: its extent alone must cover the storage
+        covered = first.numel() * first.element_size()
+    else:
+        extents = {(v.storage_offset() * v.element_size(), v.numel() * v.element_size()) for v in views}
+        covered = sum(n for _, n in extents)
+    if not storage_bytes or covered < storage_bytes or storage_bytes % first.element_size():
         return None
     return first.as_strided((storage_bytes // first.element_size(),), (1,), 0).view(torch.uint8)
 

@@ -262,10 +262,13 @@ class OffloadSession:
 
     def flush_deferred(self, *, before: int) -> None:
         """Park the deferred tensors of the regions numbered below ``before``, in one batch of copies."""
-        pending = [(region, item) for region, item in self._pending if region.number < before]
-        self._pending = [(region, item) for region, item in self._pending if region.number >= before]
+        pending: list[tuple[ParkingRegion, Any]] = []
+        later: list[tuple[ParkingRegion, Any]] = []
+        for pair in self._pending:  # one pass: this runs as every region starts
+            (pending if pair[0].number < before else later).append(pair)
         if not pending:
             return
+        self._pending = later
         parked = self.park_many([region.tensor_of(item) for region, item in pending])
         for (region, item), p in zip(pending, parked, strict=True):
             region.park(item, p)
