@@ -4,6 +4,7 @@ peak comes from a stand-in meter that reports the installed plan's prediction pl
 
 from __future__ import annotations
 
+import dataclasses
 import warnings
 
 import pytest
@@ -185,3 +186,31 @@ def test_a_budget_the_allocator_headroom_would_refuse_runs_the_smallest_plan(mod
         ran, stats = train(model, batch, budget, meter, steps=2)
     assert ran[0].predicted_peak_bytes == smallest
     assert all(m <= budget for m in meter.readings)
+
+
+def test_a_budget_without_room_for_the_optimizer_state_is_said_once(model, monkeypatch):
+    """Full fine-tune: the budget holds forward and backward, but not the gradients plus AdamW's state that the
+    first optimizer.step() adds; auto warns once (the profile of the first shape cannot see that state)."""
+    trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
+    static = trainable  # the stand-in profile counts the weights as CUDA's would
+
+    def device_like(profile_model):
+        def profile(*args, **kwargs):
+            prof = profile_model(*args, **kwargs)
+            return dataclasses.replace(prof, static_bytes=static, counts_transient=True)
+
+        return profile
+
+    monkeypatch.setattr(budget_planner, "profile_model", device_like(budget_planner.profile_model))
+    cases = {"tight": static + 2 * trainable, "roomy": static + 4 * trainable}
+    said = {}
+    for name, budget in cases.items():
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always", MemfitWarning)
+            with memfit.apply(model, auto(budget)):
+                for t in (64, 32):  # a second shape: no second warning
+                    ADAPTER.loss(model(**inputs(model, tokens=t))).backward()
+                    model.zero_grad(set_to_none=True)
+        said[name] = [w for w in caught if "optimizer" in str(w.message)]
+    assert len(said["tight"]) == 1 and "AdamW" in str(said["tight"][0].message)
+    assert said["roomy"] == []

@@ -40,6 +40,8 @@ FIRST_PLAN_MARGIN = 0.05
 # once steps are measured, what is left of the margin on top of the measured prediction error
 MEASURED_MARGIN = 0.01
 CALIBRATION_STEPS = 3  # measured steps without a change after which a shape's plan is settled
+# AdamW keeps two tensors per trainable weight (exp_avg, exp_avg_sq) in its dtype: what the first step adds
+ADAM_STATE_PER_WEIGHT = 2
 
 
 def plannable_budget(budget_bytes: int, capacity_bytes: int | None) -> int:
@@ -184,6 +186,7 @@ class BudgetPlanner:
         self._installed: dict[Hashable, Plan] = {}  # the plan last handed to the controller per signature
         self._warned_unneeded = False
         self._warned_capacity = False
+        self._warned_optimizer = False
         self._warned_over = False
 
     @property
@@ -306,6 +309,8 @@ class BudgetPlanner:
                 MemfitWarning,
                 stacklevel=6,
             )
+        if not self.shapes:
+            self._check_optimizer_room(profile)
         # with a closed loop the first plan is made with a margin (its own step must fit too)
         target = budget - int(FIRST_PLAN_MARGIN * self.budget_bytes) if self.meter is not None else budget
         # below what any plan reaches, the smallest plan is still tried if it is within the user's own budget: the
@@ -322,6 +327,28 @@ class BudgetPlanner:
                 stacklevel=6,
             )
         return shape
+
+    def _check_optimizer_room(self, profile: ModelProfile) -> None:
+        """Warn once when the budget cannot hold what the first ``optimizer.step()`` allocates (see "Optimizer
+        state" in docs/cost-model.md): the plan covers forward and backward, and the optimizer's state does not
+        exist yet when the first input shape is profiled."""
+        if not profile.counts_transient or self._warned_optimizer:
+            return
+        trainable = profile.outside_trainable_bytes + sum(b.trainable_bytes for b in profile.blocks)
+        needed = profile.static_bytes + (1 + ADAM_STATE_PER_WEIGHT) * trainable  # gradients, then the state
+        if needed <= self.budget_bytes:
+            return
+        self._warned_optimizer = True
+        warnings.warn(
+            f"gradient_checkpointing_backend='auto': {format_bytes(trainable)} of weights train; with their "
+            f"gradients and an AdamW optimizer's state ({ADAM_STATE_PER_WEIGHT}x the trainable bytes, allocated at "
+            f"the first optimizer.step()) the step needs about {format_bytes(needed)}, above the budget of "
+            f"{format_bytes(self.budget_bytes)}. memfit's plan covers forward and backward only: on a card of that "
+            f"size the first optimizer step would run out of memory. Train fewer weights (LoRA), use an optimizer "
+            f"with less state (8-bit AdamW, Adafactor), or raise the budget.",
+            MemfitWarning,
+            stacklevel=6,
+        )
 
     def _plan_at(self, profile: ModelProfile, target: int, *, at_least: int | None = None) -> Plan:
         """The cheapest plan for ``target``; below what any plan reaches, the smallest plan if that is within
