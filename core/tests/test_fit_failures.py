@@ -278,3 +278,28 @@ def test_a_child_whose_rung_left_memfit_behind_is_replaced(tmp_path):
     assert first.failure is not None and first.failure.left_behind
     assert second.measurement is not None, second.status  # not "already applied"
     assert starts == 2
+
+
+def test_a_rung_that_streams_weights_says_how_many_blocks():
+    """auto may stream weights on its own: the measurement counts the streamed blocks and the row says so."""
+    from memfit.fit import RungResult
+
+    from toy import TOY, build
+
+    model = build(dim=32, blocks=4)
+    model.requires_grad_(False)
+    model.blocks[0].norm1.requires_grad_(True)  # something trains
+    cfg = {"gradient_checkpointing": True, "gradient_checkpointing_stream_blocks": 2}
+    measured = measure_step(
+        model,
+        {"hidden_states": torch.randn(1, 8, 32)},
+        lambda out: out.sum(),
+        config=cfg,
+        adapter=TOY,
+        steps=1,
+    )
+    assert measured.streamed_blocks == 2
+    row = RungResult(Rung("stream", cfg), measured, fits=True)
+    assert row.status == "fits (streams 2 blocks' weights)"
+    plain = RungResult(Rung("none", None), StepMeasurement(1, None, 1.0, 0), fits=False)
+    assert plain.status == "does not fit"

@@ -118,7 +118,9 @@ class RungResult:
     def status(self) -> str:
         if self.failure is not None:
             return self.failure.describe()
-        return "fits" if self.fits else "does not fit"
+        streamed = self.measurement.streamed_blocks if self.measurement is not None else 0
+        streams = f" (streams {streamed} blocks' weights)" if streamed else ""
+        return ("fits" if self.fits else "does not fit") + streams
 
 
 class RungRunner(Protocol):

@@ -52,6 +52,7 @@ class StepMeasurement:
             median (0 with one step; one outlier among three steps does not move it).
         peak_reserved_bytes: ``torch.cuda.max_memory_reserved`` during the timed steps (None on CPU): what the
             caching allocator took from the card, which is what a card of that size must hold.
+        streamed_blocks: blocks whose frozen weights streamed from host memory (``auto`` may choose some).
     """
 
     held_bytes: int
@@ -60,6 +61,7 @@ class StepMeasurement:
     frames: int
     step_spread: float = 0.0
     peak_reserved_bytes: int | None = None
+    streamed_blocks: int = 0
 
 
 class FailureKind(enum.StrEnum):
@@ -192,14 +194,21 @@ def _timed_steps(
         if i >= warmup:
             times.append(time.perf_counter() - start)
         held = meter.device_bytes
-        frames = handle.stats()["frames"] if handle is not None else 0
+        stats = handle.stats() if handle is not None else {}
+        frames, streamed = stats.get("frames", 0), stats.get("streamed_blocks", 0)
         del loss
     cuda = device.type == "cuda"
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
     reserved = torch.cuda.max_memory_reserved(device) if cuda else None
     model.zero_grad(set_to_none=True)
     return StepMeasurement(
-        held, peak, statistics.median(times), frames, relative_spread(times), peak_reserved_bytes=reserved
+        held,
+        peak,
+        statistics.median(times),
+        frames,
+        relative_spread(times),
+        peak_reserved_bytes=reserved,
+        streamed_blocks=streamed,
     )
 
 
