@@ -19,6 +19,8 @@
 #             Chroma's checkpointing branch calls its blocks differently, so it has no peer: its rows say so and
 #             nothing is measured. Writes families.tar.gz (family-<name>-full.json each), families-summary.md
 #             (the headline tables, then each family's report with its PASS/FAIL checks) and families.log.
+#   floors    memfit_benchmarks.floors: per family at its published size, the smallest budget auto meets with
+#             and without weight streaming (two profiling forwards each, ~15 s a family). Writes floors.{json,md}.
 #
 # Time (estimated from the committed step times: benchmarks/results/families/*.json for the families' torch
 # steps, results/auto and results/peers for Flux and the synthetic stack; ~0.5 s per measurement outside its
@@ -73,7 +75,9 @@ for part in ${PARTS:-budget families}; do
             if ls "$families_dir"/*.json >/dev/null 2>&1; then
                 tar czf "$OUT/families.tar.gz" -C "$families_dir" . || status=1
             fi ;;
-        *) echo "unknown part $part (choose from: budget families)" >&2; status=1 ;;
+        floors) run_part floors python3 -m memfit_benchmarks.floors --family all --preset full \
+            --tokens wan=4680,ltxvideo2=3072 --stop-at "$(stop_at "${FLOORS_PART_S:-150}")" --out "$OUT" $dry ;;
+        *) echo "unknown part $part (choose from: budget families floors)" >&2; status=1 ;;
     esac
 done
 elapsed "done (exit $status)"
