@@ -121,39 +121,20 @@ class ModelSnapshot:
         if self.config_attrs is not None and config is not None and hasattr(config, "__dict__"):
             restorers.append(_DictRestorer.diff(vars(config), self.config_attrs))
         if self.config_items is not None and isinstance(config, Mapping):
-            restorers.append(_MappingRestorer.diff(config, self.config_items))
+            restorers.append(_DictRestorer.diff(config, self.config_items))
         return _Restorers(restorers)
 
 
 @dataclass
 class _DictRestorer:
-    target: dict[str, Any]
-    values: dict[str, Any]  # key -> value before (_MISSING: absent)
-
-    @classmethod
-    def diff(cls, target: dict[str, Any], before: dict[str, Any]) -> _DictRestorer:
-        keys = [
-            k for k in before.keys() | target.keys() if before.get(k, _MISSING) is not target.get(k, _MISSING)
-        ]
-        return cls(target, {k: before.get(k, _MISSING) for k in keys})
-
-    def restore(self) -> None:
-        for key, value in self.values.items():
-            if value is _MISSING:
-                self.target.pop(key, None)
-            else:
-                self.target[key] = value
-
-
-@dataclass
-class _MappingRestorer:
-    """A config mapping (diffusers' ``FrozenDict`` refuses item assignment: written through ``dict``'s own)."""
+    """Puts keys of a dict back as they were (a module's ``__dict__``, a config's attributes or mapping: written
+    through ``dict``'s own methods, since diffusers' ``FrozenDict`` refuses item assignment)."""
 
     target: Mapping[Any, Any]
-    values: dict[Any, Any]
+    values: dict[Any, Any]  # key -> value before (_MISSING: absent)
 
     @classmethod
-    def diff(cls, target: Mapping[Any, Any], before: dict[Any, Any]) -> _MappingRestorer:
+    def diff(cls, target: Mapping[Any, Any], before: dict[Any, Any]) -> _DictRestorer:
         keys = [
             k for k in before.keys() | target.keys() if before.get(k, _MISSING) is not target.get(k, _MISSING)
         ]
@@ -545,7 +526,7 @@ def _switch_off_own(model: nn.Module, switch: ModelSwitch | None) -> tuple[list[
             restorers.append(_DictRestorer(vars(config), {key: vars(config)[key]}))
             vars(config)[key] = False
         if isinstance(config, dict) and config.get(key):
-            restorers.append(_MappingRestorer(config, {key: config[key]}))
+            restorers.append(_DictRestorer(config, {key: config[key]}))
             dict.__setitem__(config, key, False)  # dict's own: a FrozenDict refuses item assignment
         if len(restorers) > before:
             was_on.append(f"config.{key}")
