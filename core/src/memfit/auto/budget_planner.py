@@ -26,7 +26,7 @@ from memfit.adapters.spec import FamilyAdapter
 from memfit.auto.planner import Plan, plan_policies
 from memfit.auto.policy import allowed_policies
 from memfit.auto.profile import BlockProfile, ModelProfile, profile_model
-from memfit.auto.streaming import choose_streaming, streamable_counts
+from memfit.auto.streaming import choose_streaming, streamable_counts, streamed_set
 from memfit.errors import BudgetError, MemfitWarning
 from memfit.plan import BlockPolicy, RegionPlan
 from memfit.units import format_bytes
@@ -335,8 +335,11 @@ class BudgetPlanner:
         if not profile.counts_transient or self._warned_optimizer:
             return
         trainable = profile.outside_trainable_bytes + sum(b.trainable_bytes for b in profile.blocks)
-        needed = profile.static_bytes + (1 + ADAM_STATE_PER_WEIGHT) * trainable  # gradients, then the state
-        if needed <= self.budget_bytes:
+        streamable = streamed_set(profile, self._streamable(profile))  # frozen weights streaming can take off
+        static = profile.static_bytes - (streamable.total_bytes if streamable is not None else 0)
+        needed = static + (1 + ADAM_STATE_PER_WEIGHT) * trainable  # gradients, then the state
+        # (below the static bytes themselves no plan fits: the BudgetError says so, not this)
+        if needed <= self.budget_bytes or static > self.budget_bytes:
             return
         self._warned_optimizer = True
         warnings.warn(
@@ -359,12 +362,14 @@ class BudgetPlanner:
                 has_ffn=b.has_ffn, has_attention=b.has_attention, can_offload=self.can_offload
             )
 
+        max_count = self._streamable(profile)  # once: the fallback below plans with the same host RAM
+
         def plan(bytes_: int) -> Plan:
             return choose_streaming(
                 profile,
                 lambda streamed: plan_policies(profile, bytes_, allowed=allowed, streamed=streamed),
                 seconds=lambda p: p.predicted_extra_seconds,
-                max_count=self._streamable(profile),
+                max_count=max_count,
             )
 
         try:
