@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +90,7 @@ def weight_row(handle: memfit.MemfitHandle, steps: int) -> dict[str, Any]:
         "resident_blocks": s["resident_blocks"],
         "streamed_weight_bytes": s["weight_streamed_bytes"],
         "streamed": [b.name for b in handle.region_plan.streamed],
+        "policies": dict(Counter(b.policy.value for b in handle.region_plan.blocks)),
         "weight_pinned_bytes": s["weight_pinned_bytes"],
         "weight_bytes_uploaded_per_step": s["weight_bytes_uploaded"] / steps,
         "weight_uploads_per_step": s["weight_uploads"] / steps,
@@ -113,6 +115,20 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
             r["peak_saved_bytes"] = base["peak_allocated"] - r["peak_allocated"]
         if r.get("budget_bytes") and r.get("peak_allocated"):
             r["within_budget"] = r["peak_allocated"] <= r["budget_bytes"]
+            fixed = _fewest_fitting(rows, r["budget_bytes"])
+            if fixed is not None:
+                r["fixed_knob"] = fixed["mode"]
+                r["x_fixed_knob"] = paired_ratio(r, fixed) or r["step_s"] / fixed["step_s"]
+
+
+def _fewest_fitting(rows: list[dict[str, Any]], budget: int) -> dict[str, Any] | None:
+    """The fixed-knob row streaming the fewest blocks whose peak is within ``budget`` (the hand-set alternative)."""
+    fitting = [
+        r
+        for r in rows
+        if measured(r) and KEY in r["config"] and r.get("peak_allocated", budget + 1) <= budget
+    ]
+    return min(fitting, key=lambda r: r["streamed_blocks"], default=None)
 
 
 def _gib(n: float | None) -> str:
@@ -146,6 +162,13 @@ def render(payload: dict[str, Any]) -> str:
             f"| {_gib(r['weight_bytes_uploaded_per_step'])} | {r['weight_exposed_wait_ms_per_step']:.1f} "
             f"| {copy_ms:.1f} | {'-' if bandwidth is None else f'{bandwidth:.1f}'} |"
         )
+    for r in payload["rows"]:
+        if r.get("fixed_knob"):
+            lines.append(
+                f"- {r['mode']} ({', '.join(f'{k} {v}' for k, v in r.get('policies', {}).items())}): "
+                f"{r['x_fixed_knob']:.3f}× the step of `{r['fixed_knob']}`, the fixed knob's fewest blocks that "
+                "fit the same budget (paired by round)"
+            )
     lines += [
         "",
         f"{payload['training']}; backend `{payload['backend']}`; {payload['steps']} timed steps after "
