@@ -120,6 +120,8 @@ class _Target:
         self.job = job
         self.device = torch.device(job["device"])
         self.cuda = self.device.type == "cuda"
+        if self.cuda and self.device.index is None:  # the memory-fraction limit needs an index
+            self.device = torch.device("cuda", torch.cuda.current_device())
         self.dtype = torch.bfloat16 if self.cuda else torch.float32
         self.stop = deadline(job["stop_at"])
         started = time.perf_counter()
