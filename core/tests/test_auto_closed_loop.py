@@ -35,6 +35,9 @@ class StandInMeter:
     def reset(self) -> None:
         self.resets += 1
 
+    def current(self) -> int:
+        return 0
+
 
 @pytest.fixture
 def model():
@@ -160,6 +163,34 @@ def test_a_faster_plan_that_runs_over_falls_back_to_the_measured_one_for_good(mo
     assert plans[-1] is first and stats["shapes"][0]["settled"]  # and the measured one came back for good
     over = [m for m in meter.readings if m > budget]
     assert len(over) == 1  # the one step of the plan that was tried
+
+
+class ResetByTheTrainer(StandInMeter):
+    """A trainer that resets the peak statistics after each backward (to log its own peak): every reading is what
+    was allocated at that reset, below what the forward's end had allocated."""
+
+    def read(self) -> tuple[int, int]:
+        peak = self.prediction() // 4
+        self.readings.append(peak)
+        return peak, peak
+
+    def current(self) -> int:
+        return self.prediction() // 2
+
+
+def test_a_reading_below_the_forward_end_is_no_peak_and_tries_no_faster_plan(model, monkeypatch):
+    """With an exact meter this budget lets the closed loop give the first plan's margin back (the test above);
+    when the trainer resets the statistics during the step, the readings say nothing about the peak: the first,
+    leaner plan stays and the steps are reported unreadable."""
+    batch = inputs(model)
+    budget = budget_just_above_a_plan(model, batch)
+    meter = ResetByTheTrainer(error=0)
+    monkeypatch.setattr(budget_planner, "default_peak_meter", lambda device: meter)
+    ran, stats = train(model, batch, budget, meter, steps=6)
+    shape = stats["shapes"][0]
+    assert all(plan is ran[0] for plan in ran)
+    assert shape["unreadable_steps"] == len(meter.readings) and shape["corrections"] == 0
+    assert shape["steps_measured"] == 0 and not shape["settled"]
 
 
 def test_settled_shapes_are_not_measured_any_more(model, monkeypatch):

@@ -316,6 +316,9 @@ class ResetRecorder:
         streamer = self.handle._controller.streamer if self.handle is not None else None
         self.resets.append(streamer is not None and streamer.installed)
 
+    def current(self) -> int:
+        return 0
+
 
 def test_steps_are_measured_from_after_the_weights_left_the_device(streaming_on_cpu, monkeypatch):
     """The closed loop's meter starts a step's measurement once the plan is installed: measured before the

@@ -445,7 +445,7 @@ def test_auto_blocks_that_keep_everything_reload_the_parked_block_before_them_ah
     from memfit.auto.planner import Plan
 
     def forced(
-        profile, budget, *, allowed, streamed=None
+        profile, budget, *, allowed, streamed=None, memo=None
     ):  # block offload everywhere but the last two blocks
         names = [b.name for b in profile.blocks]
         policies = tuple(

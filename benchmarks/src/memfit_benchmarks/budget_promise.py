@@ -165,6 +165,7 @@ class _Target:
                 steps=self.job["steps"],
                 optimizer_factory=self.optimizer_factory,
                 inspect=_auto_fields if is_auto else None,
+                settle=self.job.get("auto_settle", 0) if is_auto else 0,
             )
         except memfit.BudgetError as exc:  # a row (and not measured again: FAILED stops its rounds)
             row = {"mode": mode.name, "oom": False, "budget_error": str(exc), FAILED: "BudgetError"}
@@ -496,7 +497,8 @@ def markdown(result: dict[str, Any]) -> str:
         f"Device: {', '.join(names) or env.get('device')}; torch {env.get('torch')}; {result['date']}; "
         f"commit {env.get('git_commit')}. {result['rounds']} round-robin rounds per budget ({result['warmup']} "
         f"warm-up + {result['steps']} timed steps per measurement; auto {result['auto_warmup']} warm-up steps, the "
-        "first with its planning forward); a mode out of memory is not measured again at that budget. "
+        f"first with its planning forward, then up to {result.get('auto_settle', 0)} more until its closed loop "
+        "settled); a mode out of memory is not measured again at that budget. "
         "`every step within budget`: in a process limited to the budget a step over it runs out of memory, so "
         "`ok` means no step of any round did; the peaks shown are of the timed steps (every round) and must be "
         "within the budget too (auto's closed loop resets the allocator's peak at each forward, so the warm-up "
@@ -524,6 +526,12 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1, help="warm-up steps of each fixed-mode measurement")
     parser.add_argument("--auto-warmup", type=int, default=2, help="auto's (the first one plans)")
+    parser.add_argument(
+        "--auto-settle",
+        type=int,
+        default=6,
+        help="then at most this many more auto warm-up steps, until its closed loop has settled",
+    )
     parser.add_argument("--steps", type=int, default=1, help="timed steps per measurement")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME")
@@ -598,6 +606,7 @@ def main(argv: list[str] | None = None) -> int:
         "rounds": ns.rounds,
         "warmup": ns.warmup,
         "auto_warmup": ns.auto_warmup,
+        "auto_settle": ns.auto_settle,
         "steps": ns.steps,
         "noise_tolerance": AUTO_NOISE,
         "date": time.strftime("%Y-%m-%d"),

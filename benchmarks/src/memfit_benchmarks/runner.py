@@ -77,6 +77,7 @@ def measure_mode(
     steps: int = 5,
     optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None,
     inspect: Callable[[Any], dict[str, Any]] | None = None,
+    settle: int = 0,
 ) -> dict[str, Any]:
     """One row: median step time, peaks, the floor under the peak, offload telemetry. OOM is recorded, not raised
     (GPU memory, or host RAM for the offload pool: ``oom_where: "host"``).
@@ -92,6 +93,9 @@ def measure_mode(
     ``inspect``: called with the handle after the timed steps (before ``remove``); the dict it returns is merged
     into the row (e.g. the plan an ``auto`` handle made). ``peak_allocated_warmup`` is the peak of the warm-up
     steps (with ``auto``, the first one includes the planning forward).
+    ``settle``: with ``auto``, up to this many more warm-up steps until every input shape's closed loop has
+    settled (it stops measuring and re-planning), so that the timed steps run the plan a trainer keeps;
+    ``settle_steps`` says how many ran.
     """
     cuda = _device_of(model, inputs).type == "cuda"
     _free(cuda)
@@ -131,6 +135,10 @@ def measure_mode(
 
         for _ in range(warmup):
             step()
+        settle_steps = 0
+        while handle is not None and settle_steps < settle and not _settled(handle):
+            step()
+            settle_steps += 1
         warmup_peak = None
         if cuda:
             torch.cuda.synchronize()
@@ -168,6 +176,7 @@ def measure_mode(
             "peak_allocated": max(p for p, _ in peaks) if cuda else None,
             "peak_reserved": max(r for _, r in peaks) if cuda else None,
             "peak_allocated_warmup": warmup_peak,
+            "settle_steps": settle_steps,
             # full regime: the peak of forward+backward alone (the optimizer step's own peak comes after)
             "peak_allocated_before_optimizer": max(backward_peaks) if backward_peaks else None,
             "resident_bytes_at_step_start": resident[-1] if resident else None,
@@ -340,3 +349,8 @@ def add_peer_ratios(rows: list[dict[str, Any]]) -> None:
         )
         if r.get("peak_allocated") and ref.get("peak_allocated"):
             r["peak_x_peer"] = r["peak_allocated"] / ref["peak_allocated"]
+
+
+def _settled(handle: Any) -> bool:
+    """Every input shape ``auto`` planned has settled (True for a handle without a closed loop)."""
+    return all(shape.get("settled", True) for shape in handle.stats().get("shapes") or [])

@@ -42,6 +42,7 @@ from memfit_benchmarks.runner import measure_mode
 
 SDPA = "flash (cuDNN SDPA disabled)"
 KEY = "gradient_checkpointing_stream_blocks"
+NO_CHECKPOINTING = "none"
 DEFAULT_BLOCKS = "0,12,24,36,57"
 
 
@@ -63,7 +64,12 @@ def parse_blocks(text: str) -> list[int | str]:
 
 
 def mode_for(backend: str, target: int | str) -> Mode:
-    """The row streaming ``target`` (a count or a size; 0: none) under ``backend``."""
+    """The row streaming ``target`` (a count or a size; 0: none) under ``backend`` (``none``: the model as it is,
+    no checkpointing and nothing streamed)."""
+    if backend == NO_CHECKPOINTING:
+        if target:
+            raise ValueError("--backend none streams nothing: give --blocks 0")
+        return Mode(NO_CHECKPOINTING, {})
     config = {"gradient_checkpointing": True, "gradient_checkpointing_backend": backend}
     if target:
         return Mode(f"{backend} + stream {target}", {**config, KEY: target})
@@ -84,6 +90,15 @@ def auto_mode(budget: str) -> Mode:
 
 def weight_row(handle: memfit.MemfitHandle, steps: int) -> dict[str, Any]:
     """What a row records about weight streaming (``handle.stats()`` counts the timed steps only)."""
+    if handle is None:  # the model as it is
+        zero = (
+            "weight_bytes_uploaded_per_step",
+            "weight_exposed_wait_ms_per_step",
+            "weight_copy_ms_per_step",
+        )
+        return {"streamed_blocks": 0, "resident_blocks": None, "streamed_weight_bytes": 0, "streamed": []} | {
+            key: 0.0 for key in zero
+        }
     s = handle.stats()
     return {
         "streamed_blocks": s["streamed_blocks"],
@@ -145,7 +160,7 @@ def render(payload: dict[str, Any]) -> str:
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in payload["rows"]:
-        if r.get("budget_bytes") and measured(r):
+        if "within_budget" in r and measured(r):
             verdict = "within" if r.get("within_budget") else "OVER"
             r = {**r, "mode": f"{r['mode']} ({verdict} budget)"}
         if not measured(r):
@@ -155,8 +170,10 @@ def render(payload: dict[str, Any]) -> str:
             continue
         copy_ms = r.get("weight_copy_ms_per_step") or 0.0
         bandwidth = r["weight_bytes_uploaded_per_step"] / (copy_ms / 1e3) / 1e9 if copy_ms else None
+        n, resident = r["streamed_blocks"], r["resident_blocks"]
+        blocks = "none" if resident is None else f"{n} of {n + resident}"
         lines.append(
-            f"| {r['mode']} | {r['streamed_blocks']} of {r['streamed_blocks'] + r['resident_blocks']} "
+            f"| {r['mode']} | {blocks} "
             f"| {_gib(r['streamed_weight_bytes'])} | {r['step_s']:.3f} | {r.get('x_unconstrained', 1.0):.3f} "
             f"| {_gib(r.get('peak_allocated'))} | {_gib(r.get('peak_saved_bytes'))} "
             f"| {_gib(r['weight_bytes_uploaded_per_step'])} | {r['weight_exposed_wait_ms_per_step']:.1f} "
@@ -172,7 +189,8 @@ def render(payload: dict[str, Any]) -> str:
     lines += [
         "",
         f"{payload['training']}; backend `{payload['backend']}`; {payload['steps']} timed steps after "
-        f"{payload['warmup']} warm-up, median of {payload['rounds']} round(s); SDPA: {payload['sdpa_backend']}.",
+        f"{payload['warmup']} warm-up (auto: then up to {payload.get('settle', 0)} more until its closed loop "
+        f"settled), median of {payload['rounds']} round(s); SDPA: {payload['sdpa_backend']}.",
         "",
         "Peak saved: the unconstrained row's peak minus this row's. Streaming N blocks takes their frozen weights "
         "off the device except the one or two uploaded at a time. Exposed wait: time the compute stream waited for "
@@ -201,7 +219,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     budgets = {auto_mode(b).name: parse_bytes(b) for b in args.budgets}
 
     def measure(mode: Mode) -> dict[str, Any]:
-        row = measure_mode(
+        row = weight_row(None, args.steps) if mode.name == NO_CHECKPOINTING else {}
+        row |= measure_mode(
             model,
             batch,
             adapter.loss,
@@ -209,7 +228,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             adapter=adapter,
             warmup=args.warmup,
             steps=args.steps,
-            inspect=lambda handle: weight_row(handle, args.steps),
+            inspect=None if mode.name == NO_CHECKPOINTING else lambda handle: weight_row(handle, args.steps),
+            settle=args.settle if mode.name in budgets else 0,
         )
         if mode.name in budgets:
             row["budget_bytes"] = budgets[mode.name]
@@ -239,6 +259,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         **info,
         "steps": args.steps,
         "warmup": args.warmup,
+        "settle": args.settle,
         "rounds": args.rounds,
         "rows": rows,
     }
@@ -254,7 +275,9 @@ def main(argv: list[str] | None = None) -> Path | None:
     parser.add_argument("--tokens", type=int, default=None, help="default: the preset's default_tokens")
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
-        "--backend", default="unsloth", choices=[b.value for b in memfit.Backend if b.value != "auto"]
+        "--backend",
+        default="unsloth",
+        choices=[NO_CHECKPOINTING, *(b.value for b in memfit.Backend if b.value != "auto")],
     )
     parser.add_argument(
         "--blocks", default=DEFAULT_BLOCKS, help=f"stream targets, counts or sizes (default {DEFAULT_BLOCKS})"
@@ -268,6 +291,12 @@ def main(argv: list[str] | None = None) -> Path | None:
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument(
+        "--settle",
+        type=int,
+        default=6,
+        help="auto rows: at most this many more warm-up steps until auto settled",
+    )
     parser.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME")
     parser.add_argument(
         "--dry-run", action="store_true", help="check the options, print the rows, measure nothing"
@@ -275,6 +304,8 @@ def main(argv: list[str] | None = None) -> Path | None:
     args = parser.parse_args(argv)
     try:
         args.blocks = parse_blocks(args.blocks)
+        for target in args.blocks:
+            mode_for(args.backend, target)
     except (ValueError, memfit.ConfigError) as exc:
         parser.error(f"--blocks: {exc}")
     try:

@@ -47,6 +47,9 @@ class Planner(Protocol):
     def step_finished(self, signature: Hashable) -> None:
         """The step of ``signature``'s latest forward ended (a forward with gradients begins)."""
 
+    def forward_ended(self, signature: Hashable) -> None:
+        """A forward with gradients of ``signature`` ended (``auto`` notes the bytes allocated then)."""
+
     def replan_wanted(self, signature: Hashable) -> bool:
         """The plan of ``signature`` changed since it was installed (``auto``'s closed loop)."""
 
@@ -78,6 +81,9 @@ class FixedPlanner:
         return None
 
     def step_finished(self, signature: Hashable) -> None:
+        return None
+
+    def forward_ended(self, signature: Hashable) -> None:
         return None
 
     def replan_wanted(self, signature: Hashable) -> bool:
@@ -184,7 +190,10 @@ class Controller:
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
         self._local.depth = 0
-        self.installation.end_forward(failed=output is None and sys.exc_info()[0] is not None)
+        failed = output is None and sys.exc_info()[0] is not None
+        self.installation.end_forward(failed=failed)
+        if self.planner.adaptive and torch.is_grad_enabled() and not failed and self._signature is not None:
+            self.planner.forward_ended(self._signature)
 
     def _undo_interrupted(self) -> None:
         """Undo what an interrupted forward left on this thread (``KeyboardInterrupt`` skips the hooks that

@@ -8,6 +8,11 @@ asks :meth:`BudgetPlanner.plan_for`: it profiles the bare model (:func:`profile_
 gradients that holds nothing, one timed forward without), plans (:func:`plan_policies`), and returns the plan
 the controller installs. Profiles and plans are cached per signature: switching back to an earlier
 aspect-ratio bucket re-installs its plan without profiling again.
+
+Readings.  The closed loop reads the allocator's peak statistics, which a trainer may reset too (to log its
+own per-step peak). A reading is never above the step's true peak, so one over the budget is always acted on;
+one below what was allocated when the step's forward ended cannot be the step's peak (the statistics were
+reset after that): it is not counted, and no faster plan is tried on it.
 """
 
 from __future__ import annotations
@@ -72,6 +77,10 @@ class PeakMeter(Protocol):
 
     def reset(self) -> None: ...
 
+    def current(self) -> int:
+        """Bytes allocated now."""
+        ...
+
 
 class CudaPeakMeter:
     """The CUDA caching allocator's peak statistics (``max_memory_allocated``/``max_memory_reserved``)."""
@@ -84,6 +93,9 @@ class CudaPeakMeter:
 
     def reset(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
+
+    def current(self) -> int:
+        return torch.cuda.memory_allocated(self.device)
 
 
 def default_peak_meter(device: torch.device) -> PeakMeter | None:
@@ -106,6 +118,10 @@ class ShapeBudget:
     measured_bytes: int | None = None  # the latest step's peak allocated
     measured_reserved_bytes: int | None = None
     settled: bool = False  # no more measuring for this shape
+    forward_end_bytes: int | None = (
+        None  # allocated when the latest forward ended: a step's peak is at least this
+    )
+    unreadable: int = 0  # steps whose peak reading was below that (the statistics were reset during the step)
 
     def report(self) -> dict[str, Any]:
         return {
@@ -116,6 +132,7 @@ class ShapeBudget:
             "steps_measured": self.steps,
             "corrections": self.corrections,
             "settled": self.settled,
+            "unreadable_steps": self.unreadable,
         }
 
 
@@ -183,6 +200,9 @@ class BudgetPlanner:
         self.shapes: dict[Hashable, ShapeBudget] = {}
         self.plan: Plan | None = None  # the latest signature's
         self.profile: ModelProfile | None = None
+        self._memos: dict[
+            int, tuple[ModelProfile, dict[Any, Any]]
+        ] = {}  # plan_policies' budget-free searches
         self._installed: dict[Hashable, Plan] = {}  # the plan last handed to the controller per signature
         self._warned_unneeded = False
         self._warned_capacity = False
@@ -232,6 +252,11 @@ class BudgetPlanner:
             return
         allocated, reserved = self.meter.read()
         self.meter.reset()
+        ended, shape.forward_end_bytes = shape.forward_end_bytes, None
+        if ended is not None and allocated < ended and allocated <= self.budget_bytes:
+            # see "Readings": the peak statistics were reset during the step, so this reading is no peak
+            shape.unreadable += 1
+            return
         shape.steps += 1
         shape.quiet += 1
         shape.measured_bytes, shape.measured_reserved_bytes = allocated, reserved
@@ -246,6 +271,12 @@ class BudgetPlanner:
                 shape.fallback, shape.plan, shape.target_bytes, shape.quiet = shape.plan, faster, target, 0
         if shape.quiet >= CALIBRATION_STEPS:
             shape.settled = True
+
+    def forward_ended(self, signature: Hashable) -> None:
+        """The forward of a measured step ended: what is allocated now is a lower bound of the step's peak."""
+        shape = self.shapes.get(signature)
+        if self.meter is not None and shape is not None and not shape.settled:
+            shape.forward_end_bytes = self.meter.current()
 
     def replan_wanted(self, signature: Hashable) -> bool:
         """The shape's plan changed since it was installed (a correction or a faster plan to try)."""
@@ -363,11 +394,17 @@ class BudgetPlanner:
             )
 
         max_count = self._streamable(profile)  # once: the fallback below plans with the same host RAM
+        held = self._memos.get(id(profile))
+        if held is None or held[0] is not profile:  # held with its profile: an id is never reused under it
+            held = self._memos[id(profile)] = (profile, {})
+        memo = held[1]
 
         def plan(bytes_: int) -> Plan:
             return choose_streaming(
                 profile,
-                lambda streamed: plan_policies(profile, bytes_, allowed=allowed, streamed=streamed),
+                lambda streamed: plan_policies(
+                    profile, bytes_, allowed=allowed, streamed=streamed, memo=memo
+                ),
                 seconds=lambda p: p.predicted_extra_seconds,
                 max_count=max_count,
             )

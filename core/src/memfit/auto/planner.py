@@ -139,11 +139,14 @@ def plan_policies(
     *,
     allowed: Callable[[BlockProfile], tuple[BlockPolicy, ...]],
     streamed: StreamedSet | None = None,
+    memo: dict[Any, Any] | None = None,
 ) -> Plan:
     """The fastest plan (by the cost model) whose predicted peak is within ``budget_bytes``.
 
     ``streamed``: blocks whose frozen weights stream from host memory (:mod:`memfit.auto.streaming`): they are
     whole-block recomputed, the static bytes drop by their weights, and their uploads count where they are alive.
+    ``memo``: a dict the caller keeps across calls with the same profile and ``allowed``: the least peak of each
+    streamed set does not depend on the budget, and is searched once (the closed loop re-plans every step).
 
     Raises:
         BudgetError: no plan reaches the budget (the message and ``smallest_peak_bytes`` give the smallest).
@@ -185,11 +188,16 @@ def plan_policies(
     unit = max(1, -(-sum(b.saved_bytes for b in profile.blocks) // _UNITS))
     problem = search.Problem(options, unit, depth, own_counts=profile.counts_transient)
     # the least peak any plan reaches: exact under the model up to the units, recomputed in bytes
-    floor_picks = search.smallest(
-        problem,
-        sum(max(problem.units(c) for c in opts) for opts in options),
-        profile.workspace_bytes + forward,
-    )
+    key = ("smallest", streamed.indices if streamed is not None else None)
+    floor_picks = memo.get(key) if memo is not None else None
+    if floor_picks is None:
+        floor_picks = search.smallest(
+            problem,
+            sum(max(problem.units(c) for c in opts) for opts in options),
+            profile.workspace_bytes + forward,
+        )
+        if memo is not None:
+            memo[key] = floor_picks
     smallest = peak(floor_picks, base, forward)
     if streamed is None:
         smallest = min(smallest, no_checkpoint)
