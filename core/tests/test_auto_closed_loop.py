@@ -219,9 +219,11 @@ def test_a_budget_the_allocator_headroom_would_refuse_runs_the_smallest_plan(mod
     assert all(m <= budget for m in meter.readings)
 
 
-def test_a_budget_without_room_for_the_optimizer_state_is_said_once(model, monkeypatch):
-    """Full fine-tune: the budget holds forward and backward, but not the gradients plus AdamW's state that the
-    first optimizer.step() adds; auto warns once (the profile of the first shape cannot see that state)."""
+def test_the_optimizer_state_the_first_step_adds_is_planned_before_any_step(model, monkeypatch):
+    """Full fine-tune: the first optimizer.step() allocates AdamW's state after the first backward, so the profile of
+    the first shape cannot see it. auto plans it as static bytes: a budget that holds forward and backward but not
+    that state is a BudgetError before any step, naming the state and the key; a declared optimizer without state
+    plans within the same budget."""
     trainable = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad)
     static = trainable  # the stand-in profile counts the weights as CUDA's would
 
@@ -233,15 +235,24 @@ def test_a_budget_without_room_for_the_optimizer_state_is_said_once(model, monke
         return profile
 
     monkeypatch.setattr(budget_planner, "profile_model", device_like(budget_planner.profile_model))
-    cases = {"tight": static + 2 * trainable, "roomy": static + 4 * trainable}
-    said = {}
-    for name, budget in cases.items():
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always", MemfitWarning)
-            with memfit.apply(model, auto(budget)):
-                for t in (64, 32):  # a second shape: no second warning
-                    ADAPTER.loss(model(**inputs(model, tokens=t))).backward()
-                    model.zero_grad(set_to_none=True)
-        said[name] = [w for w in caught if "optimizer" in str(w.message)]
-    assert len(said["tight"]) == 1 and "AdamW" in str(said["tight"][0].message)
-    assert said["roomy"] == []
+    batch = inputs(model)
+
+    def first_plan(budget, **extra):
+        with warnings.catch_warnings(), memfit.apply(model, {**auto(budget), **extra}) as handle:
+            warnings.simplefilter("ignore", MemfitWarning)
+            ADAPTER.loss(model(**batch)).backward()
+            model.zero_grad(set_to_none=True)
+            return handle.plan
+
+    roomy = first_plan(static + 20 * trainable)
+    bare = first_plan(static + 20 * trainable, gradient_checkpointing_optimizer_state="none")
+    assert (
+        roomy.no_checkpoint_peak_bytes - bare.no_checkpoint_peak_bytes == 2 * trainable
+    )  # AdamW: 2 per byte
+    eight_bit = first_plan(static + 20 * trainable, gradient_checkpointing_optimizer_state="adamw8bit")
+    assert eight_bit.no_checkpoint_peak_bytes - bare.no_checkpoint_peak_bytes == trainable // 2
+
+    tight = bare.smallest_peak_bytes + trainable  # holds the step without the state, not with it
+    with pytest.raises(memfit.BudgetError, match="optimizer state.*gradient_checkpointing_optimizer_state"):
+        first_plan(tight)
+    assert first_plan(tight, gradient_checkpointing_optimizer_state=0).predicted_peak_bytes <= tight

@@ -27,6 +27,10 @@ BAD_VALUES = [
     ("gradient_checkpointing_offload_attention", "sometimes"),
     ("gradient_checkpointing_offload_pin_memory_max_buckets", -1),
     ("gradient_checkpointing_offload_pin_memory_max_buckets", 2.0),
+    ("gradient_checkpointing_optimizer_state", -1),
+    ("gradient_checkpointing_optimizer_state", "adam"),
+    ("gradient_checkpointing_optimizer_state", True),
+    ("gradient_checkpointing_optimizer_state", float("nan")),
 ]
 
 
@@ -73,6 +77,7 @@ def test_integer_strings_of_ascii_digits_are_accepted():
         ("gradient_checkpointing_segment_stride", None),
         ("gradient_checkpointing_memory_budget", None),
         ("gradient_checkpointing_offload_pin_memory_max_buckets", 12),
+        ("gradient_checkpointing_optimizer_state", None),
     ],
 )
 @pytest.mark.parametrize("enabled", [True, False])
@@ -235,3 +240,18 @@ def test_unreadable_config_paths_are_config_errors_naming_the_path(tmp_path):
 def test_config_must_be_a_mapping():
     with pytest.raises(ConfigError, match="must be a dict"):
         as_config(42)
+
+
+@pytest.mark.parametrize(
+    ("value", "per_byte"), [(None, 2.0), ("AdamW", 2.0), ("adamw8bit", 0.5), ("none", 0.0), (1, 1.0)]
+)
+def test_optimizer_state_is_a_name_or_bytes_per_trainable_byte(value, per_byte):
+    auto = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "auto"}
+    cfg = as_config({**auto, "gradient_checkpointing_optimizer_state": value})
+    assert cfg.optimizer_state_per_byte == per_byte
+    assert MemfitConfig.from_dict(cfg.to_dict()) == cfg  # round trips (unset stays out of the dict)
+
+
+def test_optimizer_state_with_a_fixed_backend_is_refused_for_installing():
+    with pytest.raises(ConfigError, match="gradient_checkpointing_optimizer_state.*'auto'"):
+        as_config({"gradient_checkpointing": True, "gradient_checkpointing_optimizer_state": "adamw8bit"})

@@ -110,6 +110,7 @@ def apply(
             can_offload=session is not None,
             min_offload_bytes=min_offload_bytes,
             can_stream=cfg.stream_blocks != 0,  # 0: every weight stays on the device
+            optimizer_state_per_byte=cfg.optimizer_state_per_byte,
         )
         initial = RegionPlan(())
     else:

@@ -59,6 +59,9 @@ class Backend(enum.StrEnum):
 
 _PREFIX = "gradient_checkpointing"
 _DEFAULT_BUCKETS = 12
+# optimizer-state bytes per trainable byte, by name (gradient_checkpointing_optimizer_state); AdamW keeps two
+# tensors per weight (exp_avg, exp_avg_sq) in its dtype
+OPTIMIZER_STATE = {"adamw": 2.0, "adamw8bit": 0.5, "sgd-momentum": 1.0, "none": 0.0}
 
 
 @dataclass(frozen=True)
@@ -78,6 +81,8 @@ class MemfitConfig:
     stream_blocks: int | str | None = (
         None  # blocks (count) or frozen bytes (a size) whose weights stream from host
     )
+    # ``auto``: optimizer-state bytes per trainable byte the trainer keeps (None: AdamW's 2)
+    optimizer_state: float | str | None = None
 
     # -- construction ------------------------------------------------------------------------------------------
 
@@ -156,6 +161,7 @@ class MemfitConfig:
         if self.memory_budget is not None:
             set_("memory_budget", _as_bytes("gradient_checkpointing_memory_budget", self.memory_budget))
         set_("stream_blocks", _as_stream_blocks(self))
+        set_("optimizer_state", _as_optimizer_state(self.optimizer_state))
         if self.enabled:  # relations between keys only matter when checkpointing is on
             self._check_relations()
 
@@ -188,12 +194,18 @@ class MemfitConfig:
         out: dict[str, Any] = {}
         for f in fields(self):
             value = getattr(self, f.name)
-            if f.name in ("memory_budget", "stream_blocks") and value is None:
+            if f.name in ("memory_budget", "stream_blocks", "optimizer_state") and value is None:
                 continue
             if isinstance(value, Backend):
                 value = value.value
             out[_long_name(f.name)] = value
         return out
+
+    @property
+    def optimizer_state_per_byte(self) -> float:
+        """Optimizer-state bytes per trainable byte ``auto`` plans for (AdamW's two tensors when unset)."""
+        value = "adamw" if self.optimizer_state is None else self.optimizer_state
+        return OPTIMIZER_STATE[value] if isinstance(value, str) else float(value)
 
     @property
     def stride(self) -> int:
@@ -349,6 +361,12 @@ def as_config(
     values = _normalise(base, strict=True)
     values.update(_normalise(overrides, strict=strict))  # keyword arguments win over the config's keys
     cfg = MemfitConfig(**values)
+    if cfg.enabled and cfg.backend is not Backend.AUTO and cfg.optimizer_state is not None:
+        raise ConfigError(
+            f"gradient_checkpointing_optimizer_state tells the 'auto' backend's budget how much optimizer state "
+            f"the trainer keeps; the fixed backend {cfg.backend.value!r} plans no budget (it would be ignored). Set "
+            f"gradient_checkpointing_backend to 'auto', or remove the key (or set it to null)."
+        )
     if cfg.enabled and cfg.backend is not Backend.AUTO and cfg.memory_budget is not None:
         # A MemfitConfig may carry a budget with a fixed backend (`memfit fit --config` reads a trainer config's
         # budget as its own); installing one would silently not keep it.
@@ -358,6 +376,22 @@ def as_config(
             f"gradient_checkpointing_backend to 'auto', or remove the budget (or set it to null)."
         )
     return cfg
+
+
+def _as_optimizer_state(value: Any) -> float | str | None:
+    """``gradient_checkpointing_optimizer_state``: optimizer-state bytes per trainable byte, a number >= 0 or a
+    name of :data:`OPTIMIZER_STATE`; ``null`` is unset (AdamW)."""
+    if value is None:
+        return None
+    if isinstance(value, str) and value.strip().lower() in OPTIMIZER_STATE:
+        return value.strip().lower()
+    if isinstance(value, (int, float)) and not isinstance(value, bool) and 0 <= value < float("inf"):
+        return float(value)
+    names = ", ".join(f"{n!r} ({v:g})" for n, v in OPTIMIZER_STATE.items())
+    raise ConfigError(
+        f"gradient_checkpointing_optimizer_state must be the optimizer-state bytes the trainer keeps per trainable "
+        f"byte (a number >= 0) or one of {names}, got {value!r}"
+    )
 
 
 def _as_stream_blocks(cfg: MemfitConfig) -> int | str | None:

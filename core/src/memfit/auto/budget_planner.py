@@ -17,6 +17,7 @@ reset after that): it is not counted, and no faster plan is tried on it.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import warnings
 from collections.abc import Callable, Hashable, Mapping
@@ -31,7 +32,8 @@ from memfit.adapters.spec import FamilyAdapter
 from memfit.auto.planner import Plan, plan_policies
 from memfit.auto.policy import allowed_policies
 from memfit.auto.profile import BlockProfile, ModelProfile, profile_model
-from memfit.auto.streaming import choose_streaming, streamable_counts, streamed_set
+from memfit.auto.streaming import choose_streaming, streamable_counts
+from memfit.config import OPTIMIZER_STATE
 from memfit.errors import BudgetError, MemfitWarning
 from memfit.plan import BlockPolicy, RegionPlan
 from memfit.units import format_bytes
@@ -45,8 +47,7 @@ FIRST_PLAN_MARGIN = 0.05
 # once steps are measured, what is left of the margin on top of the measured prediction error
 MEASURED_MARGIN = 0.01
 CALIBRATION_STEPS = 3  # measured steps without a change after which a shape's plan is settled
-# AdamW keeps two tensors per trainable weight (exp_avg, exp_avg_sq) in its dtype: what the first step adds
-ADAM_STATE_PER_WEIGHT = 2
+MENTIONED_OPTIMIZER_SHARE = 0.05  # a BudgetError names the optimizer state from this share of the peak on
 
 
 def plannable_budget(budget_bytes: int, capacity_bytes: int | None) -> int:
@@ -169,6 +170,9 @@ class BudgetPlanner:
             counts the device's allocated bytes (CUDA).
         host_bytes: host RAM the streamed weights may pin (default: what is available less the reserve kept for
             the rest of the process, :mod:`memfit.offload.hostmem`).
+        optimizer_state_per_byte: optimizer-state bytes the trainer keeps per trainable byte (AdamW: 2), which
+            the first ``optimizer.step()`` allocates: planned as static bytes from the first input shape on (see
+            "Optimizer state" in docs/cost-model.md).
     """
 
     adaptive = True
@@ -185,6 +189,7 @@ class BudgetPlanner:
         peak_meter: PeakMeter | None = None,
         can_stream: bool = True,
         host_bytes: Callable[[], int] | None = None,
+        optimizer_state_per_byte: float = OPTIMIZER_STATE["adamw"],
     ) -> None:
         self.model = model
         self.adapter = adapter
@@ -193,6 +198,7 @@ class BudgetPlanner:
         self.min_offload_bytes = min_offload_bytes
         self.copy_bytes_per_second = copy_bytes_per_second
         self.can_stream = can_stream
+        self.optimizer_state_per_byte = optimizer_state_per_byte
         self._host_bytes = host_bytes or _host_bytes_for_weights
         device = next(model.parameters()).device
         # the closed loop runs where a step's peak can be read: CUDA (or a meter given, in tests)
@@ -206,7 +212,6 @@ class BudgetPlanner:
         self._installed: dict[Hashable, Plan] = {}  # the plan last handed to the controller per signature
         self._warned_unneeded = False
         self._warned_capacity = False
-        self._warned_optimizer = False
         self._warned_over = False
 
     @property
@@ -340,13 +345,28 @@ class BudgetPlanner:
                 MemfitWarning,
                 stacklevel=6,
             )
-        if not self.shapes:
-            self._check_optimizer_room(profile)
+        optimizer_bytes = 0
+        if not self.shapes and profile.counts_transient:
+            # the first optimizer.step() has not run yet: its state is planned as static bytes (see "Optimizer state")
+            trainable = profile.outside_trainable_bytes + sum(b.trainable_bytes for b in profile.blocks)
+            optimizer_bytes = int(self.optimizer_state_per_byte * trainable)
+            profile = dataclasses.replace(profile, static_bytes=profile.static_bytes + optimizer_bytes)
         # with a closed loop the first plan is made with a margin (its own step must fit too)
         target = budget - int(FIRST_PLAN_MARGIN * self.budget_bytes) if self.meter is not None else budget
         # below what any plan reaches, the smallest plan is still tried if it is within the user's own budget: the
         # closed loop measures it (the allocator's headroom above is a guess until a step was measured)
-        plan = self._plan_at(profile, target, at_least=self.budget_bytes)
+        try:
+            plan = self._plan_at(profile, target, at_least=self.budget_bytes)
+        except BudgetError as exc:
+            if optimizer_bytes < MENTIONED_OPTIMIZER_SHARE * exc.smallest_peak_bytes:
+                raise
+            raise BudgetError(
+                f"{exc} That counts {format_bytes(optimizer_bytes)} of optimizer state the first optimizer.step() "
+                f"allocates ({self.optimizer_state_per_byte:g} bytes per trainable byte, "
+                f"gradient_checkpointing_optimizer_state): with an optimizer that keeps less (8-bit AdamW: "
+                f"'adamw8bit'; plain SGD: 'none') set that key, or train fewer weights (LoRA).",
+                smallest_peak_bytes=exc.smallest_peak_bytes,
+            ) from None
         shape = self.shapes[signature] = ShapeBudget(profile, plan, target)
         if not plan.needed and not self._warned_unneeded:
             self._warned_unneeded = True
@@ -358,31 +378,6 @@ class BudgetPlanner:
                 stacklevel=6,
             )
         return shape
-
-    def _check_optimizer_room(self, profile: ModelProfile) -> None:
-        """Warn once when the budget cannot hold what the first ``optimizer.step()`` allocates (see "Optimizer
-        state" in docs/cost-model.md): the plan covers forward and backward, and the optimizer's state does not
-        exist yet when the first input shape is profiled."""
-        if not profile.counts_transient or self._warned_optimizer:
-            return
-        trainable = profile.outside_trainable_bytes + sum(b.trainable_bytes for b in profile.blocks)
-        streamable = streamed_set(profile, self._streamable(profile))  # frozen weights streaming can take off
-        static = profile.static_bytes - (streamable.total_bytes if streamable is not None else 0)
-        needed = static + (1 + ADAM_STATE_PER_WEIGHT) * trainable  # gradients, then the state
-        # (below the static bytes themselves no plan fits: the BudgetError says so, not this)
-        if needed <= self.budget_bytes or static > self.budget_bytes:
-            return
-        self._warned_optimizer = True
-        warnings.warn(
-            f"gradient_checkpointing_backend='auto': {format_bytes(trainable)} of weights train; with their "
-            f"gradients and an AdamW optimizer's state ({ADAM_STATE_PER_WEIGHT}x the trainable bytes, allocated at "
-            f"the first optimizer.step()) the step needs about {format_bytes(needed)}, above the budget of "
-            f"{format_bytes(self.budget_bytes)}. memfit's plan covers forward and backward only: on a card of that "
-            f"size the first optimizer step would run out of memory. Train fewer weights (LoRA), use an optimizer "
-            f"with less state (8-bit AdamW, Adafactor), or raise the budget.",
-            MemfitWarning,
-            stacklevel=6,
-        )
 
     def _plan_at(self, profile: ModelProfile, target: int, *, at_least: int | None = None) -> Plan:
         """The cheapest plan for ``target``; below what any plan reaches, the smallest plan if that is within
