@@ -176,5 +176,5 @@ def test_a_deadline_in_the_past_starts_no_child(tmp_path):
     args = ["--preset", "tiny", "--device", "cpu", "--stop-at", "1", "--out", str(tmp_path)]
     assert budget_promise.main(args) == 0
     result = json.loads((tmp_path / "budget-promise.json").read_text())
-    assert [t["target"] for t in result["targets"]] == ["flux", "synthetic-4096"]
+    assert [t["target"] for t in result["targets"]] == ["flux", "synthetic-16384"]
     assert all(t["not_measured"] == "the run's deadline passed first" for t in result["targets"])

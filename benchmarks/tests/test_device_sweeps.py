@@ -36,7 +36,7 @@ def test_the_sweeps_dry_run_checks_every_command(tmp_path):
     done = _dry_run(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
     budget, family = [line for line in done.stdout.splitlines() if line.startswith("would measure")]
-    assert "['synthetic-4096', 'flux'] (full): configs ['full', 'attn', 'all']" in budget
+    assert "['synthetic-16384', 'flux'] (full): configs ['full', 'attn', 'all']" in budget
     assert "['16.00 GiB', '24.00 GiB', '32.00 GiB', '48.00 GiB', 'floor']" in budget
     assert "fixed ['none', 'torch-ffn', 'torch', 'unsloth-ffn', 'unsloth'] in 3 rounds" in budget
     for name in families.default_families():

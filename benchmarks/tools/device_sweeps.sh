@@ -6,7 +6,8 @@
 #     OUT=/where/results/go MEMFIT_GIT_COMMIT=<sha> PARTS="budget families" bash benchmarks/tools/device_sweeps.sh
 #
 # Parts (PARTS, in the order given; default both):
-#   budget    memfit_benchmarks.budget_promise: the synthetic stack (3072 wide x 15 blocks, 4096 tokens), then Flux
+#   budget    memfit_benchmarks.budget_promise: the synthetic stack (3072 wide x 15 blocks, 16384 tokens: the budgets
+#             fall between its modes' peaks; at 4096 tokens no checkpointing fits them all), then Flux
 #             at its full size (4096 tokens), each in its own process (BUDGET_TARGETS); configs full fine-tune, LoRA
 #             r16 on the attention projections, LoRA r16 on every block linear, in that order (BUDGET_CONFIGS);
 #             budgets 16, 24, 32, 48 GiB and each target's floor, the process limited to the budget; auto and the
@@ -26,10 +27,11 @@
 # steps, results/auto and results/peers for Flux and the synthetic stack; ~0.5 s per measurement outside its
 # steps, ~1.5 s for auto's planning forward, ~8 s to start a target's process and build its model):
 #   install ~20 s
-#   budget ~8.2 min for all of it: the synthetic stack ~60 s per config (~190 s), Flux full fine-tune ~40 s,
-#       attention-only LoRA ~115 s, all-linear LoRA ~125 s. Its share here is BUDGET_PART_S (default 330 s): no
-#       measurement starts later, so in one call with the families Flux's all-linear LoRA is cut (its rows say
-#       "not measured"). All of it: PARTS=budget BUDGET_PART_S=540 in a call of its own.
+#   budget ~25 min for all of it, so several calls (BUDGET_TARGETS x BUDGET_CONFIGS, e.g. one target and config a
+#       call): per budget ~90 s on Flux (6 modes x 3 rounds of ~0.7 s steps, auto's warm-up until its closed loop
+#       settled, a few s per out-of-memory row), ~60 s on the synthetic stack at 16384 tokens (~1 s steps); Flux's
+#       full fine-tune ~40 s (BudgetError at every budget). Its share here is BUDGET_PART_S (default 330 s): no
+#       measurement starts later ("not measured" rows). PARTS=budget BUDGET_PART_S=540 in a call of its own.
 #   families ~3.2 min: chroma 2 s, flux 25 s, krea2 37 s, ltxvideo2 34 s, mageflow 20 s, wan 39 s, z-image 23 s
 #       (+ ~3 s each to build); share FAMILIES_PART_S (default 200 s), at most FAMILY_S (45 s) per family.
 # Nothing starts after TOTAL_S (default 550 s) from the start; what ran is written either way.
@@ -40,7 +42,7 @@ TOTAL_S="${TOTAL_S:-550}"
 BUDGET_PART_S="${BUDGET_PART_S:-330}"
 FAMILIES_PART_S="${FAMILIES_PART_S:-200}"
 FAMILY_S="${FAMILY_S:-45}"
-BUDGET_TARGETS="${BUDGET_TARGETS:-synthetic-4096,flux}"
+BUDGET_TARGETS="${BUDGET_TARGETS:-synthetic-16384,flux}"
 BUDGET_CONFIGS="${BUDGET_CONFIGS:-full,attn,all}"
 BUDGET_STEM="${BUDGET_STEM:-budget-promise}"
 source "$(dirname "$0")/device_env.sh"

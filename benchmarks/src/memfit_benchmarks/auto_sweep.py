@@ -48,14 +48,9 @@ from memfit_benchmarks.families import _progress, build_lora_model, family_paylo
 from memfit_benchmarks.modes import MODES, Mode
 from memfit_benchmarks.results import write_json
 from memfit_benchmarks.runner import add_ratios, measure_mode
+from memfit_benchmarks.shapes import SYNTHETIC_TARGETS
 from memfit_benchmarks.training import TrainingConfig, describe, prepare
 
-SYNTHETIC_TARGETS = {
-    "synthetic-1024": 0,
-    "synthetic-4096": 1,
-    "synthetic-16384": 2,
-    "synthetic-4096w": 3,
-}  # name -> index into synthetic.SHAPES
 DEFAULT_TARGETS = ["synthetic-4096", "flux", "wan", "synthetic-16384"]
 SDPA = "default dispatch, cuDNN SDPA disabled (flash on the synthetic stack)"
 

@@ -4,8 +4,9 @@
     python -m memfit_benchmarks.budget_promise --targets flux --configs attn --budgets 24GiB --out DIR
     python -m memfit_benchmarks.budget_promise --preset tiny --device cpu --budgets 600KiB,floor --out DIR
 
-Per target (``flux`` or any installed family: its preset at ``--tokens``, default the preset's; ``synthetic-4096``:
-the synthetic stack, 3072 wide x 15 blocks at 4096 tokens, flash SDPA) one child process builds the model
+Per target (``flux`` or any installed family: its preset at ``--tokens``, default the preset's; ``synthetic-16384``
+and the other names of ``shapes.SYNTHETIC_TARGETS``: the synthetic stack at that shape, flash SDPA; at 16384 tokens
+the budgets 16-48 GiB fall between its modes' peaks) one child process builds the model
 (random weights, bf16 on CUDA) and measures every training config of ``--configs`` on it, one after the other
 (``all``: PEFT LoRA r16 on every block linear; ``attn``: on the linears of the declared attention regions, the
 peers sweep's ``lora-attn``; ``full``: every weight trains, a foreach AdamW step inside each step;
@@ -51,11 +52,11 @@ from memfit_benchmarks.environment import run_stamp
 from memfit_benchmarks.modes import MODES, Mode
 from memfit_benchmarks.options import deadline
 from memfit_benchmarks.rounds import FAILED, NOT_MEASURED, measured, per_round_ratios, round_robin
+from memfit_benchmarks.shapes import SYNTHETIC_TARGETS
 from memfit_benchmarks.training import TrainingConfig, prepare
 
 GIB = 1 << 30
 CONFIGS = {"all": TrainingConfig.LORA_ALL, "attn": TrainingConfig.LORA_ATTENTION, "full": TrainingConfig.FULL}
-SYNTHETIC_TARGETS = {"synthetic-4096": 1}  # name -> index into shapes.SHAPES
 FLOOR = "floor"
 FLOOR_PROBE_BYTES = 1  # a budget no plan reaches: auto's BudgetError then names the smallest peak
 DEFAULT_FIXED = "none,torch-ffn,torch,unsloth-ffn,unsloth"
@@ -170,6 +171,7 @@ class _Target:
         except memfit.BudgetError as exc:  # a row (and not measured again: FAILED stops its rounds)
             row = {"mode": mode.name, "oom": False, "budget_error": str(exc), FAILED: "BudgetError"}
             row["smallest_peak_bytes"] = exc.smallest_peak_bytes
+            row["suggested_budget_bytes"] = exc.suggested_budget_bytes
         if budget is not None and measured(row) and row.get("peak_allocated") is not None:
             peaks = [row["peak_allocated"], row.get("peak_allocated_warmup") or 0]
             row["within_budget"] = max(peaks) <= budget
@@ -181,8 +183,8 @@ class _Target:
 
     def floor(self) -> dict[str, Any]:
         row = self.measure(_auto(FLOOR_PROBE_BYTES))
-        if "smallest_peak_bytes" in row:
-            return {"floor_bytes": row["smallest_peak_bytes"]}
+        if "smallest_peak_bytes" in row:  # the floor is the budget the BudgetError suggests
+            return {"floor_bytes": row.get("suggested_budget_bytes", row["smallest_peak_bytes"])}
         return {"floor_error": f"auto at {FLOOR_PROBE_BYTES} byte did not raise BudgetError: {_cell(row)}"}
 
     def budget(self, budget: int, *, is_floor: bool, floor: int | None) -> dict[str, Any]:
@@ -472,7 +474,7 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(
                 f"{config.get('config_description', '')}; {config.get('trainable_params', 0) / 1e6:.1f} M trainable. "
                 + (
-                    f"Floor (auto's smallest predicted peak): {format_bytes(config['floor_bytes'])}."
+                    f"Floor (the budget auto's BudgetError suggests: its smallest predicted peak + 0.5%): {format_bytes(config['floor_bytes'])}."
                     if config.get("floor_bytes")
                     else f"Floor unknown: {config.get('floor_error', 'not probed')}."
                 )
@@ -517,7 +519,11 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--targets", default="flux,synthetic-4096", help="family names or synthetic-4096")
+    parser.add_argument(
+        "--targets",
+        default="flux,synthetic-16384",
+        help=f"family names or the synthetic stack's ({', '.join(SYNTHETIC_TARGETS)})",
+    )
     parser.add_argument("--preset", default="full", choices=("full", "tiny"))
     parser.add_argument("--tokens", type=int, default=None, help="default: the target's own (4096 for these)")
     parser.add_argument("--configs", default="attn,all,full", help=f"comma-separated: {', '.join(CONFIGS)}")

@@ -13,3 +13,10 @@ SHAPES = [
     ("4096w x32, 3072 tok", 4096, 32, 3072),
 ]
 TINY_SHAPE = ("64w x2, 64 tok (CPU smoke)", 64, 2, 64)
+# the synthetic stack as a benchmark target: name -> index into SHAPES
+SYNTHETIC_TARGETS = {
+    "synthetic-1024": 0,
+    "synthetic-4096": 1,
+    "synthetic-16384": 2,
+    "synthetic-4096w": 3,
+}

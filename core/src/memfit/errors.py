@@ -39,9 +39,16 @@ class BudgetError(MemfitError):
     """The ``auto`` backend's memory budget is below the smallest peak any plan reaches.
 
     Attributes:
-        smallest_peak_bytes: the smallest predicted peak (raise the budget to at least this).
+        smallest_peak_bytes: the smallest predicted peak.
+        suggested_budget_bytes: the budget to set: a little above the smallest peak, since a later profile can see
+            a few MiB more allocated (default: the smallest peak itself).
     """
 
-    def __init__(self, message: str, *, smallest_peak_bytes: int) -> None:
+    def __init__(
+        self, message: str, *, smallest_peak_bytes: int, suggested_budget_bytes: int | None = None
+    ) -> None:
         super().__init__(message)
         self.smallest_peak_bytes = smallest_peak_bytes
+        self.suggested_budget_bytes = (
+            smallest_peak_bytes if suggested_budget_bytes is None else suggested_budget_bytes
+        )

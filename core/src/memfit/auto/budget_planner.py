@@ -366,6 +366,7 @@ class BudgetPlanner:
                 f"gradient_checkpointing_optimizer_state): with an optimizer that keeps less (8-bit AdamW: "
                 f"'adamw8bit'; plain SGD: 'none') set that key, or train fewer weights (LoRA).",
                 smallest_peak_bytes=exc.smallest_peak_bytes,
+                suggested_budget_bytes=exc.suggested_budget_bytes,
             ) from None
         shape = self.shapes[signature] = ShapeBudget(profile, plan, target)
         if not plan.needed and not self._warned_unneeded:

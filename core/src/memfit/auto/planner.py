@@ -64,6 +64,14 @@ from memfit.plan import BlockPolicy
 from memfit.units import format_bytes
 
 _UNITS = 1024  # kept bytes are counted in units of 1/_UNITS of the total (search granularity)
+# the budget a BudgetError suggests sits this share above the smallest peak: a later profile sees what earlier steps
+# left allocated (cuBLAS workspaces: +65 MB, 0.07%, on a Flux full fine-tune), and the suggestion must still plan
+FLOOR_ALLOWANCE = 0.005
+
+
+def suggested_budget(smallest_peak_bytes: int) -> int:
+    """The budget a :class:`BudgetError` suggests for ``smallest_peak_bytes``: the allowance above it, whole MiB."""
+    return -(-int(smallest_peak_bytes * (1 + FLOOR_ALLOWANCE)) // (1 << 20)) << 20
 
 
 @dataclass(frozen=True)
@@ -228,8 +236,10 @@ def plan_policies(
         raise BudgetError(
             f"memory budget {format_bytes(budget_bytes)} is below what any plan reaches: the smallest predicted "
             f"{metric} is {format_bytes(smallest)}{streaming} (no checkpointing: {format_bytes(no_checkpoint)}). "
-            f"Raise gradient_checkpointing_memory_budget to at least that, or shrink the step (batch, resolution).",
+            f"Raise gradient_checkpointing_memory_budget to at least {format_bytes(suggested_budget(smallest))}, "
+            f"or shrink the step (batch, resolution).",
             smallest_peak_bytes=smallest,
+            suggested_budget_bytes=suggested_budget(smallest),
         )
     room = budget_bytes - base  # for kept bytes, and each block's own peak on top of those before it
     picks = search.cheapest(problem, (room - profile.workspace_bytes - forward) // unit, room)
