@@ -106,6 +106,9 @@ def weight_row(handle: memfit.MemfitHandle, steps: int) -> dict[str, Any]:
         "streamed_weight_bytes": s["weight_streamed_bytes"],
         "streamed": [b.name for b in handle.region_plan.streamed],
         "policies": dict(Counter(b.policy.value for b in handle.region_plan.blocks)),
+        # auto: what its cost and peak models predicted for the plan it ran (None for a fixed backend)
+        "predicted_extra_seconds": getattr(handle.plan, "predicted_extra_seconds", None),
+        "predicted_peak_bytes": getattr(handle.plan, "predicted_peak_bytes", None),
         "weight_pinned_bytes": s["weight_pinned_bytes"],
         "weight_bytes_uploaded_per_step": s["weight_bytes_uploaded"] / steps,
         "weight_uploads_per_step": s["weight_uploads"] / steps,
