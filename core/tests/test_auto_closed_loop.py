@@ -186,7 +186,11 @@ def test_a_reading_below_the_forward_end_is_no_peak_and_tries_no_faster_plan(mod
     budget = budget_just_above_a_plan(model, batch)
     meter = ResetByTheTrainer(error=0)
     monkeypatch.setattr(budget_planner, "default_peak_meter", lambda device: meter)
-    ran, stats = train(model, batch, budget, meter, steps=6)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", MemfitWarning)
+        ran, stats = train(model, batch, budget, meter, steps=6)
+    said = [w for w in caught if "peak statistics are reset" in str(w.message)]
+    assert len(said) == 1
     shape = stats["shapes"][0]
     assert all(plan is ran[0] for plan in ran)
     assert shape["unreadable_steps"] == len(meter.readings) and shape["corrections"] == 0

@@ -213,6 +213,7 @@ class BudgetPlanner:
         self._warned_unneeded = False
         self._warned_capacity = False
         self._warned_over = False
+        self._warned_unreadable = False
 
     @property
     def profiles(self) -> dict[Hashable, ModelProfile]:
@@ -261,6 +262,18 @@ class BudgetPlanner:
         if ended is not None and allocated < ended and allocated <= self.budget_bytes:
             # see "Readings": the peak statistics were reset during the step, so this reading is no peak
             shape.unreadable += 1
+            if shape.unreadable == CALIBRATION_STEPS and not self._warned_unreadable:
+                self._warned_unreadable = True
+                warnings.warn(
+                    f"gradient_checkpointing_backend='auto': {CALIBRATION_STEPS} steps in a row read a peak below what "
+                    f"their forward had allocated: CUDA's peak statistics are reset during the step "
+                    f"(torch.cuda.reset_peak_memory_stats in the training loop?). auto cannot measure its steps, so "
+                    f"it keeps its first plan, made {FIRST_PLAN_MARGIN:.0%} under the budget, and does not give that "
+                    f"margin back. Leave the statistics alone for the first steps of each input shape (auto resets them "
+                    f"itself at each forward while it measures) to let it measure.",
+                    MemfitWarning,
+                    stacklevel=6,
+                )
             return
         shape.steps += 1
         shape.quiet += 1
