@@ -270,7 +270,7 @@ class BudgetPlanner:
                     f"(torch.cuda.reset_peak_memory_stats in the training loop?). auto cannot measure its steps, so "
                     f"it keeps its first plan, made {FIRST_PLAN_MARGIN:.0%} under the budget, and does not give that "
                     f"margin back. Leave the statistics alone for the first steps of each input shape (auto resets them "
-                    f"itself at each forward while it measures) to let it measure.",
+                    "itself at each forward while it measures) to let it measure.",
                     MemfitWarning,
                     stacklevel=6,
                 )
