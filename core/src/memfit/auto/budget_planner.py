@@ -119,9 +119,8 @@ class ShapeBudget:
     measured_bytes: int | None = None  # the latest step's peak allocated
     measured_reserved_bytes: int | None = None
     settled: bool = False  # no more measuring for this shape
-    forward_end_bytes: int | None = (
-        None  # allocated when the latest forward ended: a step's peak is at least this
-    )
+    # allocated when the latest forward ended: a step's peak is at least this
+    forward_end_bytes: int | None = None
     unreadable: int = 0  # steps whose peak reading was below that (the statistics were reset during the step)
 
     def report(self) -> dict[str, Any]:
@@ -206,9 +205,8 @@ class BudgetPlanner:
         self.shapes: dict[Hashable, ShapeBudget] = {}
         self.plan: Plan | None = None  # the latest signature's
         self.profile: ModelProfile | None = None
-        self._memos: dict[
-            int, tuple[ModelProfile, dict[Any, Any]]
-        ] = {}  # plan_policies' budget-free searches
+        # per profile (by id, held with it): plan_policies' budget-free searches
+        self._memos: dict[int, tuple[ModelProfile, dict[Any, Any]]] = {}
         self._installed: dict[Hashable, Plan] = {}  # the plan last handed to the controller per signature
         self._warned_unneeded = False
         self._warned_capacity = False
@@ -265,12 +263,12 @@ class BudgetPlanner:
             if shape.unreadable == CALIBRATION_STEPS and not self._warned_unreadable:
                 self._warned_unreadable = True
                 warnings.warn(
-                    f"gradient_checkpointing_backend='auto': {CALIBRATION_STEPS} steps in a row read a peak below what "
-                    f"their forward had allocated: CUDA's peak statistics are reset during the step "
+                    f"gradient_checkpointing_backend='auto': {CALIBRATION_STEPS} steps of one input shape read a "
+                    f"peak below what their forward had allocated: CUDA's peak statistics are reset during the step "
                     f"(torch.cuda.reset_peak_memory_stats in the training loop?). auto cannot measure its steps, so "
-                    f"it keeps its first plan, made {FIRST_PLAN_MARGIN:.0%} under the budget, and does not give that "
-                    f"margin back. Leave the statistics alone for the first steps of each input shape (auto resets them "
-                    "itself at each forward while it measures) to let it measure.",
+                    f"it keeps its first plan, made {FIRST_PLAN_MARGIN:.0%} under the budget, and does not give "
+                    f"that margin back. Leave the statistics alone for the first steps of each input shape (auto "
+                    f"resets them itself at each forward while it measures) to let it measure.",
                     MemfitWarning,
                     stacklevel=6,
                 )
