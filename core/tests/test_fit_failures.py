@@ -303,3 +303,28 @@ def test_a_rung_that_streams_weights_says_how_many_blocks():
     assert row.status == "fits (streams 2 blocks' weights)"
     plain = RungResult(Rung("none", None), StepMeasurement(1, None, 1.0, 0), fits=False)
     assert plain.status == "does not fit"
+
+
+def test_a_full_fine_tune_is_measured_with_an_adamw_step_in_every_rung():
+    """Full fine-tune: AdamW's state (twice the weights) is what the job adds on the card, and what auto plans
+    for; every rung measures it (a fresh optimizer each, stepped after every backward), a LoRA job none."""
+    from memfit.job import Regime
+
+    full = build_workload(FitJob(family="flux", tokens=16, regime=Regime.FULL))
+    assert build_workload(FitJob(family="flux", tokens=16)).optimizer is None
+    made: list[torch.optim.Optimizer] = []
+    make = full.optimizer
+
+    def counting() -> torch.optim.Optimizer:
+        made.append(make())
+        return made[-1]
+
+    full.optimizer = counting
+    runner = InProcessRunner.of(full, steps=2)
+    for rung in (Rung("none", None), Rung("torch", {"gradient_checkpointing": True})):
+        assert isinstance(runner.measure(rung), StepMeasurement)
+    assert len(made) == 2
+    trainable = [p for p in full.model.parameters() if p.requires_grad]
+    for optimizer in made:  # one warm-up and two timed steps each, on every trainable weight
+        assert len(optimizer.state) == len(trainable)
+        assert all(int(state["step"]) == 3 for state in optimizer.state.values())

@@ -151,7 +151,8 @@ def build_parser() -> argparse.ArgumentParser:
     shape.add_argument(
         "--regime",
         choices=[Regime.FROZEN.value, Regime.FULL.value],
-        help="without LoRA: frozen weights with input gradients (default), or full fine-tuning",
+        help="without LoRA: frozen weights with input gradients (default), or full fine-tuning (every measured "
+        "step ends with an AdamW step, whose state a full fine-tune holds)",
     )
     shape.add_argument(
         "--dtype",
@@ -523,6 +524,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
             f"built: {_count(info['parameters'])} parameters ({format_bytes(info['weights_bytes'])}), "
             f"{_count(info['trainable_parameters'])} trainable, in {info['build_seconds']:.1f} s; "
             f"attention: {info['sdpa']}"
+            + (f"; each measured step ends with an {info['optimizer']} step" if info.get("optimizer") else "")
         )
         if not on_cuda:
             console.print(

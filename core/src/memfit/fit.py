@@ -150,16 +150,24 @@ class InProcessRunner:
         steps: int = 3,
         sdpa: str = "default",
         measure: Callable[..., StepMeasurement] = measure_step,
+        optimizer: Callable[[], torch.optim.Optimizer] | None = None,
     ) -> None:
         self.model, self.inputs, self.loss_fn = model, inputs, loss_fn
         self.adapter, self.steps, self.sdpa, self._measure = adapter, steps, sdpa, measure
+        self.optimizer = optimizer
         self._lost: RungFailure | None = None
 
     @classmethod
     def of(cls, workload: Any, *, steps: int = 3, sdpa: str = "default") -> InProcessRunner:
         """A runner over a :class:`memfit.job.Workload` (model, inputs, loss, adapter)."""
         return cls(
-            workload.model, workload.inputs, workload.loss, adapter=workload.adapter, steps=steps, sdpa=sdpa
+            workload.model,
+            workload.inputs,
+            workload.loss,
+            adapter=workload.adapter,
+            steps=steps,
+            sdpa=sdpa,
+            optimizer=workload.optimizer,
         )
 
     def measure(self, rung: Rung, on_phase: Callable[[str], None] = _noop) -> StepMeasurement | RungFailure:
@@ -183,6 +191,7 @@ class InProcessRunner:
                 steps=self.steps,
                 on_phase=on_phase,
                 measure=self._measure,
+                optimizer=self.optimizer,
             )
         if isinstance(outcome, RungFailure) and outcome.needs_fresh_process:
             self._lost = outcome

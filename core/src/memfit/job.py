@@ -9,6 +9,7 @@ key names), next to the ``gradient_checkpointing*`` keys ``memfit.apply`` reads.
 from __future__ import annotations
 
 import enum
+import functools
 import math
 import os
 import time
@@ -82,6 +83,8 @@ class Workload:
     loss: Callable[[Any], torch.Tensor]
     adapter: FamilyAdapter
     info: dict[str, Any] = field(default_factory=dict)
+    # a fresh optimizer for one measurement, stepped inside each measured step (None: forward and backward only)
+    optimizer: Callable[[], torch.optim.Optimizer] | None = None
 
 
 def family_adapter(name: str) -> FamilyAdapter:
@@ -184,7 +187,18 @@ def build_workload(job: FitJob) -> Workload:
         parameters=sum(p.numel() for p in params),
         trainable_parameters=sum(p.numel() for p in params if p.requires_grad),
     )
-    return Workload(model, inputs, adapter.loss, adapter, info)
+    optimizer = None
+    if (
+        job.regime is Regime.FULL
+    ):  # its state is what a full fine-tune adds: every rung carries it, as training does
+        info["optimizer"] = "AdamW"
+        optimizer = functools.partial(_adamw, model)
+    return Workload(model, inputs, adapter.loss, adapter, info, optimizer)
+
+
+def _adamw(model: nn.Module) -> torch.optim.Optimizer:
+    """torch's AdamW over the trainable weights (its defaults, as a trainer's; a tiny rate leaves them near)."""
+    return torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-8)
 
 
 def _prepare_cuda(device: torch.device, gpu_memory: int | None) -> dict[str, Any]:

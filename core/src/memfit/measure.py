@@ -134,11 +134,14 @@ def measure_step(
     warmup: int = 1,
     steps: int = 3,
     on_phase: Callable[[str], None] = _noop,
+    optimizer: Callable[[], torch.optim.Optimizer] | None = None,
 ) -> StepMeasurement:
     """Run ``warmup + steps`` forward/backward steps with ``config`` applied (None: unmodified model).
 
     Args:
-        on_phase: told ``"apply"``, ``"forward"`` and ``"backward"`` as each begins (for crash reports).
+        on_phase: told ``"apply"``, ``"forward"``, ``"backward"`` and ``"optimizer"`` as each begins (for crash
+            reports).
+        optimizer: makes this measurement's optimizer, stepped after each backward (its state is freed with it).
     """
     import memfit
 
@@ -147,7 +150,15 @@ def measure_step(
     handle = memfit.apply(model, config, adapter=adapter) if config else None
     try:
         return _timed_steps(
-            model, inputs, loss_fn, handle, device, warmup=warmup, steps=steps, on_phase=on_phase
+            model,
+            inputs,
+            loss_fn,
+            handle,
+            device,
+            warmup=warmup,
+            steps=steps,
+            on_phase=on_phase,
+            optimizer=optimizer() if optimizer is not None else None,
         )
     except BaseException as exc:
         if handle is not None:
@@ -172,6 +183,7 @@ def _timed_steps(
     warmup: int,
     steps: int,
     on_phase: Callable[[str], None],
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> StepMeasurement:
     times: list[float] = []
     held = 0
@@ -190,6 +202,9 @@ def _timed_steps(
             loss = loss_fn(model(**inputs))
         on_phase("backward")
         loss.backward()
+        if optimizer is not None:
+            on_phase("optimizer")
+            optimizer.step()
         _sync(device)
         if i >= warmup:
             times.append(time.perf_counter() - start)
@@ -249,6 +264,7 @@ def measure_guarded(
     steps: int = 3,
     on_phase: Callable[[str], None] = _noop,
     measure: Callable[..., StepMeasurement] = measure_step,
+    optimizer: Callable[[], torch.optim.Optimizer] | None = None,
 ) -> StepMeasurement | RungFailure:
     """:func:`measure_step`, with a failure returned as a :class:`RungFailure` instead of raised.
 
@@ -271,7 +287,10 @@ def measure_guarded(
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     failure: RungFailure | None = None
     try:
-        return measure(model, inputs, loss_fn, config=config, adapter=adapter, steps=steps, on_phase=track)
+        extra = {"optimizer": optimizer} if optimizer is not None else {}  # stand-in measures take none
+        return measure(
+            model, inputs, loss_fn, config=config, adapter=adapter, steps=steps, on_phase=track, **extra
+        )
     except torch.OutOfMemoryError as exc:
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         failure = RungFailure(FailureKind.OUT_OF_MEMORY, first_line(exc), phase[0], peak)
