@@ -249,7 +249,7 @@ def test_a_rung_whose_removal_fails_asks_for_a_fresh_process(workload, monkeypat
 
     handles = []
 
-    def apply_then_fail(model, inputs, loss_fn, *, config, adapter, steps, on_phase):
+    def apply_then_fail(model, inputs, loss_fn, *, config, adapter, **kwargs):
         handles.append(memfit.apply(model, config, adapter=adapter))  # its removal "fails": never removed
         raise torch.OutOfMemoryError("CUDA out of memory (stand-in)")
 

@@ -183,8 +183,8 @@ class _Target:
 
     def floor(self) -> dict[str, Any]:
         row = self.measure(_auto(FLOOR_PROBE_BYTES))
-        if "smallest_peak_bytes" in row:  # the floor is the budget the BudgetError suggests
-            return {"floor_bytes": row.get("suggested_budget_bytes", row["smallest_peak_bytes"])}
+        if "suggested_budget_bytes" in row:  # the floor is the budget the BudgetError suggests
+            return {"floor_bytes": row["suggested_budget_bytes"]}
         return {"floor_error": f"auto at {FLOOR_PROBE_BYTES} byte did not raise BudgetError: {_cell(row)}"}
 
     def budget(self, budget: int, *, is_floor: bool, floor: int | None) -> dict[str, Any]:

@@ -231,7 +231,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             adapter=adapter,
             warmup=args.warmup,
             steps=args.steps,
-            inspect=None if mode.name == NO_CHECKPOINTING else lambda handle: weight_row(handle, args.steps),
+            inspect=lambda handle: weight_row(handle, args.steps),  # with a memfit handle only
             settle=args.settle if mode.name in budgets else 0,
         )
         if mode.name in budgets:

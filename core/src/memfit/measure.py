@@ -287,9 +287,15 @@ def measure_guarded(
     before = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
     failure: RungFailure | None = None
     try:
-        extra = {"optimizer": optimizer} if optimizer is not None else {}  # stand-in measures take none
         return measure(
-            model, inputs, loss_fn, config=config, adapter=adapter, steps=steps, on_phase=track, **extra
+            model,
+            inputs,
+            loss_fn,
+            config=config,
+            adapter=adapter,
+            steps=steps,
+            on_phase=track,
+            optimizer=optimizer,
         )
     except torch.OutOfMemoryError as exc:
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None

@@ -233,13 +233,14 @@ def plan_policies(
             if streamed is not None
             else ""
         )
+        suggested = suggested_budget(smallest)
         raise BudgetError(
             f"memory budget {format_bytes(budget_bytes)} is below what any plan reaches: the smallest predicted "
             f"{metric} is {format_bytes(smallest)}{streaming} (no checkpointing: {format_bytes(no_checkpoint)}). "
-            f"Raise gradient_checkpointing_memory_budget to at least {format_bytes(suggested_budget(smallest))}, "
+            f"Raise gradient_checkpointing_memory_budget to at least {format_bytes(suggested)}, "
             f"or shrink the step (batch, resolution).",
             smallest_peak_bytes=smallest,
-            suggested_budget_bytes=suggested_budget(smallest),
+            suggested_budget_bytes=suggested,
         )
     room = budget_bytes - base  # for kept bytes, and each block's own peak on top of those before it
     picks = search.cheapest(problem, (room - profile.workspace_bytes - forward) // unit, room)
