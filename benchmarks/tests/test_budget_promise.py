@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from memfit_benchmarks.budget_promise import budget_checks, resolve_budgets, summarize
+from memfit_benchmarks.budget_promise import budget_checks, contenders, resolve_budgets, summarize
 
 GIB = 1 << 30
 
@@ -178,3 +178,17 @@ def test_a_deadline_in_the_past_starts_no_child(tmp_path):
     result = json.loads((tmp_path / "budget-promise.json").read_text())
     assert [t["target"] for t in result["targets"]] == ["flux", "synthetic-16384"]
     assert all(t["not_measured"] == "the run's deadline passed first" for t in result["targets"])
+
+
+def test_only_fixed_modes_that_fit_and_are_near_the_fastest_are_timed_again():
+    first = {
+        "auto": {"mode": "auto", "step_s": 0.5, "peak_allocated": 10},
+        "none": {"mode": "none", "step_s": 0.5, "peak_allocated": 200},  # over the budget
+        "torch-ffn": {"mode": "torch-ffn", "step_s": 1.0, "peak_allocated": 90},
+        "unsloth-ffn": {"mode": "unsloth-ffn", "step_s": 1.1, "peak_allocated": 80},
+        "torch": {"mode": "torch", "step_s": 1.2, "peak_allocated": 50},  # 1.2x the fastest that fits
+        "unsloth": {"mode": "unsloth", "oom": True},
+    }
+    assert contenders(first, 100) == {"torch-ffn", "unsloth-ffn"}
+    assert contenders(first, 60) == {"torch"}
+    assert contenders({"auto": first["auto"]}, 100) == set()

@@ -7,8 +7,9 @@ import json
 
 import pytest
 
+from memfit_benchmarks.modes import Mode
 from memfit_benchmarks.report import render_markdown
-from memfit_benchmarks.rounds import merge_rounds, paired_ratio, per_round_ratios, step_ratio
+from memfit_benchmarks.rounds import merge_rounds, paired_ratio, per_round_ratios, round_robin, step_ratio
 from memfit_benchmarks.runner import add_ratios
 
 # Per-round steps where the two ratios disagree. unsloth/torch: per round 1.040, 1.036, 0.925 (median 1.036, over
@@ -164,3 +165,17 @@ def test_synthetic_rounds_measure_every_mode_round_robin(tmp_path, monkeypatch):
     assert "3 round-robin rounds" in (tmp_path / f"{written[0].stem}.md").read_text()
     with pytest.raises(SystemExit):
         bench.main(["--device", "cpu", "--shapes", "tiny", "--rounds", "0", "--out", str(tmp_path)])
+
+
+def test_round_robin_stops_timing_a_mode_keep_turns_down():
+    modes = [Mode("a", None), Mode("b", None), Mode("c", None)]
+    calls = []
+
+    def measure(mode):
+        calls.append(mode.name)
+        return {"mode": mode.name, "step_s": 1.0}
+
+    rows = round_robin(modes, 3, measure, keep=lambda mode: mode.name != "b")
+    assert calls == ["a", "b", "c", "a", "c", "a", "c"]
+    by = {r["mode"]: r for r in rows}
+    assert len(by["a"]["step_s_rounds"]) == 3 and "step_s_rounds" not in by["b"] and by["b"]["step_s"] == 1.0

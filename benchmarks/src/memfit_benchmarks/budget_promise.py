@@ -20,7 +20,10 @@ peers sweep's ``lora-attn``; ``full``: every weight trains, a foreach AdamW step
    once: the expected row is a ``BudgetError`` before any step. At or above it ``auto`` and every mode of
    ``--fixed`` run in ``--rounds`` round-robin rounds (``auto`` with ``--auto-warmup`` warm-up steps: its first
    step profiles and plans, the next ones may correct the plan); a mode out of memory is an ``OOM`` row and is
-   not measured again at that budget.
+   not measured again at that budget, and after the first round only ``auto`` and the fixed modes that fit
+   within ``CONTENDER_SPAN`` of the fastest one that fits are timed again (:func:`contenders`).
+   Where what is resident before a step (weights, inputs) already exceeds the budget, no fixed mode could fit
+   and only ``auto`` runs.
 
 Per budget the report gives auto's status, whether every step (warm-up, planning forward and timed steps, every
 round) stayed within the budget, peak allocated and reserved, the median step, the fastest fixed mode that fits
@@ -61,6 +64,10 @@ FLOOR = "floor"
 FLOOR_PROBE_BYTES = 1  # a budget no plan reaches: auto's BudgetError then names the smallest peak
 DEFAULT_FIXED = "none,torch-ffn,torch,unsloth-ffn,unsloth"
 DEADLINE = "the run's deadline passed first"
+CONTENDER_SPAN = (
+    1.15  # after round 1 a fixed mode slower than this x the fastest that fits is not timed again
+)
+RESIDENT_OVER = "the weights alone exceed the budget: no fixed mode can fit"
 
 
 # -- the child: one target, every config and budget -------------------------------------------------------------
@@ -203,10 +210,20 @@ class _Target:
             rounds[mode.name].append(row)
             return row
 
+        def keep(mode: Mode) -> bool:
+            return mode.name == "auto" or mode.name in contenders(
+                {m: r[0] for m, r in rounds.items() if r}, budget
+            )
+
         try:
             entry["process_limited"] = self.limit(budget)
             entry["resident_bytes"] = torch.cuda.memory_allocated(self.device) if self.cuda else None
-            entry["rows"] = round_robin(modes, 1 if below else self.job["rounds"], one, stop=self.stop)
+            if self.cuda and not entry["process_limited"]:  # weights alone exceed it: no fixed mode fits
+                entry["fixed_left_out"] = RESIDENT_OVER
+                modes = modes[:1]
+            entry["rows"] = round_robin(
+                modes, 1 if below else self.job["rounds"], one, stop=self.stop, keep=keep
+            )
         except Exception as exc:  # a broken budget is a row; the next budget may still run
             entry["error"] = f"{type(exc).__name__}: {exc}"
             entry["traceback"] = traceback.format_exc()
@@ -285,6 +302,15 @@ def _fits(row: dict[str, Any], budget: int) -> bool:
         return False
     peaks = [row.get("peak_allocated"), row.get("peak_allocated_warmup")]
     return all(p is None or p <= budget for p in peaks)
+
+
+def contenders(first: dict[str, dict[str, Any]], budget: int, span: float = CONTENDER_SPAN) -> set[str]:
+    """The fixed modes worth timing again after the first round: those that fit ``budget`` with a first-round
+    step within ``span`` x the fastest of them (a mode over the budget, or far behind, cannot be the fastest
+    that fits; its first round is its row)."""
+    steps = {m: r["step_s"] for m, r in first.items() if m != "auto" and _fits(r, budget)}
+    fastest = min(steps.values(), default=None)
+    return {m for m, step in steps.items() if step <= span * fastest}
 
 
 def summarize(entry: dict[str, Any]) -> dict[str, Any]:
@@ -484,7 +510,7 @@ def markdown(result: dict[str, Any]) -> str:
             for b in config.get("budgets", []):
                 rows = {r["mode"]: r for r in b.get("rows", [])}
                 cells = [_cell(rows[m]) if m in rows else "-" for m in result["modes"]]
-                note = b.get(NOT_MEASURED) or b.get("error") or ""
+                note = b.get(NOT_MEASURED) or b.get("error") or b.get("fixed_left_out") or ""
                 lines.append(
                     f"| {format_bytes(b['budget_bytes'])}{' (floor)' if b.get('is_floor') else ''} | "
                     f"{'yes' if b.get('process_limited') else 'no'} | {_gib(b.get('resident_bytes'))} | "
@@ -500,7 +526,9 @@ def markdown(result: dict[str, Any]) -> str:
         f"commit {env.get('git_commit')}. {result['rounds']} round-robin rounds per budget ({result['warmup']} "
         f"warm-up + {result['steps']} timed steps per measurement; auto {result['auto_warmup']} warm-up steps, the "
         f"first with its planning forward, then up to {result.get('auto_settle', 0)} more until its closed loop "
-        "settled); a mode out of memory is not measured again at that budget. "
+        "settled); a mode out of memory is not measured again at that budget, and after the first round only "
+        f"auto and the fixed modes that fit within {CONTENDER_SPAN:.2f}x of the fastest one that fits are timed "
+        "again (the others' rows are their first round). "
         "`every step within budget`: in a process limited to the budget a step over it runs out of memory, so "
         "`ok` means no step of any round did; the peaks shown are of the timed steps (every round) and must be "
         "within the budget too (auto's closed loop resets the allocator's peak at each forward, so the warm-up "

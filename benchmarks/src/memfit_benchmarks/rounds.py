@@ -56,20 +56,22 @@ def round_robin(
     measure: Callable[[Mode], Row],
     progress: Callable[[Iterable[int]], Iterable[int]] = iter,
     stop: Callable[[], bool] = lambda: False,
+    keep: Callable[[Mode], bool] = lambda mode: True,
 ) -> list[Row]:
     """``measure`` every mode ``rounds`` times, round-robin (every mode once per round, in ``modes`` order), and
     merge each mode's rounds (``merge_rounds``): one row per mode, in ``modes`` order. A mode out of memory once
     is not measured again. ``progress`` wraps the iteration over all measurements (e.g. a progress bar). Once
     ``stop()`` is true no further measurement starts: a mode with fewer rounds keeps those it has, a mode with
-    none is a ``not_measured`` row."""
+    none is a ``not_measured`` row. From the second round on a mode for which ``keep(mode)`` is false is not
+    measured again (its first round stays)."""
     measured: dict[str, list[Row]] = {m.name: [] for m in modes}
     for i in progress(range(rounds * len(modes))):
         if stop():
             break
         mode = modes[i % len(modes)]
         done = measured[mode.name]
-        if done and stopped(done[-1]):
-            continue  # out of memory once is out of memory
+        if done and (stopped(done[-1]) or not keep(mode)):
+            continue  # out of memory once is out of memory; a mode out of the race is not timed again
         done.append(measure(mode))
     return [
         merge_rounds(measured[m.name])
