@@ -192,3 +192,20 @@ def test_only_fixed_modes_that_fit_and_are_near_the_fastest_are_timed_again():
     assert contenders(first, 100) == {"torch-ffn", "unsloth-ffn"}
     assert contenders(first, 60) == {"torch"}
     assert contenders({"auto": first["auto"]}, 100) == set()
+
+
+def test_each_config_s_child_joins_its_target_and_a_config_not_measured_says_why():
+    from memfit_benchmarks.budget_promise import _merge_child
+
+    entry = {"target": "flux", "configs": []}
+    _merge_child(
+        entry, {"target": "flux", "description": "d", "configs": [{"config": "full", "budgets": []}]}, "full"
+    )
+    _merge_child(entry, {"target": "flux", "not_measured": "the run's deadline passed first"}, "attn")
+    _merge_child(entry, {"target": "flux", "description": "other", "error": "RuntimeError: boom"}, "all")
+    assert entry["description"] == "d" and "not_measured" not in entry and "error" not in entry
+    assert [c["config"] for c in entry["configs"]] == ["full", "attn", "all"]
+    assert entry["configs"][1]["not_measured"] and entry["configs"][2]["error"] == "RuntimeError: boom"
+    late = {"target": "flux", "configs": []}
+    _merge_child(late, {"target": "flux", "not_measured": "the run's deadline passed first"}, "full")
+    assert late["not_measured"]  # nothing of the target measured: the target says so too

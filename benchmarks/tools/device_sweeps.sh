@@ -8,7 +8,7 @@
 # Parts (PARTS, in the order given; default both):
 #   budget    memfit_benchmarks.budget_promise: the synthetic stack (3072 wide x 15 blocks, 16384 tokens: the budgets
 #             fall between its modes' peaks; at 4096 tokens no checkpointing fits them all), then Flux
-#             at its full size (4096 tokens), each in its own process (BUDGET_TARGETS); configs full fine-tune, LoRA
+#             at its full size (4096 tokens), each target and config in its own process (BUDGET_TARGETS); configs full fine-tune, LoRA
 #             r16 on the attention projections, LoRA r16 on every block linear, in that order (BUDGET_CONFIGS);
 #             budgets 16, 24, 32, 48 GiB and each target's floor, the process limited to the budget; auto and the
 #             fixed modes none, torch-ffn, torch, unsloth-ffn, unsloth in 3 paired rounds. Writes

@@ -6,9 +6,9 @@
 
 Per target (``flux`` or any installed family: its preset at ``--tokens``, default the preset's; ``synthetic-16384``
 and the other names of ``shapes.SYNTHETIC_TARGETS``: the synthetic stack at that shape, flash SDPA; at 16384 tokens
-the budgets 16-48 GiB fall between its modes' peaks) one child process builds the model
-(random weights, bf16 on CUDA) and measures every training config of ``--configs`` on it, one after the other
-(``all``: PEFT LoRA r16 on every block linear; ``attn``: on the linears of the declared attention regions, the
+the budgets 16-48 GiB fall between its modes' peaks) and training config of ``--configs``, one child process
+builds the model (random weights, bf16 on CUDA) and measures the config on it (a process each, so that nothing a
+config's out-of-memory rows leave behind reaches the next) (``all``: PEFT LoRA r16 on every block linear; ``attn``: on the linears of the declared attention regions, the
 peers sweep's ``lora-attn``; ``full``: every weight trains, a foreach AdamW step inside each step;
 ``memfit_benchmarks.training``). Per config:
 
@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 import multiprocessing
 import statistics
@@ -67,6 +68,9 @@ DEADLINE = "the run's deadline passed first"
 CONTENDER_SPAN = (
     1.15  # after round 1 a fixed mode slower than this x the fastest that fits is not timed again
 )
+LEFT_BYTES = (
+    256 << 20
+)  # more than this left allocated after a row is reported (it would skew every later row)
 RESIDENT_OVER = "the weights alone exceed the budget: no fixed mode can fit"
 
 
@@ -146,6 +150,7 @@ class _Target:
         resident exceed it (then the process is left unlimited: nothing could run on such a card)."""
         if not self.cuda:
             return False
+        gc.collect()  # what an earlier row's exception left in reference cycles is no resident weight
         torch.cuda.empty_cache()
         total = torch.cuda.get_device_properties(self.device).total_memory
         fits = budget is not None and torch.cuda.memory_reserved(self.device) < budget
@@ -179,6 +184,9 @@ class _Target:
             row = {"mode": mode.name, "oom": False, "budget_error": str(exc), FAILED: "BudgetError"}
             row["smallest_peak_bytes"] = exc.smallest_peak_bytes
             row["suggested_budget_bytes"] = exc.suggested_budget_bytes
+        if self.cuda:  # memory a row leaves allocated poisons every later one: recorded to be seen
+            gc.collect()
+            row["allocated_after_bytes"] = torch.cuda.memory_allocated(self.device)
         if budget is not None and measured(row) and row.get("peak_allocated") is not None:
             peaks = [row["peak_allocated"], row.get("peak_allocated_warmup") or 0]
             row["within_budget"] = max(peaks) <= budget
@@ -231,6 +239,15 @@ class _Target:
         finally:
             self.limit(None)
         entry["auto_rounds"] = rounds["auto"]
+        after = [
+            r["allocated_after_bytes"] for rs in rounds.values() for r in rs if "allocated_after_bytes" in r
+        ]
+        if (
+            after
+            and entry.get("resident_bytes") is not None
+            and max(after) - entry["resident_bytes"] > LEFT_BYTES
+        ):
+            entry["left_allocated_bytes"] = max(after) - entry["resident_bytes"]
         entry.update(summarize(entry))
         return entry
 
@@ -494,8 +511,8 @@ def markdown(result: dict[str, Any]) -> str:
         for config in target.get("configs", []):
             head = f"### {target['target']} ({target.get('description', '')}, {target.get('tokens')} tokens), {config['config']}"
             lines += [head, ""]
-            if config.get(NOT_MEASURED):
-                lines += [f"Not measured: {config[NOT_MEASURED]}.", ""]
+            if config.get(NOT_MEASURED) or config.get("error"):
+                lines += [f"Not measured: {config.get(NOT_MEASURED) or config['error']}.", ""]
                 continue
             lines.append(
                 f"{config.get('config_description', '')}; {config.get('trainable_params', 0) / 1e6:.1f} M trainable. "
@@ -511,6 +528,8 @@ def markdown(result: dict[str, Any]) -> str:
                 rows = {r["mode"]: r for r in b.get("rows", [])}
                 cells = [_cell(rows[m]) if m in rows else "-" for m in result["modes"]]
                 note = b.get(NOT_MEASURED) or b.get("error") or b.get("fixed_left_out") or ""
+                if b.get("left_allocated_bytes"):
+                    note += f" {_gib(b['left_allocated_bytes'])} GiB left allocated after its rows"
                 lines.append(
                     f"| {format_bytes(b['budget_bytes'])}{' (floor)' if b.get('is_floor') else ''} | "
                     f"{'yes' if b.get('process_limited') else 'no'} | {_gib(b.get('resident_bytes'))} | "
@@ -534,7 +553,7 @@ def markdown(result: dict[str, Any]) -> str:
         "within the budget too (auto's closed loop resets the allocator's peak at each forward, so the warm-up "
         "peak is its last warm-up step's). "
         "`auto ÷ fixed`: the median over rounds of auto's step over the fixed mode's in the same round. Each "
-        "target ran in its own process, limited to each budget with torch.cuda.set_per_process_memory_fraction "
+        "target and config ran in its own process, limited to each budget with torch.cuda.set_per_process_memory_fraction "
         "(not where the weights alone exceed the budget). SDPA: cuDNN disabled; flash on the synthetic stack.",
     ]
     return "\n".join(lines) + "\n"
@@ -620,12 +639,29 @@ def _run_child(context: Any, job: dict[str, Any]) -> dict[str, Any]:
             return entry
 
 
+def _merge_child(entry: dict[str, Any], part: dict[str, Any], config: str) -> None:
+    """One config's child result into its target's entry: the target's fields from the first child that has
+    them, the config's entry (or, where the child measured none, why) after the others."""
+    configs = part.pop("configs", None) or [
+        {"config": config, **{k: part[k] for k in (NOT_MEASURED, "error") if k in part}}
+    ]
+    for key, value in part.items():
+        if key not in (NOT_MEASURED, "error"):
+            entry.setdefault(key, value)
+    entry["configs"] += configs
+    if all(c.get(NOT_MEASURED) for c in entry["configs"]):
+        entry[NOT_MEASURED] = entry["configs"][0][NOT_MEASURED]
+    else:
+        entry.pop(NOT_MEASURED, None)
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parse(argv)
     plan = (
         f"would measure {ns.targets} ({ns.preset}): configs {ns.configs}, budgets "
         f"{[b if b == FLOOR else format_bytes(b) for b in ns.budgets]}, auto and fixed {ns.fixed} in {ns.rounds} "
-        f"rounds of {ns.warmup} warm-up (auto {ns.auto_warmup}) + {ns.steps} timed steps, one process per target"
+        f"rounds of {ns.warmup} warm-up (auto {ns.auto_warmup}) + {ns.steps} timed steps, one process per target "
+        "and config"
     )
     if ns.dry_run:
         print(plan, flush=True)
@@ -652,11 +688,20 @@ def main(argv: list[str] | None = None) -> int:
     context = multiprocessing.get_context("spawn")  # a fresh CUDA context and allocator per target
     with tempfile.TemporaryDirectory() as scratch:
         for target in ns.targets:
-            progress = Path(scratch) / f"{target}.json"
-            job = {**vars(ns), "out": str(ns.out), "target": target, "progress": str(progress)}
-            result["targets"].append(_run_child(context, job))
-            stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
-            stem.with_suffix(".md").write_text(markdown(result))
+            entry: dict[str, Any] = {"target": target, "configs": []}
+            result["targets"].append(entry)
+            for config in ns.configs:  # a process per config: nothing one leaves behind reaches the next
+                progress = Path(scratch) / f"{target}-{config}.json"
+                job = {
+                    **vars(ns),
+                    "out": str(ns.out),
+                    "target": target,
+                    "configs": [config],
+                    "progress": str(progress),
+                }
+                _merge_child(entry, _run_child(context, job), config)
+                stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+                stem.with_suffix(".md").write_text(markdown(result))
     text = markdown(result)
     stem.with_suffix(".md").write_text(text)
     print(text, flush=True)

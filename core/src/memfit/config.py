@@ -62,6 +62,9 @@ _DEFAULT_BUCKETS = 12
 # optimizer-state bytes per trainable byte, by name (gradient_checkpointing_optimizer_state); AdamW keeps two
 # tensors per weight (exp_avg, exp_avg_sq) in its dtype
 OPTIMIZER_STATE = {"adamw": 2.0, "adamw8bit": 0.5, "sgd-momentum": 1.0, "none": 0.0}
+# what the optimizer's step allocates for the length of the step, per trainable byte, by the same names (a number
+# given instead of a name: none). torch's default AdamW on CUDA is foreach: sqrt(exp_avg_sq) for every weight at once
+OPTIMIZER_STEP_TEMPORARIES = {"adamw": 1.0, "adamw8bit": 0.0, "sgd-momentum": 0.0, "none": 0.0}
 
 
 @dataclass(frozen=True)
@@ -206,6 +209,12 @@ class MemfitConfig:
         """Optimizer-state bytes per trainable byte ``auto`` plans for (AdamW's two tensors when unset)."""
         value = "adamw" if self.optimizer_state is None else self.optimizer_state
         return OPTIMIZER_STATE[value] if isinstance(value, str) else float(value)
+
+    @property
+    def optimizer_step_temporaries_per_byte(self) -> float:
+        """Bytes per trainable byte the optimizer's step allocates while it runs (foreach AdamW when unset: 1)."""
+        value = "adamw" if self.optimizer_state is None else self.optimizer_state
+        return OPTIMIZER_STEP_TEMPORARIES[value] if isinstance(value, str) else 0.0
 
     @property
     def stride(self) -> int:

@@ -29,11 +29,11 @@ from torch import nn
 
 import memfit.offload.hostmem as hostmem
 from memfit.adapters.spec import FamilyAdapter
-from memfit.auto.planner import Plan, plan_policies
+from memfit.auto.planner import Plan, plan_policies, suggested_budget
 from memfit.auto.policy import allowed_policies
 from memfit.auto.profile import BlockProfile, ModelProfile, profile_model
 from memfit.auto.streaming import choose_streaming, streamable_counts
-from memfit.config import OPTIMIZER_STATE
+from memfit.config import OPTIMIZER_STATE, OPTIMIZER_STEP_TEMPORARIES
 from memfit.errors import BudgetError, MemfitWarning
 from memfit.plan import BlockPolicy, RegionPlan
 from memfit.units import format_bytes
@@ -172,6 +172,8 @@ class BudgetPlanner:
         optimizer_state_per_byte: optimizer-state bytes the trainer keeps per trainable byte (AdamW: 2), which
             the first ``optimizer.step()`` allocates: planned as static bytes from the first input shape on (see
             "Optimizer state" in docs/cost-model.md).
+        optimizer_temporaries_per_byte: bytes per trainable byte the optimizer's step allocates while it runs
+            (foreach AdamW: 1): with every gradient and the state, a peak no plan goes below.
     """
 
     adaptive = True
@@ -189,6 +191,7 @@ class BudgetPlanner:
         can_stream: bool = True,
         host_bytes: Callable[[], int] | None = None,
         optimizer_state_per_byte: float = OPTIMIZER_STATE["adamw"],
+        optimizer_temporaries_per_byte: float = OPTIMIZER_STEP_TEMPORARIES["adamw"],
     ) -> None:
         self.model = model
         self.adapter = adapter
@@ -198,6 +201,7 @@ class BudgetPlanner:
         self.copy_bytes_per_second = copy_bytes_per_second
         self.can_stream = can_stream
         self.optimizer_state_per_byte = optimizer_state_per_byte
+        self.optimizer_temporaries_per_byte = optimizer_temporaries_per_byte
         self._host_bytes = host_bytes or _host_bytes_for_weights
         device = next(model.parameters()).device
         # the closed loop runs where a step's peak can be read: CUDA (or a meter given, in tests)
@@ -330,8 +334,10 @@ class BudgetPlanner:
         margin, and within the device's capacity less the allocator's measured reserve above the allocated."""
         target = self.budget_bytes - error - int(MEASURED_MARGIN * self.budget_bytes)
         capacity = device_capacity(next(self.model.parameters()).device)
-        if capacity is not None:
-            target = min(target, capacity - max(0, reserved - allocated))
+        if (
+            capacity is not None
+        ):  # the reserve measured in one step does not bound the next's ("Allocator headroom")
+            target = min(target, capacity - max(0, reserved - allocated), plannable_budget(target, capacity))
         return target
 
     def _new_shape(self, signature: Hashable, args: tuple, kwargs: dict) -> ShapeBudget:
@@ -357,11 +363,18 @@ class BudgetPlanner:
                 stacklevel=6,
             )
         optimizer_bytes = 0
-        if not self.shapes and profile.counts_transient:
-            # the first optimizer.step() has not run yet: its state is planned as static bytes (see "Optimizer state")
+        if profile.counts_transient:
             trainable = profile.outside_trainable_bytes + sum(b.trainable_bytes for b in profile.blocks)
-            optimizer_bytes = int(self.optimizer_state_per_byte * trainable)
-            profile = dataclasses.replace(profile, static_bytes=profile.static_bytes + optimizer_bytes)
+            if not self.shapes:
+                # the first optimizer.step() has not run yet: its state is planned as static bytes (see "Optimizer
+                # state")
+                optimizer_bytes = int(self.optimizer_state_per_byte * trainable)
+            profile = dataclasses.replace(
+                profile,
+                static_bytes=profile.static_bytes + optimizer_bytes,
+                optimizer_step_bytes=trainable + int(self.optimizer_temporaries_per_byte * trainable),
+            )
+        step_least = self._optimizer_step_least(profile)
         # with a closed loop the first plan is made with a margin (its own step must fit too)
         target = budget - int(FIRST_PLAN_MARGIN * self.budget_bytes) if self.meter is not None else budget
         # below what any plan reaches, the smallest plan is still tried if it is within the user's own budget: the
@@ -369,6 +382,8 @@ class BudgetPlanner:
         try:
             plan = self._plan_at(profile, target, at_least=self.budget_bytes)
         except BudgetError as exc:
+            if step_least > exc.smallest_peak_bytes:
+                raise self._optimizer_step_error(step_least) from None
             if optimizer_bytes < MENTIONED_OPTIMIZER_SHARE * exc.smallest_peak_bytes:
                 raise
             raise BudgetError(
@@ -379,6 +394,8 @@ class BudgetPlanner:
                 smallest_peak_bytes=exc.smallest_peak_bytes,
                 suggested_budget_bytes=exc.suggested_budget_bytes,
             ) from None
+        if step_least > self.budget_bytes:
+            raise self._optimizer_step_error(max(step_least, plan.smallest_peak_bytes))
         shape = self.shapes[signature] = ShapeBudget(profile, plan, target)
         if not plan.needed and not self._warned_unneeded:
             self._warned_unneeded = True
@@ -417,14 +434,42 @@ class BudgetPlanner:
             )
 
         try:
-            return plan(target)
+            chosen = plan(target)
         except BudgetError as exc:
             limit = self.budget_bytes if at_least is None else at_least
-            if exc.smallest_peak_bytes <= limit:
-                return plan(exc.smallest_peak_bytes)
-            if limit == target:
+            if exc.smallest_peak_bytes > limit and limit == target:
                 raise
-            return plan(limit)  # raises the BudgetError that names the user's budget
+            # below what any plan reaches: the smallest plan, or the BudgetError that names the user's budget
+            chosen = plan(exc.smallest_peak_bytes if exc.smallest_peak_bytes <= limit else limit)
+        step = _optimizer_step_peak(profile, chosen)
+        return (
+            dataclasses.replace(chosen, predicted_peak_bytes=step)
+            if step > chosen.predicted_peak_bytes
+            else chosen
+        )
+
+    def _optimizer_step_least(self, profile: ModelProfile) -> int:
+        """The least peak of the optimizer's step (weights, state, every gradient, its temporaries; less every
+        frozen weight that may stream): no activation plan goes below it (0: not counted here)."""
+        if not profile.optimizer_step_bytes:
+            return 0
+        frozen = sorted(b.frozen_bytes for b in profile.blocks)
+        count = self._streamable(profile)
+        return profile.static_bytes + profile.optimizer_step_bytes - (sum(frozen[-count:]) if count else 0)
+
+    def _optimizer_step_error(self, least: int) -> BudgetError:
+        suggested = suggested_budget(least)
+        return BudgetError(
+            f"memory budget {format_bytes(self.budget_bytes)} is below the optimizer step's own peak: "
+            f"{format_bytes(least)} of weights, optimizer state ({self.optimizer_state_per_byte:g} bytes per "
+            f"trainable byte), every gradient and the step's temporaries ({self.optimizer_temporaries_per_byte:g} "
+            f"per trainable byte: torch's foreach AdamW), whatever the activations do. Raise "
+            f"gradient_checkpointing_memory_budget to at least {format_bytes(suggested)}; with an optimizer that "
+            f"keeps less (8-bit AdamW: 'adamw8bit'; plain SGD: 'none') set gradient_checkpointing_optimizer_state, "
+            f"or train fewer weights (LoRA).",
+            smallest_peak_bytes=least,
+            suggested_budget_bytes=suggested,
+        )
 
     def _streamable(self, profile: ModelProfile) -> int:
         """How many blocks may stream their weights at this profile (0: none)."""
@@ -450,6 +495,14 @@ class BudgetPlanner:
                 f"auto: budget {format_bytes(self.budget_bytes)}; planned at the first forward with gradients"
             )
         return self.plan.describe()
+
+
+def _optimizer_step_peak(profile: ModelProfile, plan: Plan) -> int:
+    """The optimizer step's peak under ``plan``: the static bytes (its state included) and what the step holds,
+    less the frozen weights the plan streams (on the host while the step runs)."""
+    if not profile.optimizer_step_bytes:
+        return 0
+    return profile.static_bytes + profile.optimizer_step_bytes - plan.streamed_bytes
 
 
 def _host_bytes_for_weights() -> int:

@@ -129,6 +129,9 @@ class ModelProfile:
     # without, from the isolated block runs, snapped to quarters, at least 1: the compute a block's
     # device-to-host copies hide behind
     forward_with_grad: float = 1.0
+    # what the optimizer's step holds on top of the static bytes (which then include its state): every gradient and
+    # the step's temporaries; no plan's peak is below static + this (set by the budget planner, not measured)
+    optimizer_step_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
