@@ -481,12 +481,16 @@ class CopyEngine:
         """Issue the reloads of a region's parked tensors as one batch: one ordering event, one completion
         event (per tensor, stream and event calls cost ~10 us of host time each: a launch-bound step feels
         them)."""
-        # (a region lists a tensor it saved twice twice: one reload each)
-        todo = [
-            p for p in {id(p): p for p in parked}.values() if p.reloaded is None and not self._hold_source(p)
-        ]
+        # (a region lists a tensor it saved twice twice: one reload each.) Most calls find everything reloaded
+        # already (a region reloaded ahead is asked again as its backward starts): that costs one pass.
+        todo: list[Parked] = []
+        for p in parked:
+            if p.reloaded is None and not self._hold_source(p):
+                todo.append(p)
         if not todo:
             return
+        if len(todo) > 1:
+            todo = list({id(p): p for p in todo}.values())
         api = self.streams
         device = todo[0].device
         compute = api.current_stream(device)
