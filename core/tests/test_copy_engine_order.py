@@ -35,7 +35,7 @@ def test_a_device_to_host_copy_waits_for_its_producer_and_ties_the_source_to_its
     assert streams.waits("d2h") == [produced]
     assert streams.log.index(("wait", "d2h", produced)) < streams.log.index(("use", "d2h"))  # before any copy
     done = {p.d2h_done for p in parked}
-    assert len(done) == 1 and next(iter(done)).stream == "d2h"  # one completion event for the batch
+    assert len(done) == 1 and next(iter(done)).event.stream == "d2h"  # one completion event for the batch
     assert parked[1].stride == b.stride()
     tied = {ptr for ptr, s in streams.tied if s == "d2h"}
     assert {t.untyped_storage().data_ptr() for t in (a, b, c)} <= tied  # each source (c's original too)
@@ -45,7 +45,7 @@ def test_a_device_to_host_copy_waits_for_its_producer_and_ties_the_source_to_its
 
 
 def test_a_reload_waits_for_compute_and_for_each_host_copy_once():
-    eng = order_checking_copy_engine(landed=True, coalesce_max_bytes=0)
+    eng = order_checking_copy_engine(coalesce_max_bytes=0)  # the host copies are still in flight
     streams = eng.streams
     first, second = (
         eng.offload_many([torch.randn(4, 8), torch.randn(3, 5)]),
@@ -57,11 +57,11 @@ def test_a_reload_waits_for_compute_and_for_each_host_copy_once():
     eng.reload_many([*first, *second, first[0]])  # a tensor listed twice is reloaded once
     (ready,) = recorded_on(streams, "compute")
     assert streams.log[0] == ("record", "compute", ready)
-    assert streams.waits("h2d") == [ready, first[0].d2h_done.id, second[0].d2h_done.id]
+    assert streams.waits("h2d") == [ready, first[0].d2h_done.event.id, second[0].d2h_done.event.id]
     outs = [p.reloaded for p in (*first, *second)]
     assert {p.h2d_done for p in (*first, *second)} == {first[0].h2d_done} and first[
         0
-    ].h2d_done.stream == "h2d"
+    ].h2d_done.event.stream == "h2d"
     assert {t.untyped_storage().data_ptr() for t in outs} <= {ptr for ptr, s in streams.tied if s == "h2d"}
     assert eng.stats.bytes_reloaded == sum(p.nbytes for p in (*first, *second))
 
@@ -88,7 +88,7 @@ def test_a_small_batch_is_packed_on_compute_and_copied_once_each_way():
     streams.tied.clear()
     eng.reload_many(parked)
     (ready,) = recorded_on(streams, "compute")
-    assert streams.waits("h2d") == [ready, parked[0].d2h_done.id]
+    assert streams.waits("h2d") == [ready]  # its host copy was seen complete (the bound on copies in flight)
     (packed,) = streams.tied  # one device buffer, one copy
     for p, t in zip(parked, (a, b, c, d, e), strict=True):
         got = eng.fetch(p)
@@ -213,12 +213,12 @@ def test_compute_waits_for_a_reload_only_while_it_is_in_flight():
     eng.reload(p)
     streams.log.clear()
     eng.fetch(p)
-    assert streams.waits("compute") == [p.h2d_done.id]
+    assert streams.waits("compute") == [p.h2d_done.event.id]
     assert len(eng.stats.stall_events) == 1  # timed: the exposed copy time
     (q,) = eng.offload_many([torch.randn(4, 8)])
     q.source = None
     eng.reload(q)
-    q.h2d_done.done = True  # landed before it is needed: nothing to wait for
+    q.h2d_done.event.done = True  # landed before it is needed: nothing to wait for
     streams.log.clear()
     eng.fetch(q)
     assert streams.waits("compute") == [] and len(eng.stats.stall_events) == 1
@@ -251,10 +251,10 @@ def test_copies_in_flight_are_bounded_by_making_compute_wait_for_the_oldest():
     eng = order_checking_copy_engine(max_inflight_bytes=600)
     parked = [eng.offload_many([t.clone()])[0] for _ in range(4)]
     # the third copy would put 768 bytes in flight: compute waits for the first, the fourth for the second
-    assert eng.streams.waits("compute") == [parked[0].d2h_done.id, parked[1].d2h_done.id]
+    assert eng.streams.waits("compute") == [parked[0].d2h_done.event.id, parked[1].d2h_done.event.id]
     assert eng.stats.copies_inflight_waits == 2
     for p in parked:
-        p.d2h_done.done = True
+        p.d2h_done.event.done = True
     eng.offload_many([t.clone()])  # finished copies leave the count without a wait
     assert eng.stats.copies_inflight_waits == 2 and eng._inflight_bytes == 256
 
@@ -299,3 +299,75 @@ def test_backends_through_the_asynchronous_engine_keep_gradients_and_order(
     assert (reloads <= compute_waits) if not landed else not (reloads & compute_waits)
     gc.collect()
     assert eng.pool.stats().buffers_in_use == 0
+
+
+def _count_event_calls(eng) -> dict[str, int]:
+    """Counts, from now on, the events ``eng`` creates and the queries they get (CUDA calls on a GPU)."""
+    counts = {"created": 0, "queries": 0}
+    new_event = eng.streams.new_event
+
+    def counted(**kwargs):
+        event = new_event(**kwargs)
+        query = event.query
+
+        def counted_query():
+            counts["queries"] += 1
+            return query()
+
+        event.query = counted_query
+        counts["created"] += 1
+        return event
+
+    eng.streams.new_event = counted
+    return counts
+
+
+def test_a_batch_asks_its_reload_event_once_for_all_its_fetches():
+    eng = order_checking_copy_engine()  # events in flight until said otherwise
+    parked = eng.offload_many([torch.randn(8) for _ in range(4)])
+    for p in parked:
+        p.source = None
+        p.d2h_done.event.done = True
+    counts = _count_event_calls(eng)
+    eng.reload_many(parked)
+    assert counts == {"created": 1, "queries": 0}  # its completion event; the ordering one is reused
+    parked[0].h2d_done.event.done = True  # landed before backward needs it
+    for p in parked:
+        eng.fetch(p)
+    assert counts["queries"] == 1 and eng.streams.waits("compute") == []
+
+
+def test_ordering_events_are_reused_and_a_host_copy_seen_complete_is_not_waited_for():
+    eng = order_checking_copy_engine()
+    counts = _count_event_calls(eng)
+    first = eng.offload_many([torch.randn(8), torch.randn(8)])
+    second = eng.offload_many(
+        [torch.randn(8), torch.randn(8)]
+    )  # the bound on copies in flight asks the first
+    assert len(set(recorded_on(eng.streams, "compute"))) == 1  # one ordering event, recorded for each batch
+    assert counts["created"] == 1 + 2  # it and one completion event per batch
+    first[0].d2h_done.event.done = True
+    eng.offload_many([torch.randn(8)])  # sees the first batch's copy complete, the second's still in flight
+    assert first[0].d2h_done.landed and not second[0].d2h_done.landed
+    for p in (*first, *second):
+        p.source = None
+    since = len(eng.streams.log)
+    eng.reload_many([*first, *second])
+    (ready,) = set(recorded_on(eng.streams, "compute"))
+    assert eng.streams.waits("h2d", since) == [ready, second[0].d2h_done.event.id]
+
+
+def test_an_attention_offload_step_makes_one_event_per_copy_and_asks_it_once(model, x):
+    """Each batch of copies (a region parked, a region reloaded) makes one completion event, asked once
+    (events complete when recorded, as when every copy is hidden); nothing else makes events."""
+    eng = order_checking_copy_engine(landed=True)
+    config = {"gradient_checkpointing_offload_attention": True}
+    with memfit.apply(model, config, adapter=TOY, copy_engine=eng, min_offload_bytes=0) as handle:
+        step(model, x)  # the ordering events are made in the first step
+        counts = _count_event_calls(eng)
+        eng.streams.log.clear()
+        step(model, x)
+        stats = handle.stats()
+    batches = {s: eng.streams.log.count(("use", s)) for s in ("d2h", "h2d")}
+    assert batches["d2h"] > 1 and batches["h2d"] == batches["d2h"] and stats["bytes_reloaded"] > 0
+    assert counts == {"created": sum(batches.values()), "queries": sum(batches.values())}

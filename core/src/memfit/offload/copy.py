@@ -47,6 +47,14 @@ whose ``record``, ``wait_event`` and ``query`` are C calls; ``torch.cuda.Stream`
 Python frames in front of each (``torch.cuda.current_stream`` five, with a lazy-init check), and a step bound
 by host time pays every frame: a region parks and reloads with about twenty such calls.
 
+Fewer event calls.  Each CUDA event call costs host time (~5 us), and a region's tensors would otherwise
+ask the same events one by one. A copy's completion event is wrapped in a :class:`CopyDone` that remembers it
+has completed once a query said so: a region's fetches, the bound on copies in flight and the pool's reuse
+ask the event itself until then, and the wrapper after. A reload whose parking copy is known complete does not
+wait for it. The events that only order a side stream after compute (recorded, waited for at once, never
+queried) are one per device, recorded again each time: a stream's wait is for the event's latest record
+before the wait was issued, so a later record does not affect it, and no event is created per batch.
+
 Telemetry.  Waits of the compute stream on copy events are bracketed by timing events;
 their durations (stall = copy time not hidden behind compute) are read lazily in
 :meth:`stats`, when the events have long completed.
@@ -102,6 +110,27 @@ def _flat_in_memory_order(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int
     return dense.view(-1), dense.stride()
 
 
+class CopyDone:
+    """A copy's completion event that remembers once it has been seen complete (see "Fewer event calls").
+
+    Passes as a pool's ``ready`` event (``query``, ``synchronize``)."""
+
+    __slots__ = ("event", "landed")
+
+    def __init__(self, event: Any) -> None:
+        self.event = event
+        self.landed = False  # a query (or a synchronize) said the copy has completed
+
+    def query(self) -> bool:
+        if not self.landed:
+            self.landed = self.event.query()
+        return self.landed
+
+    def synchronize(self) -> None:
+        self.event.synchronize()
+        self.landed = True
+
+
 @dataclass(slots=True, weakref_slot=True)  # slots: one is made, read and released per tensor parked
 class Parked:
     """One tensor parked in host memory (with the strides it is given back with)."""
@@ -113,8 +142,8 @@ class Parked:
     nbytes: int
     source: weakref.ref | None  # the device tensor, while it lives (then no reload is needed)
     version: int
-    d2h_done: Any = None  # event: host copy complete
-    h2d_done: Any = None  # event: reload complete
+    d2h_done: CopyDone | None = None  # host copy complete
+    h2d_done: CopyDone | None = None  # reload complete
     reloaded: torch.Tensor | None = None
     stride: tuple[int, ...] | None = None  # None: contiguous
     users: int = 1
@@ -139,7 +168,9 @@ class _Coalesced:
     nbytes: int
     payload: int  # the bytes of its tensors' data (padding aside; a storage shared by several views once)
     members: int  # not released yet; the last release returns the buffer
-    last_read: Any  # the latest copy that reads or writes the host buffer (a reload, else the parking copy)
+    last_read: (
+        CopyDone  # the latest copy that reads or writes the host buffer (a reload, else the parking copy)
+    )
 
 
 _ALIGN = 512  # bytes: where each coalesced tensor starts (the caching allocator's own alignment)
@@ -238,7 +269,10 @@ class CopyEngine:
         self.streams = StreamApi() if streams is None else streams
         self._d2h = self.streams.new_stream()
         self._h2d = self.streams.new_stream()
-        self._inflight: deque[tuple[Any, int]] = deque()
+        self._inflight: deque[tuple[CopyDone, int]] = deque()
+        self._after_compute: dict[
+            torch.device, Any
+        ] = {}  # device -> its ordering event (see "Fewer event calls")
         self._inflight_bytes = 0
 
     # -- device -> host ------------------------------------------------------------------------------------------
@@ -286,9 +320,7 @@ class CopyEngine:
         if not tensors:
             return []
         api = self.streams
-        produced = api.new_event()
-        produced.record(compute)
-        self._d2h.wait_event(produced)
+        self._d2h.wait_event(self._compute_so_far(compute, tensors[0].device))
         staged = []
         with api.use(self._d2h, restore=compute):
             for tensor in tensors:
@@ -297,8 +329,7 @@ class CopyEngine:
                 buf = self.pool.acquire(nbytes)
                 buf.strided_view(src.dtype, src.shape, src.stride()).copy_(src, non_blocking=buf.pinned)
                 staged.append((tensor, src, buf, nbytes))
-            done = api.new_event()
-            done.record(self._d2h)
+            done = self._record_done(self._d2h)
         out = []
         total = 0
         for tensor, src, buf, nbytes in staged:
@@ -360,14 +391,11 @@ class CopyEngine:
         # on compute, after the producers: the sources may die at once. A lone piece (one storage's bytes) is
         # copied from where it lies, tied to the copy's stream below like any source copied one by one.
         packed = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        produced = api.new_event()
-        produced.record(compute)
-        self._d2h.wait_event(produced)
+        self._d2h.wait_event(self._compute_so_far(compute, packed.device))
         buf = self.pool.acquire(offset)
         with api.use(self._d2h, restore=compute):
             buf.tensor[:offset].copy_(packed, non_blocking=buf.pinned)
-            done = api.new_event()
-            done.record(self._d2h)
+            done = self._record_done(self._d2h)
         api.record_stream(packed, self._d2h)
         group = _Coalesced(buf, offset, copied, len(tensors), done)
         ref = weakref.ref
@@ -414,7 +442,22 @@ class CopyEngine:
             pad = self._pads[(device, nbytes)] = whole[:nbytes]
         return pad
 
-    def _track_inflight(self, done: Any, nbytes: int, compute: Any) -> None:
+    def _compute_so_far(self, compute: Any, device: torch.device) -> Any:
+        """An event recorded on ``compute`` now, for a side stream to wait for at once (see "Fewer event
+        calls": one per device, recorded again each time)."""
+        event = self._after_compute.get(device)
+        if event is None:
+            event = self._after_compute[device] = self.streams.new_event()
+        event.record(compute)
+        return event
+
+    def _record_done(self, stream: Any) -> CopyDone:
+        """The completion of the work issued on ``stream`` so far (a new event)."""
+        event = self.streams.new_event()
+        event.record(stream)
+        return CopyDone(event)
+
+    def _track_inflight(self, done: CopyDone, nbytes: int, compute: Any) -> None:
         self._inflight.append((done, nbytes))
         self._inflight_bytes += nbytes
         while self._inflight and self._inflight[0][0].query():
@@ -438,12 +481,16 @@ class CopyEngine:
         """Issue the reloads of a region's parked tensors as one batch: one ordering event, one completion
         event (per tensor, stream and event calls cost ~10 us of host time each: a launch-bound step feels
         them)."""
-        # (a region lists a tensor it saved twice twice: one reload each)
-        todo = [
-            p for p in {id(p): p for p in parked}.values() if p.reloaded is None and not self._hold_source(p)
-        ]
+        # (a region lists a tensor it saved twice twice: one reload each.) Most calls find everything reloaded
+        # already (a region reloaded ahead is asked again as its backward starts): that costs one pass.
+        todo: list[Parked] = []
+        for p in parked:
+            if p.reloaded is None and not self._hold_source(p):
+                todo.append(p)
         if not todo:
             return
+        if len(todo) > 1:
+            todo = list({id(p): p for p in todo}.values())
         api = self.streams
         device = todo[0].device
         compute = api.current_stream(device)
@@ -455,7 +502,8 @@ class CopyEngine:
                 singles.append(p)
             else:
                 groups[id(p.group)] = p.group
-            parking_copies[id(p.d2h_done)] = p.d2h_done
+            if not p.d2h_done.landed:  # a parking copy known to be complete needs no wait
+                parking_copies[id(p.d2h_done)] = p.d2h_done.event
         # allocated on compute: the memory is free for us only after compute's earlier work
         outs = [
             torch.empty_strided(
@@ -464,10 +512,8 @@ class CopyEngine:
             for p in singles
         ]
         packed = {key: torch.empty(g.nbytes, dtype=torch.uint8, device=device) for key, g in groups.items()}
-        ready = api.new_event()
-        ready.record(compute)
         h2d = self._h2d
-        h2d.wait_event(ready)
+        h2d.wait_event(self._compute_so_far(compute, device))
         for d2h_done in parking_copies.values():
             h2d.wait_event(d2h_done)
         with api.use(h2d, restore=compute):
@@ -476,8 +522,7 @@ class CopyEngine:
                 out.copy_(p.buffer.strided_view(p.dtype, p.shape, out.stride()), non_blocking=p.buffer.pinned)
             for key, group in groups.items():
                 packed[key].copy_(group.buffer.tensor[: group.nbytes], non_blocking=group.buffer.pinned)
-            done = api.new_event()
-            done.record(h2d)
+            done = self._record_done(h2d)
         for out in outs:
             api.record_stream(out, h2d)
         for out in packed.values():
@@ -530,21 +575,27 @@ class CopyEngine:
 
     def _wait_for_reload(self, parked: Parked) -> None:
         """Make the current stream wait until ``parked``'s reload has landed (once per fetch: the usual case,
-        a reload issued ahead that has landed, costs one event query and no stream lookup)."""
-        if not parked.h2d_done.query():
-            self._wait(self.streams.current_stream(parked.device), parked.h2d_done)
+        a reload issued ahead that has landed, costs at most one event query for all the tensors it brought back,
+        and no stream lookup)."""
+        done = parked.h2d_done
+        assert done is not None
+        if not done.query():
+            self._stall(self.streams.current_stream(parked.device), done)
 
-    def _wait(self, stream: Any, event: Any) -> None:
-        if event.query():  # already complete (the usual case when reloads run ahead): nothing to wait for
-            return
+    def _wait(self, stream: Any, done: CopyDone) -> None:
+        if not done.query():  # already complete (the usual case when reloads run ahead): nothing to wait for
+            self._stall(stream, done)
+
+    def _stall(self, stream: Any, done: CopyDone) -> None:
+        """``stream`` waits for a copy still in flight (timed: the copy time not hidden)."""
         if self.timing:
             before, after = self.streams.new_event(timing=True), self.streams.new_event(timing=True)
             before.record(stream)
-            stream.wait_event(event)
+            stream.wait_event(done.event)
             after.record(stream)
             self.stats.stall_events.append((before, after))
         else:
-            stream.wait_event(event)
+            stream.wait_event(done.event)
 
     def release(self, parked: Parked) -> None:
         """Return the host buffer once nothing reads it any more (a coalesced one with its last member)."""

@@ -113,14 +113,15 @@ class OrderCheckingEngine(CopyEngine):
         waited = set(self.streams.waits("h2d", since))
         for p in pending:
             if p.copied_back:
-                assert p.d2h_done.id in waited, (
+                # (or the engine saw it complete: then nothing later on h2d can overtake it)
+                assert p.d2h_done.event.id in waited or (p.d2h_done.landed and p.d2h_done.event.done), (
                     f"a reload of {tuple(p.shape)} did not wait for the device-to-host copy it reads"
                 )
 
     def fetch(self, parked: Parked) -> torch.Tensor:
         out = super().fetch(parked)
         if parked.copied_back and not parked.h2d_done.query():
-            assert parked.h2d_done.id in self.streams.waited.get("compute", ()), (
+            assert parked.h2d_done.event.id in self.streams.waited.get("compute", ()), (
                 f"a reloaded {tuple(parked.shape)} was used before compute waited for its reload"
             )
         return out
