@@ -10,6 +10,8 @@ import warnings
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 import memfit
 import memfit.controller
@@ -164,6 +166,160 @@ def test_uploads_hidden_behind_compute_cost_only_their_bookkeeping():
     # each, twice the forward)
     copy = WEIGHTS / 1e9
     assert slow.seconds == pytest.approx(bookkeeping + (copy - 0.03) + (copy - 0.08))
+
+
+def attention_heavy(
+    n: int = 8, *, bandwidth: float = 5e9, frozen: int = 400 * MiB, attention: int = 40 * MiB
+):
+    """Blocks whose attention saves 40 MiB: parking it takes 8.4 ms at 5 GB/s, within the block's forward (10 ms)
+    and backward (20 ms), where recomputing the FFN costs 5 ms. A 400 MiB upload takes 84 ms: more than a window
+    of four blocks' backward (80 ms), so the uploads fill the link in backward."""
+    blocks = tuple(
+        dataclasses.replace(
+            block(i, frozen=frozen),
+            saved_bytes=100 * MiB,
+            ffn_saved_bytes=40 * MiB,
+            attention_bytes=attention,
+            attention_copy_bytes=attention,
+        )
+        for i in range(n)
+    )
+    prof = profile(n, bandwidth=bandwidth)
+    return dataclasses.replace(prof, blocks=blocks, static_bytes=n * frozen + 50 * MiB)
+
+
+def priced(prof: ModelProfile, policies: dict[str, BlockPolicy], streamed: StreamedSet) -> float:
+    """Extra seconds of ``policies`` with ``streamed``, written out: the uploads' exposed time, and each block's
+    choice with its reloads hidden behind what the uploads leave of their window."""
+    seconds = streamed.seconds
+    for b, cover in zip(prof.blocks, streamed.reload_cover, strict=True):
+        choices = block_choices(b, prof, allowed(b), reload_cover=cover)
+        seconds += next(c.seconds for c in choices if c.policy is policies[b.name])
+    return seconds
+
+
+def test_reloads_share_the_link_with_the_uploads_in_backward():
+    """Block 3 streams: its upload is issued when backward begins and must be done when block 3's recompute starts,
+    so the reloads due before then (blocks 3-7) share the link with it; blocks 0-2 reload after it."""
+    full = StreamedSet.of(attention_heavy(), [3])  # 84 ms of upload, 80 ms of backward: nothing left
+    assert full.reload_cover == (None, None, None, 0.0, 0.0, 0.0, 0.0, 0.0)
+    # at 20 GB/s the upload takes 21 ms, and leaves 59 ms, shared in proportion to each block's backward (20 ms)
+    fast = StreamedSet.of(attention_heavy(bandwidth=20e9), [3])
+    left = 0.08 - 400 * MiB / 20e9
+    assert fast.reload_cover[:3] == (None, None, None)
+    assert fast.reload_cover[3:] == pytest.approx([left / 5] * 5)
+    # a window with more compute than its blocks' own backward never hides a reload behind more than that
+    ample = StreamedSet.of(attention_heavy(bandwidth=1e12), [0, 7])
+    assert ample.reload_cover[:7] == pytest.approx([0.02] * 7)
+
+
+@pytest.mark.parametrize(
+    ("bandwidth", "exposed_per_byte"),
+    [(5e9, 1 / 5e9), (1e11, 0.0)],
+    ids=["uploads-fill-the-link", "room-left"],
+)
+def test_exposed_time_grows_with_the_reload_bytes_where_the_uploads_fill_the_link(
+    bandwidth, exposed_per_byte
+):
+    """Where the uploads already fill the link, every byte reloaded in their window is exposed; where they leave
+    room, reloads within each block's share of it cost nothing more."""
+    attention_offload = {f"blocks.{i}": BlockPolicy.ATTENTION_OFFLOAD for i in range(8)}
+    attention_offload["blocks.3"] = BlockPolicy.BLOCK
+
+    def exposed(attention: int) -> float:
+        prof = attention_heavy(bandwidth=bandwidth, attention=attention)
+        return priced(prof, attention_offload, StreamedSet.of(prof, [3]))
+
+    small, large = exposed(10 * MiB), exposed(40 * MiB)
+    # blocks 4-7 reload in block 3's window; blocks 0-2 after it, behind their own backward
+    assert large - small == pytest.approx(4 * 30 * MiB * exposed_per_byte, abs=1e-9)
+    if exposed_per_byte:
+        assert large > small
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    n=st.integers(2, 10),
+    data=st.data(),
+    bandwidth=st.sampled_from([2e9, 5e9, 2e10, 1e11]),
+)
+def test_the_reloads_charge_is_never_below_each_windows_own_exposure(n, data, bandwidth):
+    """Per window: the link carries the upload and the reloads due in it, (W + R) / bandwidth, against the window's
+    compute H; what is charged (the upload's excess plus each block's reload beyond its cover) is at least
+    max(0, (W + R) / bandwidth - H), and equal to it where the upload alone fills the window."""
+    streamed = sorted(data.draw(st.sets(st.integers(0, n - 1), min_size=1)))
+    frozen = data.draw(st.lists(st.integers(1, 800), min_size=n, max_size=n))
+    reloads = data.draw(st.lists(st.integers(0, 200), min_size=n, max_size=n))
+    prof = profile(n, bandwidth=bandwidth)
+    prof = dataclasses.replace(prof, blocks=tuple(block(i, frozen=f * MiB) for i, f in enumerate(frozen)))
+    sset = StreamedSet.of(prof, streamed)
+    fwd, bwd = 0.01, 0.02  # every block: 1e12 FLOPs at 1e14 per second, backward twice the forward
+    for k, i in enumerate(streamed):
+        after = streamed[k + 1] if k + 1 < len(streamed) else n
+        # the backward of blocks i+1..after and the recompute of the streamed block after it (none after the last)
+        compute = bwd * (after - i) + fwd if after < n else bwd * (after - i - 1)
+        upload = frozen[i] * MiB / bandwidth
+        due = range(i, after)
+        own = sum(reloads[j] for j in due) * MiB / bandwidth
+        charged = max(0.0, upload - compute) + sum(
+            max(0.0, reloads[j] * MiB / bandwidth - sset.reload_cover[j]) for j in due
+        )
+        exposed = max(0.0, upload + own - compute)
+        assert charged >= exposed - 1e-12
+        if upload >= compute:
+            assert charged == pytest.approx(exposed, abs=1e-12)
+    assert all(c is None for c in sset.reload_cover[: streamed[0]])
+
+
+def test_the_planner_parks_fewer_activations_where_the_uploads_fill_the_link():
+    """Priced as if each reload hid behind its own block's backward, the plan parks the attention of most blocks
+    (8.4 ms of copy each way, no recompute); on a link the uploads already fill, each such reload is exposed, and
+    recomputing or keeping is cheaper: the plan counts that, and it is the cheaper one under the link's model."""
+    prof = attention_heavy()
+    budget = floor_without_streaming(prof) - 100 * MiB
+
+    def without_link(streamed: StreamedSet | None) -> StreamedSet | None:
+        return None if streamed is None else dataclasses.replace(streamed, reload_cover=())
+
+    blind = choose_streaming(
+        prof,
+        lambda s: plan_policies(prof, budget, allowed=allowed, streamed=without_link(s)),
+        seconds=lambda p: p.predicted_extra_seconds,
+        max_count=8,
+    )
+    plan = plan_for(prof, budget)
+    assert blind.streamed and plan.streamed and plan.predicted_peak_bytes <= budget
+
+    def parked(p) -> list[str]:
+        return [name for name, policy in p.blocks if policy.offloads_attention]
+
+    def after_first_upload(p) -> list[str]:
+        first = min(int(name.rpartition(".")[2]) for name in p.streamed)
+        return [name for name in parked(p) if int(name.rpartition(".")[2]) > first]
+
+    assert len(after_first_upload(blind)) >= 3
+    assert after_first_upload(plan) == []  # attention parks only where no upload shares the link
+    assert len(parked(plan)) < len(parked(blind)) and plan.copied_bytes < blind.copied_bytes
+    indices = [int(name.rpartition(".")[2]) for name in blind.streamed]
+    blind_priced = priced(prof, dict(blind.blocks), StreamedSet.of(prof, indices))
+    assert plan.predicted_extra_seconds < blind_priced - 0.01
+
+
+def test_the_predicted_extra_seconds_include_the_reloads_on_the_uploads_link():
+    prof = attention_heavy()
+    plan = plan_for(prof, floor_without_streaming(prof) - 100 * MiB)
+    streamed = StreamedSet.of(prof, [int(name.rpartition(".")[2]) for name in plan.streamed])
+    assert set(streamed.reload_cover) == {None, 0.0}  # every window full, or none yet
+    assert plan.predicted_extra_seconds == pytest.approx(priced(prof, dict(plan.blocks), streamed), rel=1e-12)
+    blind = dataclasses.replace(streamed, reload_cover=(None,) * len(prof.blocks))
+    exposed = sum(
+        c.copied / prof.copy_bytes_per_second
+        for b, (_, policy) in zip(prof.blocks, plan.blocks, strict=True)
+        for c in block_choices(b, prof, (policy,))
+        if streamed.reload_cover[b.index] == 0.0
+    )
+    assert exposed > 0
+    assert plan.predicted_extra_seconds == pytest.approx(priced(prof, dict(plan.blocks), blind) + exposed)
 
 
 def test_host_memory_caps_how_many_blocks_stream():

@@ -41,11 +41,14 @@ def block_choices(
     *,
     grads_after: int = 0,
     saved_after: int = 0,
+    reload_cover: float | None = None,
 ) -> list[Choice]:
     """One :class:`Choice` per allowed policy (offloads only with a measured copy bandwidth).
 
     ``grads_after``: gradient bytes of the trainable weights that backward reaches before this block.
     ``saved_after``: bytes the layers between it and the next block save (held by the blocks after it).
+    ``reload_cover``: seconds of backward compute its reloads may hide behind (None: its own backward; where
+    weight uploads share the link, what they leave: :attr:`memfit.auto.streaming.StreamedSet.reload_cover`).
     """
     rate = profile.flops_per_second
     ffn_rate = profile.ffn_flops_per_second or rate
@@ -54,6 +57,8 @@ def block_choices(
     forward_seconds = (
         block.flops / rate * profile.forward_with_grad
     )  # what a device-to-host copy hides behind
+    if reload_cover is None:  # what the host-to-device reload hides behind
+        reload_cover = profile.backward_to_forward * forward_seconds
     out = []
     for policy in allowed:
         kept, extra, copied, flops = _effect(policy, block)
@@ -71,9 +76,7 @@ def block_choices(
             if not bandwidth:
                 continue
             copy = copied / bandwidth
-            seconds += max(0.0, copy - forward_seconds) + max(
-                0.0, copy - profile.backward_to_forward * forward_seconds
-            )
+            seconds += max(0.0, copy - forward_seconds) + max(0.0, copy - reload_cover)
         own, own_late = 0, None
         if profile.counts_transient:
             # measured with its inputs and everything it saves held; what the policy holds beyond that adds

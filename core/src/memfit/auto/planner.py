@@ -30,7 +30,8 @@ Cost model.  Extra seconds per block: recomputed FLOPs at the profiled rate, plu
 behind compute (a device→host copy overlaps the block's forward, as long with gradients as the isolated
 block runs measured, the reload its backward, taken as
 ``backward_to_forward`` times as long: timed on the isolated block runs on CUDA; elsewhere the FLOP ratio, a
-lower bound, so exposure is overcharged rather than hidden),
+lower bound, so exposure is overcharged rather than hidden; where weights stream, only what the uploads on the
+same host-to-device link leave of it: :mod:`memfit.auto.streaming`, "Link"),
 plus host-side bookkeeping: a fixed cost per region and, for attention offload, per tensor saved inside
 the attention call (each goes through Python pack and fetch hooks), the constants of
 :mod:`memfit.auto.cost` (docs/cost-model.md). FFN recompute is priced at the FFN
@@ -161,9 +162,16 @@ def plan_policies(
     """
     grads_after = _gradients_after(profile)
     last = len(profile.blocks) - 1
+    # where weights stream, the reloads share the link with the uploads (memfit.auto.streaming, "Link")
+    covers = streamed.reload_cover if streamed is not None else ()
     options = [
         block_choices(
-            b, profile, allowed(b), grads_after=g, saved_after=b.saved_after_bytes if i < last else 0
+            b,
+            profile,
+            allowed(b),
+            grads_after=g,
+            saved_after=b.saved_after_bytes if i < last else 0,
+            reload_cover=covers[i] if covers else None,
         )
         for i, (b, g) in enumerate(zip(profile.blocks, grads_after, strict=True))
     ]

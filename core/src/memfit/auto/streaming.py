@@ -16,8 +16,16 @@ the forward's-end bound.
 Cost.  Each upload hides behind the compute between two streamed blocks: in forward the forward of the blocks
 from the streamed block before up to it, in backward the recompute and backward of the streamed block after it
 and the backward of the blocks between; what does not hide is exposed, each way. The other blocks' own
-recompute (more compute to hide behind) is not counted, and the activation copies on the same link are not
-subtracted: the two errors point opposite ways, and the closed loop measures the result.
+recompute (more compute to hide behind) is not counted.
+
+Link.  In backward the activation reloads travel host to device on the same link as the uploads. A window's
+copies take (upload + reloads) / bandwidth, and what exceeds its compute is exposed. The upload's share is
+fixed with the set; each block whose reload is due in the window (the streamed block's own and those of the
+blocks between it and the next streamed one) hides its reload behind its part of what the upload leaves of the
+window, in proportion to its own backward and never more than that backward (:attr:`StreamedSet.reload_cover`).
+Summed per block, that charge is never below the window's own exposure (exact where the upload alone fills the
+window, where every reload byte is exposed), and it is a per-block constant once the set is fixed, which the
+search takes as it is. Forward parks go device to host, the link's other direction: not counted against uploads.
 
 Search.  :func:`choose_streaming`: no streaming if the plan fits and recomputes nothing; otherwise the fewest
 blocks whose plan fits (the peak falls as *n* grows: binary search), then a few counts above it, where streaming
@@ -49,6 +57,9 @@ class StreamedSet:
     backward_bytes: tuple[int, ...]  # per block: uploads alive while its backward runs
     forward_bytes: int  # uploads alive at most during the forward
     seconds: float  # upload time not hidden behind compute, per step
+    # per block: seconds of backward compute its activation reloads may hide behind, what the uploads on the same
+    # link leave of their window (see "Link"); None outside every upload's window (its own backward)
+    reload_cover: tuple[float | None, ...] = ()
 
     @classmethod
     def of(cls, profile: ModelProfile, indices: Sequence[int]) -> StreamedSet:
@@ -63,26 +74,30 @@ class StreamedSet:
                 previous = i
         pairs = [weight[a] + weight[b] for a, b in zip(chosen, chosen[1:], strict=False)]
         forward = max([*pairs, *weight.values()], default=0)
+        seconds, cover = _uploads(profile, chosen)
         return cls(
             indices=tuple(chosen),
             names=tuple(blocks[i].name for i in chosen),
             total_bytes=sum(weight.values()),
             backward_bytes=tuple(backward) if profile.counts_transient else (0,) * len(blocks),
             forward_bytes=forward if profile.counts_transient else 0,
-            seconds=_exposed_seconds(profile, chosen),
+            seconds=seconds,
+            reload_cover=cover,
         )
 
 
-def _exposed_seconds(profile: ModelProfile, chosen: list[int]) -> float:
-    """Upload time not hidden behind compute, per step (see "Cost"), plus the host's bookkeeping per upload."""
+def _uploads(profile: ModelProfile, chosen: list[int]) -> tuple[float, tuple[float | None, ...]]:
+    """Upload time not hidden behind compute per step, plus the host's bookkeeping per upload (see "Cost"); and per
+    block, the backward compute its reloads may hide behind (see "Link")."""
     bandwidth = profile.copy_bytes_per_second
+    cover: list[float | None] = [None] * len(profile.blocks)
     if not chosen:
-        return 0.0
+        return 0.0, tuple(cover)
     fwd = [b.flops / profile.flops_per_second * profile.forward_with_grad for b in profile.blocks]
     bwd = [f * profile.backward_to_forward for f in fwd]
     seconds = 2 * len(chosen) * OFFLOAD_REGION_SECONDS
     if not bandwidth:
-        return seconds
+        return seconds, tuple(cover)
     starts = [0, *chosen]  # forward: an upload is issued when the streamed block before it starts
     ends = [*chosen[1:], len(fwd)]  # backward: when the streamed block after it starts its recompute
     for k, i in enumerate(chosen):
@@ -91,7 +106,11 @@ def _exposed_seconds(profile: ModelProfile, chosen: list[int]) -> float:
         after = ends[k]
         backward_hide = sum(bwd[i + 1 : after + 1]) + (fwd[after] if after < len(fwd) else 0.0)
         seconds += max(0.0, copy - forward_hide) + max(0.0, copy - backward_hide)
-    return seconds
+        left, due = max(0.0, backward_hide - copy), range(i, after)  # reloads due before block i's recompute
+        weight = sum(bwd[j] for j in due)
+        for j in due:
+            cover[j] = min(bwd[j], left * bwd[j] / weight) if weight else 0.0
+    return seconds, tuple(cover)
 
 
 def streamable_counts(profile: ModelProfile, max_bytes: int) -> int:
