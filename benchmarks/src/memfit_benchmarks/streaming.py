@@ -76,14 +76,16 @@ def mode_for(backend: str, target: int | str) -> Mode:
     return Mode(backend, config)
 
 
-def auto_mode(budget: str) -> Mode:
-    """The row of ``auto`` at ``budget`` (it plans weight streaming with the activation policies)."""
+def auto_mode(budget: str, optimizer: str = "adamw") -> Mode:
+    """The row of ``auto`` at ``budget`` (it plans weight streaming with the activation policies, and the state of
+    the ``optimizer`` every row steps)."""
     return Mode(
         f"auto {budget}",
         {
             "gradient_checkpointing": True,
             "gradient_checkpointing_backend": "auto",
             "gradient_checkpointing_memory_budget": budget,
+            "gradient_checkpointing_optimizer_state": optimizer,
         },
     )
 
@@ -218,8 +220,19 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, batch, info = build_lora_model(
         adapter, args.preset, dtype=dtype, device=device, rank=args.rank, tokens=tokens
     )
-    modes = [mode_for(args.backend, t) for t in args.blocks] + [auto_mode(b) for b in args.budgets]
+    modes = [mode_for(args.backend, t) for t in args.blocks] + [
+        auto_mode(b, args.optimizer) for b in args.budgets
+    ]
     budgets = {auto_mode(b).name: parse_bytes(b) for b in args.budgets}
+    optimizer_factory = None
+    if (
+        args.optimizer == "adamw"
+    ):  # every row trains as a trainer does: its state is on the card for every mode
+
+        def optimizer_factory() -> torch.optim.Optimizer:
+            return torch.optim.AdamW(
+                [p for p in model.parameters() if p.requires_grad], lr=1e-6, foreach=True
+            )
 
     def measure(mode: Mode) -> dict[str, Any]:
         row = weight_row(None, args.steps) if mode.name == NO_CHECKPOINTING else {}
@@ -233,6 +246,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             steps=args.steps,
             inspect=lambda handle: weight_row(handle, args.steps),  # with a memfit handle only
             settle=args.settle if mode.name in budgets else 0,
+            optimizer_factory=optimizer_factory,
         )
         if mode.name in budgets:
             row["budget_bytes"] = budgets[mode.name]
@@ -258,7 +272,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "backend": args.backend,
         "training": (
             f"{str(dtype).removeprefix('torch.')} base, PEFT LoRA r{args.rank} on every block nn.Linear, batch 1"
+            + (
+                ", a foreach AdamW step over the LoRA weights in every step"
+                if args.optimizer == "adamw"
+                else ""
+            )
         ),
+        "optimizer": args.optimizer,
         **info,
         "steps": args.steps,
         "warmup": args.warmup,
@@ -299,6 +319,13 @@ def main(argv: list[str] | None = None) -> Path | None:
         type=int,
         default=6,
         help="auto rows: at most this many more warm-up steps until auto settled",
+    )
+    parser.add_argument(
+        "--optimizer",
+        default="adamw",
+        choices=["adamw", "none"],
+        help="every row steps a foreach AdamW over the trainable weights after each backward, and auto plans for "
+        "its state (adamw, default); none: no optimizer step, auto told so",
     )
     parser.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME")
     parser.add_argument(
