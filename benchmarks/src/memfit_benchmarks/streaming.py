@@ -188,8 +188,8 @@ def render(payload: dict[str, Any]) -> str:
         if r.get("fixed_knob"):
             lines.append(
                 f"- {r['mode']} ({', '.join(f'{k} {v}' for k, v in r.get('policies', {}).items())}): "
-                f"{r['x_fixed_knob']:.3f}× the step of `{r['fixed_knob']}`, the fixed knob's fewest blocks that "
-                "fit the same budget (paired by round)"
+                f"{r['x_fixed_knob']:.3f}× the step of `{r['fixed_knob']}`, the fewest blocks of the fixed knob "
+                "measured here that fit the same budget (paired by round; counts not measured may fit too)"
             )
     lines += [
         "",
