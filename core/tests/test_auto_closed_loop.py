@@ -38,6 +38,9 @@ class StandInMeter:
     def current(self) -> int:
         return 0
 
+    def at_limit(self) -> bool:
+        return False
+
 
 @pytest.fixture
 def model():
@@ -97,6 +100,15 @@ def train(model, batch, budget, meter, steps):
         ADAPTER.loss(model(**batch)).backward()  # the last step is measured when the next forward starts
         model.zero_grad(set_to_none=True)
         return ran, handle.stats()
+
+
+def train_saying(model, batch, budget, meter, monkeypatch, steps):
+    """:func:`train` with ``meter`` as the closed loop's meter; also every MemfitWarning's message."""
+    monkeypatch.setattr(budget_planner, "default_peak_meter", lambda device: meter)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always", MemfitWarning)
+        ran, stats = train(model, batch, budget, meter, steps=steps)
+    return ran, stats, [str(w.message) for w in caught]
 
 
 @pytest.mark.parametrize("error_share", [0.03, 0.08])
@@ -185,12 +197,8 @@ def test_a_reading_below_the_forward_end_is_no_peak_and_tries_no_faster_plan(mod
     batch = inputs(model)
     budget = budget_just_above_a_plan(model, batch)
     meter = ResetByTheTrainer(error=0)
-    monkeypatch.setattr(budget_planner, "default_peak_meter", lambda device: meter)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always", MemfitWarning)
-        ran, stats = train(model, batch, budget, meter, steps=6)
-    said = [w for w in caught if "peak statistics are reset" in str(w.message)]
-    assert len(said) == 1
+    ran, stats, said = train_saying(model, batch, budget, meter, monkeypatch, steps=6)
+    assert sum("peak statistics are reset" in m for m in said) == 1
     shape = stats["shapes"][0]
     assert all(plan is ran[0] for plan in ran)
     assert shape["unreadable_steps"] == len(meter.readings) and shape["corrections"] == 0
@@ -324,3 +332,53 @@ def _first_plan(model, batch, budget, **extra):
         ADAPTER.loss(model(**batch)).backward()
         model.zero_grad(set_to_none=True)
         return handle.plan
+
+
+class LimitMeter(StandInMeter):
+    """Exact peaks; a step whose plan predicts more than ``limit`` bytes reached the process's limit (the caching
+    allocator freed its cache and retried), as in a process capped near its budget."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(error=0)
+        self.limit = limit
+        self.at_limit_readings: list[bool] = []
+
+    def at_limit(self) -> bool:
+        reached = self.prediction() > self.limit
+        self.at_limit_readings.append(reached)
+        return reached
+
+
+def test_a_step_at_the_process_s_limit_is_re_planned_leaner_and_nothing_above_is_tried_again(
+    model, monkeypatch
+):
+    """On the H200 capped at the budget, steps within the budget whose allocator had to free its cache and retry
+    ran out of memory a few steps later (the synthetic stack, LoRA on every linear, 24 GiB). Such a step counts
+    as a correction: the plan is made LIMIT_STEP_BACK of the budget leaner, said once, and no faster plan is tried
+    above it afterwards."""
+    batch = inputs(model)
+    budget = budget_just_above_a_plan(model, batch)
+    first = open_loop_plan(model, batch, budget - int(budget_planner.FIRST_PLAN_MARGIN * budget))
+    meter = LimitMeter(limit=first.predicted_peak_bytes - 1)  # the first plan's steps reach the limit
+    ran, stats, said = train_saying(model, batch, budget, meter, monkeypatch, steps=8)
+    assert sum("reached what this process may hold" in m for m in said) == 1
+    shape = stats["shapes"][0]
+    assert shape["steps_at_limit"] >= 1 and shape["corrections"] >= 1
+    assert ran[0].predicted_peak_bytes == first.predicted_peak_bytes
+    assert all(plan.predicted_peak_bytes <= meter.limit for plan in ran[1:])  # never back above it
+    assert meter.at_limit_readings.count(True) == shape["steps_at_limit"]
+
+
+def test_steps_at_the_limit_step_back_to_the_smallest_plan_and_then_settle(model, monkeypatch):
+    """Every plan reaches the limit (the optimizer step alone does, say): the loop steps back to the smallest plan
+    and then stays there, settled, instead of re-planning at every step."""
+    batch = inputs(model)
+    none, smallest = no_checkpoint_peak(model, batch)
+    meter = LimitMeter(limit=0)
+    monkeypatch.setattr(budget_planner, "default_peak_meter", lambda device: meter)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemfitWarning)
+        ran, stats = train(model, batch, (none + smallest) // 2, meter, steps=40)
+    assert ran[-1].predicted_peak_bytes == smallest
+    assert stats["shapes"][0]["settled"]
+    assert len(meter.readings) < 40  # measuring stopped once nothing leaner was left

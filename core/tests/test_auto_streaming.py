@@ -475,6 +475,9 @@ class ResetRecorder:
     def current(self) -> int:
         return 0
 
+    def at_limit(self) -> bool:
+        return False
+
 
 def test_steps_are_measured_from_after_the_weights_left_the_device(streaming_on_cpu, monkeypatch):
     """The closed loop's meter starts a step's measurement once the plan is installed: measured before the

@@ -125,3 +125,31 @@ def test_the_bandwidth_probe_measures_a_pinned_copy_rate():
     end.synchronize()
     plain = (64 << 20) / (start.elapsed_time(end) / 1e3)
     assert rate >= 0.9 * plain, (rate, plain)  # the fastest of several is at least about one plain copy's
+
+
+def test_the_meter_tells_a_step_that_reached_the_process_s_limit():
+    """``CudaPeakMeter.at_limit``: the caching allocator had to free its cache to allocate (the process's cap was
+    reached), and only since the last reset."""
+    from memfit.auto.budget_planner import CudaPeakMeter
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    meter = CudaPeakMeter(device)
+    meter.reset()
+    held = torch.empty(256 << 20, dtype=torch.uint8, device=device)
+    assert not meter.at_limit()
+    cap = torch.cuda.memory_reserved(device) + (320 << 20)
+    torch.cuda.set_per_process_memory_fraction(cap / total, device)
+    try:
+        cached = torch.empty(192 << 20, dtype=torch.uint8, device=device)
+        del cached  # cached, too small for the next allocation, and in the way of the cap
+        larger = torch.empty(288 << 20, dtype=torch.uint8, device=device)
+        assert meter.at_limit()
+        meter.reset()
+        assert not meter.at_limit()
+        del larger
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        del held
+        torch.cuda.empty_cache()

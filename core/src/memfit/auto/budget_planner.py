@@ -46,6 +46,9 @@ ALLOCATOR_HEADROOM = 0.84
 FIRST_PLAN_MARGIN = 0.05
 # once steps are measured, what is left of the margin on top of the measured prediction error
 MEASURED_MARGIN = 0.01
+# a step that reached the process's limit (the allocator freed its cache and retried) is re-planned this share of the
+# budget leaner: a card of the budget's size had one allocation left before running out (docs/cost-model.md)
+LIMIT_STEP_BACK = 0.03
 CALIBRATION_STEPS = 3  # measured steps without a change after which a shape's plan is settled
 MENTIONED_OPTIMIZER_SHARE = 0.05  # a BudgetError names the optimizer state from this share of the peak on
 
@@ -82,21 +85,34 @@ class PeakMeter(Protocol):
         """Bytes allocated now."""
         ...
 
+    def at_limit(self) -> bool:
+        """Whether the step since the last reset reached what the process may hold: the allocator had to free its
+        cache and retry an allocation."""
+        ...
+
 
 class CudaPeakMeter:
     """The CUDA caching allocator's peak statistics (``max_memory_allocated``/``max_memory_reserved``)."""
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
+        self._retries = self._retries_now()
 
     def read(self) -> tuple[int, int]:
         return torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
 
     def reset(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
+        self._retries = self._retries_now()
 
     def current(self) -> int:
         return torch.cuda.memory_allocated(self.device)
+
+    def at_limit(self) -> bool:
+        return self._retries_now() > self._retries
+
+    def _retries_now(self) -> int:
+        return int(torch.cuda.memory_stats(self.device).get("num_alloc_retries", 0))
 
 
 def default_peak_meter(device: torch.device) -> PeakMeter | None:
@@ -115,7 +131,9 @@ class ShapeBudget:
     fallback: Plan | None = None  # the last plan measured within the budget, while a faster one is tried
     steps: int = 0  # steps measured
     quiet: int = 0  # measured steps since the plan last changed
-    corrections: int = 0  # plans replaced because a step measured over the budget
+    corrections: int = 0  # plans replaced: a step measured over the budget, or at the process's limit
+    limit_steps: int = 0  # steps at what the process may hold (the allocator freed its cache and retried)
+    ceiling_bytes: int | None = None  # after such a step: no plan is tried for more than this
     measured_bytes: int | None = None  # the latest step's peak allocated
     measured_reserved_bytes: int | None = None
     settled: bool = False  # no more measuring for this shape
@@ -133,6 +151,7 @@ class ShapeBudget:
             "corrections": self.corrections,
             "settled": self.settled,
             "unreadable_steps": self.unreadable,
+            "steps_at_limit": self.limit_steps,
         }
 
 
@@ -216,6 +235,7 @@ class BudgetPlanner:
         self._warned_capacity = False
         self._warned_over = False
         self._warned_unreadable = False
+        self._warned_limit = False
 
     @property
     def profiles(self) -> dict[Hashable, ModelProfile]:
@@ -259,6 +279,7 @@ class BudgetPlanner:
         ):
             return
         allocated, reserved = self.meter.read()
+        at_limit = self.meter.at_limit()
         self.meter.reset()
         ended, shape.forward_end_bytes = shape.forward_end_bytes, None
         if ended is not None and allocated < ended and allocated <= self.budget_bytes:
@@ -282,8 +303,12 @@ class BudgetPlanner:
         shape.measured_bytes, shape.measured_reserved_bytes = allocated, reserved
         error = max(0, allocated - shape.plan.predicted_peak_bytes)
         target = self._measured_target(error, allocated, reserved)
-        if allocated > self.budget_bytes:
-            self._correct(signature, shape, target, allocated)
+        if shape.ceiling_bytes is not None:
+            target = min(target, shape.ceiling_bytes)
+        if at_limit:
+            shape.limit_steps += 1
+        if allocated > self.budget_bytes or at_limit:
+            self._correct(signature, shape, target, allocated, at_limit=at_limit)
         elif shape.fallback is None and target > shape.target_bytes:
             # within the budget with room to spare: a faster plan may fit; the measured one is kept to fall back to
             faster = self._plan_at(shape.profile, target)
@@ -307,17 +332,45 @@ class BudgetPlanner:
         """Per input shape: the plan's predicted peak, what the steps measured, the corrections."""
         return [shape.report() for shape in self.shapes.values()]
 
-    def _correct(self, signature: Hashable, shape: ShapeBudget, target: int, allocated: int) -> None:
-        """A step measured over the budget: fall back to the last plan measured within it, or plan again with
-        the measured error folded in; say so once."""
+    def _correct(
+        self, signature: Hashable, shape: ShapeBudget, target: int, allocated: int, *, at_limit: bool = False
+    ) -> None:
+        """A step measured over the budget, or at the process's limit: fall back to the last plan measured within
+        it, or plan again with the measured error (or, at the limit, :data:`LIMIT_STEP_BACK` of the budget) taken
+        off; say so once."""
         predicted = shape.plan.predicted_peak_bytes
-        shape.corrections += 1
         shape.quiet = 0
         if shape.fallback is not None:  # the faster plan tried did not fit: the measured one stays for good
+            shape.corrections += 1
             shape.plan, shape.fallback, shape.settled = shape.fallback, None, True
         else:
             target = min(target, shape.target_bytes - (allocated - self.budget_bytes))
-            shape.plan, shape.target_bytes = self._plan_at(shape.profile, target), target
+            if at_limit:  # a plan that peaks that much lower than this one
+                target = min(
+                    target, shape.plan.predicted_peak_bytes - int(LIMIT_STEP_BACK * self.budget_bytes)
+                )
+                shape.ceiling_bytes = target
+            leaner = self._plan_at(shape.profile, target)
+            if (leaner.blocks, leaner.streamed) == (shape.plan.blocks, shape.plan.streamed) and at_limit:
+                shape.settled = True  # nothing leaner to run: the step at the limit is this plan's own
+                return
+            shape.corrections += 1
+            shape.plan, shape.target_bytes = leaner, target
+        if at_limit and allocated <= self.budget_bytes:
+            if not self._warned_limit:
+                self._warned_limit = True
+                warnings.warn(
+                    f"gradient_checkpointing_backend='auto': a step of the plan for this input shape (predicted peak "
+                    f"{format_bytes(predicted)}, measured {format_bytes(allocated)} allocated) reached what this "
+                    f"process may hold on its device: the CUDA caching allocator had to free its cache to find "
+                    f"memory (one step from running out, and slow). memfit re-planned "
+                    f"{LIMIT_STEP_BACK:.0%} of the budget leaner (predicted now "
+                    f"{format_bytes(shape.plan.predicted_peak_bytes)}). With PYTORCH_CUDA_ALLOC_CONF="
+                    f"expandable_segments:True the allocator fragments less.",
+                    MemfitWarning,
+                    stacklevel=6,
+                )
+            return
         if not self._warned_over:
             self._warned_over = True
             warnings.warn(
