@@ -27,11 +27,13 @@
 # steps, results/auto and results/peers for Flux and the synthetic stack; ~0.5 s per measurement outside its
 # steps, ~1.5 s for auto's planning forward, ~8 s to start a target's process and build its model):
 #   install ~20 s
-#   budget ~25 min for all of it, so several calls (BUDGET_TARGETS x BUDGET_CONFIGS, e.g. one target and config a
-#       call): per budget ~90 s on Flux (6 modes x 3 rounds of ~0.7 s steps, auto's warm-up until its closed loop
-#       settled, a few s per out-of-memory row), ~60 s on the synthetic stack at 16384 tokens (~1 s steps); Flux's
-#       full fine-tune ~40 s (BudgetError at every budget). Its share here is BUDGET_PART_S (default 330 s): no
-#       measurement starts later ("not measured" rows). PARTS=budget BUDGET_PART_S=540 in a call of its own.
+#   budget: the synthetic stack's three configs took 9.5 min (one call, BUDGET_PART_S=560, the last budget of
+#       the last config left out): ~35 s per budget where every mode runs (after the first round only auto and
+#       the fixed modes within 15% of the fastest that fits are timed again), a few s where only auto runs (the
+#       weights alone over the budget, or below the floor), ~8 s per config to start its process. Flux: estimated
+#       ~50 s per budget with fixed modes (0.7 s steps), its 16 GiB and floor budgets auto alone; its full
+#       fine-tune ~40 s. So one call per target. Its share here is BUDGET_PART_S (default 330 s): no
+#       measurement starts later ("not measured" rows). PARTS=budget BUDGET_PART_S=560 in a call of its own.
 #   families ~3.2 min: chroma 2 s, flux 25 s, krea2 37 s, ltxvideo2 34 s, mageflow 20 s, wan 39 s, z-image 23 s
 #       (+ ~3 s each to build); share FAMILIES_PART_S (default 200 s), at most FAMILY_S (45 s) per family.
 # Nothing starts after TOTAL_S (default 550 s) from the start; what ran is written either way.
