@@ -1,7 +1,12 @@
-"""Helpers shared by the core tests: one training step on the toy stack, and bitwise comparison of two."""
+"""Helpers shared by the core tests: one training step on the toy stack, bitwise comparison of two, an ``auto``
+plan forced, and the offload configurations whose failed steps are checked."""
+
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
+
+from memfit.auto import BlockPolicy
 
 from toy import build, loss_of
 
@@ -51,3 +56,63 @@ def frozen_toy(blocks: int = 6, **kw) -> nn.Module:
         block.norm1.requires_grad_(True)
         block.norm2.requires_grad_(True)
     return model
+
+
+def force_auto_plan(monkeypatch, choose: Callable[[list[str]], Sequence[BlockPolicy]]) -> None:
+    """``auto`` plans the policies ``choose`` gives for its blocks' names, whatever the budget (it still profiles
+    the model and runs its closed loop): a plan the planner would not pick at a test's size, copies on CPU."""
+    from memfit.auto import budget_planner
+    from memfit.auto.planner import Plan
+
+    def forced(profile, budget, *, allowed, streamed=None, memo=None):
+        names = [b.name for b in profile.blocks]
+        return Plan(
+            blocks=tuple(zip(names, choose(names), strict=True)),
+            budget_bytes=budget,
+            predicted_peak_bytes=0,
+            predicted_extra_seconds=0.0,
+            no_checkpoint_peak_bytes=0,
+            smallest_peak_bytes=0,
+            copied_bytes=1,
+            metric="held activations",
+        )
+
+    monkeypatch.setattr(budget_planner, "plan_policies", forced)
+
+
+# The policies of the ``auto`` plan whose out-of-memory forward kept its activations on an H200, cycled over the
+# blocks (test_failed_steps, test_gpu_failed_steps)
+AUTO_MIX = (
+    BlockPolicy.FFN_ATTENTION_OFFLOAD,
+    BlockPolicy.FFN_OFFLOAD,
+    BlockPolicy.BLOCK_OFFLOAD,
+    BlockPolicy.KEEP,
+)
+
+
+def auto_mix(names: list[str]) -> list[BlockPolicy]:
+    return [AUTO_MIX[i % len(AUTO_MIX)] for i in range(len(names))]
+
+
+ON = {"gradient_checkpointing": True}
+# configurations that park activations in host memory, whose failed steps must leave nothing behind
+FAILED_STEP_CONFIGS = {
+    "attention-offload": {"gradient_checkpointing_offload_attention": True},
+    "torch-ffn+attention": {
+        **ON,
+        "gradient_checkpointing_backend": "torch-ffn",
+        "gradient_checkpointing_offload_attention": True,
+    },
+    "unsloth-ffn+attention": {
+        **ON,
+        "gradient_checkpointing_backend": "unsloth-ffn",
+        "gradient_checkpointing_offload_attention": True,
+    },
+    "unsloth-i2": {**ON, "gradient_checkpointing_backend": "unsloth", "gradient_checkpointing_interval": 2},
+    # (with :func:`force_auto_plan` and :func:`auto_mix`)
+    "auto": {
+        **ON,
+        "gradient_checkpointing_backend": "auto",
+        "gradient_checkpointing_memory_budget": "100GiB",
+    },
+}

@@ -17,7 +17,7 @@ from memfit import UnsupportedBoundaryError
 from memfit.offload.copy import SyncCopyEngine
 from memfit.offload.pool import PinnedBucketPool
 
-from helpers import assert_same, step
+from helpers import assert_same, force_auto_plan, step
 from toy import TOY
 
 ON = {"gradient_checkpointing": True}
@@ -441,29 +441,15 @@ def test_auto_blocks_that_keep_everything_reload_the_parked_block_before_them_ah
     parked block before them was fetched only when its own backward began. Each such block's backward start
     now reloads the parked regions before it (``mark_keeping_blocks``): none waits, gradients unchanged."""
     flux = pytest.importorskip("memfit_flux").ADAPTER
-    from memfit.auto import BlockPolicy, budget_planner
-    from memfit.auto.planner import Plan
+    from memfit.auto import BlockPolicy
 
-    def forced(
-        profile, budget, *, allowed, streamed=None, memo=None
-    ):  # block offload everywhere but the last two blocks
-        names = [b.name for b in profile.blocks]
-        policies = tuple(
-            (n, BlockPolicy.KEEP if i >= len(names) - 2 else BlockPolicy.BLOCK_OFFLOAD)
-            for i, n in enumerate(names)
-        )
-        return Plan(
-            blocks=policies,
-            budget_bytes=budget,
-            predicted_peak_bytes=0,
-            predicted_extra_seconds=0.0,
-            no_checkpoint_peak_bytes=0,
-            smallest_peak_bytes=0,
-            copied_bytes=1,
-            metric="held activations",
-        )
-
-    monkeypatch.setattr(budget_planner, "plan_policies", forced)
+    # block offload everywhere but the last two blocks
+    force_auto_plan(
+        monkeypatch,
+        lambda names: [
+            BlockPolicy.KEEP if i >= len(names) - 2 else BlockPolicy.BLOCK_OFFLOAD for i in range(len(names))
+        ],
+    )
     torch.manual_seed(0)
     model = flux.presets["tiny"].build(dtype=torch.float32, device="cpu")
     batch = flux.presets["tiny"].inputs(model, tokens=64, generator=torch.Generator().manual_seed(1))

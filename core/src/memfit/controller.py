@@ -197,10 +197,14 @@ class Controller:
 
     def _undo_interrupted(self) -> None:
         """Undo what an interrupted forward left on this thread (``KeyboardInterrupt`` skips the hooks that
-        would): its region calls' saved-tensor hooks, and the engine's open frames."""
+        would): its region calls' saved-tensor hooks, the engine's open frames, and its step, ended as failed (the
+        offload session gives back the tensors still waiting to be parked and the step's host buffers now: after
+        ``remove()`` no later forward would)."""
         state.undo_open_calls()
         self.installation.engine.forget_open_calls()
-        self._local.depth = 0
+        if getattr(self._local, "depth", 0):
+            self._local.depth = 0
+            self.installation.end_forward(failed=True)
 
     def _switch(self, signature: Hashable, args: tuple, kwargs: dict) -> None:
         current = self.installation.plan

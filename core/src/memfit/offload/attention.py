@@ -18,7 +18,7 @@ from torch import nn
 from memfit.engine import state
 from memfit.engine.hooks import HookRuns, attached_hook
 from memfit.errors import MemfitError
-from memfit.offload.copy import Parked
+from memfit.offload.copy import Parked, without_history
 from memfit.offload.regions import TimelineRegion
 from memfit.offload.session import OffloadSession
 
@@ -28,10 +28,14 @@ class SavedGroup(TimelineRegion):
 
     def __init__(self, session: OffloadSession) -> None:
         super().__init__(session)
-        weakref.finalize(self, _release_group, session, self.parked)
+        # the session weakly: a finalizer's arguments live as long as the group, and a session whose step still
+        # lists this group would otherwise keep it, and so itself, alive for good
+        weakref.finalize(self, _release_group, weakref.ref(session), self.parked)
 
     @staticmethod
     def tensor_of(handle: SavedHandle) -> torch.Tensor:
+        """The saved tensor to park: the one autograd saved while something else still holds it (the parked copy
+        then holds it weakly, and backward takes it back instead of copying), else the handle's alias."""
         tensor = handle.device_tensor
         assert tensor is not None
         if tensor._version != handle.version:
@@ -41,33 +45,45 @@ class SavedGroup(TimelineRegion):
                 "rejects that too, at backward); make the edit out of place, or do not offload this attention "
                 "(gradient_checkpointing_offload_attention: false)."
             )
-        return tensor
+        source = handle.source() if handle.source is not None else None
+        return source if source is not None else tensor
 
     def park(self, handle: SavedHandle, parked: Parked) -> None:
-        handle.parked, handle.device_tensor = parked, None
+        handle.parked, handle.device_tensor, handle.source = parked, None, None
         self.parked.append(parked)
 
     def keep(self, handle: SavedHandle) -> None:
         """The activation stays on the device (a last region's)."""
         tensor = self.tensor_of(handle)
+        handle.source = None
         state.note_held(tensor)
         self.kept_bytes += tensor.numel() * tensor.element_size()
 
 
-def _release_group(session: OffloadSession, parked: list[Parked]) -> None:
-    for p in parked:
-        session.unpark(p)
+def _release_group(session_ref: weakref.ref[OffloadSession], parked: list[Parked]) -> None:
+    session = session_ref()
+    if session is not None:  # (else its copy engine and pool are gone with it)
+        for p in parked:
+            session.unpark(p)
     parked.clear()
 
 
 class SavedHandle:
-    __slots__ = ("group", "parked", "device_tensor", "version")
+    """What autograd keeps for one tensor an attention call saved.
 
-    def __init__(self, group: SavedGroup | None, parked: Parked | None, device_tensor: torch.Tensor | None):
+    ``device_tensor`` is the tensor without its autograd history (see "What autograd keeps" in
+    docs/architecture.md), until it is parked (``parked``); ``source`` refers weakly to the tensor autograd saved,
+    while it waits to be parked with its ``group`` (None: it stays on the device).
+    """
+
+    __slots__ = ("group", "parked", "device_tensor", "source", "version")
+
+    def __init__(self, group: SavedGroup | None, tensor: torch.Tensor) -> None:
         self.group = group
-        self.parked = parked
-        self.device_tensor = device_tensor
-        self.version = device_tensor._version if device_tensor is not None else 0
+        self.parked: Parked | None = None
+        self.device_tensor: torch.Tensor | None = without_history(tensor)
+        self.source = weakref.ref(tensor) if group is not None else None
+        self.version = tensor._version
 
 
 class AttentionOffloader:
@@ -137,8 +153,8 @@ class AttentionOffloader:
     def _pack(self, group: SavedGroup, tensor: torch.Tensor) -> SavedHandle:
         if not self.session.worth_parking(tensor):
             state.note_held(tensor)  # stays on its device: the held-bytes meters must still see it
-            return SavedHandle(None, None, tensor)
-        handle = SavedHandle(group, None, tensor)  # parked with its group, two regions later (or kept: last)
+            return SavedHandle(None, tensor)
+        handle = SavedHandle(group, tensor)  # parked with its group, two regions later (or kept: last)
         self.session.defer(group, handle)
         self.tensors_parked += 1
         return handle

@@ -110,6 +110,12 @@ def _flat_in_memory_order(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int
     return dense.view(-1), dense.stride()
 
 
+def without_history(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as what autograd saves may keep: a detached alias (same storage, same version counter) when it
+    has autograd history, else itself. See "What autograd keeps" in docs/architecture.md."""
+    return tensor.detach() if tensor.requires_grad else tensor
+
+
 class CopyDone:
     """A copy's completion event that remembers once it has been seen complete (see "Fewer event calls").
 
@@ -285,7 +291,9 @@ class CopyEngine:
         """Park several tensors produced on the same stream: one ordering event, one completion event."""
         if not tensors:
             return []
-        with torch.no_grad():  # see "Copies outside autograd"
+        # a batch that fails part way (out of device memory packing or making a source contiguous, out of host
+        # memory) gives back the host buffers it took: its caller never gets their Parked copies to release
+        with torch.no_grad(), self.pool.release_on_error():  # see "Copies outside autograd"
             return self._offload_many(tensors)
 
     def _offload_many(self, tensors: list[torch.Tensor]) -> list[Parked]:
@@ -555,7 +563,12 @@ class CopyEngine:
         source = parked.alive_source()
         if source is None:
             return False
-        parked.reloaded, parked.fetches_left, parked.copied_back = source, parked.users, False
+        # held without its autograd history: the region holding it may be kept by that history
+        parked.reloaded, parked.fetches_left, parked.copied_back = (
+            without_history(source),
+            parked.users,
+            False,
+        )
         return True
 
     def fetch(self, parked: Parked) -> torch.Tensor:
@@ -637,7 +650,8 @@ class SyncCopyEngine(CopyEngine):
         self.timing = False
 
     def offload_many(self, tensors: list[torch.Tensor]) -> list[Parked]:
-        return [self.offload(t) for t in tensors]
+        with self.pool.release_on_error():  # as the CUDA engine's
+            return [self.offload(t) for t in tensors]
 
     @torch.no_grad()  # see "Copies outside autograd"
     def offload(self, tensor: torch.Tensor) -> Parked:

@@ -4,6 +4,7 @@ an ``auto`` plan that keep everything but still count as regions of the step (se
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -50,14 +51,15 @@ class TimelineRegion:
 class EntryHandle:
     """What a frame keeps for one entry under the ``unsloth`` backends.
 
-    ``state`` is ``"device"`` (``value`` is the tensor, kept on its device), ``"pending"`` (``value`` is a
-    detached alias, ``source`` the tensor; parked once two later regions have started) or ``"parked"``
-    (``value`` is the :class:`Parked` copy).
+    ``state`` is ``"device"`` (``value`` is a detached alias of the tensor, kept on its device), ``"pending"``
+    (``value`` is a detached alias, ``source`` a weak reference to the tensor; parked once two later regions have
+    started) or ``"parked"`` (``value`` is the :class:`Parked` copy). Never the tensor itself: see "What autograd
+    keeps" in docs/architecture.md.
     """
 
     __slots__ = ("state", "value", "source")
 
-    def __init__(self, state: str, value: Any, source: torch.Tensor | None = None) -> None:
+    def __init__(self, state: str, value: Any, source: weakref.ref[torch.Tensor] | None = None) -> None:
         self.state = state
         self.value = value
         self.source = source
@@ -69,14 +71,17 @@ class OffloadStash(TimelineRegion):
     def put(self, tensor: torch.Tensor) -> EntryHandle:
         if not self.session.worth_parking(tensor):
             return EntryHandle("device", tensor.detach())
-        handle = EntryHandle("pending", tensor.detach(), tensor)
+        handle = EntryHandle("pending", tensor.detach(), weakref.ref(tensor))
         self.session.defer(self, handle)
         return handle
 
     @staticmethod
     def tensor_of(handle: EntryHandle) -> torch.Tensor:
+        """The entry to park: the tensor itself while something else still holds it (the parked copy then holds it
+        weakly, and the recompute takes it back instead of copying), else the handle's alias."""
         assert handle.source is not None
-        return handle.source
+        source = handle.source()
+        return source if source is not None else handle.value
 
     def park(self, handle: EntryHandle, parked: Parked) -> None:
         self.parked.append(parked)
