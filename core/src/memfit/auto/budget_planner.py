@@ -387,9 +387,8 @@ class BudgetPlanner:
         margin, and within the device's capacity less the allocator's measured reserve above the allocated."""
         target = self.budget_bytes - error - int(MEASURED_MARGIN * self.budget_bytes)
         capacity = device_capacity(next(self.model.parameters()).device)
-        if (
-            capacity is not None
-        ):  # the reserve measured in one step does not bound the next's ("Allocator headroom")
+        # the reserve measured in one step does not bound the next's ("Allocator headroom"): never past the headroom
+        if capacity is not None:
             target = min(target, capacity - max(0, reserved - allocated), plannable_budget(target, capacity))
         return target
 
@@ -512,11 +511,14 @@ class BudgetPlanner:
 
     def _optimizer_step_error(self, least: int) -> BudgetError:
         suggested = suggested_budget(least)
+        temporaries = f"{self.optimizer_temporaries_per_byte:g} per trainable byte"
+        if self.optimizer_temporaries_per_byte:
+            temporaries += ": torch's foreach AdamW"
         return BudgetError(
             f"memory budget {format_bytes(self.budget_bytes)} is below the optimizer step's own peak: "
             f"{format_bytes(least)} of weights, optimizer state ({self.optimizer_state_per_byte:g} bytes per "
-            f"trainable byte), every gradient and the step's temporaries ({self.optimizer_temporaries_per_byte:g} "
-            f"per trainable byte: torch's foreach AdamW), whatever the activations do. Raise "
+            f"trainable byte), every gradient and the step's temporaries ({temporaries}), whatever the activations "
+            f"do. Raise "
             f"gradient_checkpointing_memory_budget to at least {format_bytes(suggested)}; with an optimizer that "
             f"keeps less (8-bit AdamW: 'adamw8bit'; plain SGD: 'none') set gradient_checkpointing_optimizer_state, "
             f"or train fewer weights (LoRA).",
