@@ -209,3 +209,18 @@ def test_each_config_s_child_joins_its_target_and_a_config_not_measured_says_why
     late = {"target": "flux", "configs": []}
     _merge_child(late, {"target": "flux", "not_measured": "the run's deadline passed first"}, "full")
     assert late["not_measured"]  # nothing of the target measured: the target says so too
+
+
+def test_the_headline_says_how_many_of_auto_s_steps_reached_the_process_s_limit():
+    from memfit_benchmarks.budget_promise import markdown
+
+    auto = {"mode": "auto", "step_s": 1.0, "peak_allocated": GIB, "corrections": 2, "steps_at_limit": 1}
+    budget = {"budget_bytes": 2 * GIB, "rows": [auto], "auto": "ok", "within_budget": True}
+    result = {
+        "targets": [{"target": "flux", "configs": [{"config": "attn", "budgets": [budget]}]}],
+        "modes": ["auto"],
+        "environment": {"device": "cuda", "torch": "t", "git_commit": "c"},
+        "date": "d",
+        **{"rounds": 3, "warmup": 1, "steps": 1, "auto_warmup": 2},
+    }
+    assert "| 2 (1 step(s) at the process's limit) |" in markdown(result)

@@ -122,6 +122,7 @@ def _auto_fields(handle: Any) -> dict[str, Any]:
         "predicted_peak_bytes": None if plan is None else plan.predicted_peak_bytes,
         "shapes": shapes,
         "corrections": sum(s.get("corrections", 0) for s in shapes),
+        "steps_at_limit": sum(s.get("steps_at_limit", 0) for s in shapes),
     }
 
 
@@ -477,10 +478,13 @@ def markdown(result: dict[str, Any]) -> str:
         plan = ", ".join(f"{k} {v}" for k, v in (auto.get("plan_counts") or {}).items()) or "-"
         step = f"{auto['step_s']:.4f}" if measured(auto) else "-"
         fixed_step = "-" if b.get("best_fixed_step_s") is None else f"{b['best_fixed_step_s']:.4f}"
+        corrections = str(auto.get("corrections", "-"))
+        if auto.get("steps_at_limit"):
+            corrections += f" ({auto['steps_at_limit']} step(s) at the process's limit)"
         lines.append(
             f"| {target['target']} | {config['config']} | {budget} | {status} | {within} | "
             f"{_gib(auto.get('peak_allocated'))} | {_gib(auto.get('peak_reserved'))} | {step} | "
-            f"{b.get('best_fixed', '-')} | {fixed_step} | {ratio} | {auto.get('corrections', '-')} | {plan} |"
+            f"{b.get('best_fixed', '-')} | {fixed_step} | {ratio} | {corrections} | {plan} |"
         )
     lines += ["", "## Checks", ""]
     for target in result["targets"]:
