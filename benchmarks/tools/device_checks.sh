@@ -6,6 +6,8 @@
 #
 # Parts (in the order given):
 #   gpu          nox -s gpu: the GPU half of the core tests and of the kit for every adapter (log: nox-gpu.log)
+#   failed-steps the GPU tests of what a failed step leaves allocated and of auto's budget (test_gpu_failed_steps.py,
+#                test_gpu_auto.py; ~2 min; also part of gpu)
 #   budget       auto at 24 GiB on Flux full size, LoRA on the attention projections, in a process limited to
 #                24 GiB (memfit_benchmarks.budget_promise; budget-promise-flux.{json,md}; the whole sweep:
 #                device_sweeps.sh)
@@ -35,6 +37,8 @@ fit_test() {
 for part in ${PARTS:-gpu}; do
     case "$part" in
         gpu) run_part nox-gpu python3 -m nox -s gpu ;;
+        failed-steps) run_part failed-steps env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest \
+                core/tests/test_gpu_failed_steps.py core/tests/test_gpu_auto.py -m gpu -q -p no:cacheprovider ;;
         budget) run_part budget python3 -m memfit_benchmarks.budget_promise --targets flux --configs attn \
             --budgets 24GiB --fixed torch,unsloth --rounds 1 --steps 5 --stem budget-promise-flux --out "$OUT" ;;
         fit-flash) run_part fit-flash fit_test "24gib_card_with_flash" ;;
