@@ -207,14 +207,19 @@ class MemfitConfig:
     @property
     def optimizer_state_per_byte(self) -> float:
         """Optimizer-state bytes per trainable byte ``auto`` plans for (AdamW's two tensors when unset)."""
-        value = "adamw" if self.optimizer_state is None else self.optimizer_state
+        value = self._optimizer
         return OPTIMIZER_STATE[value] if isinstance(value, str) else float(value)
 
     @property
     def optimizer_step_temporaries_per_byte(self) -> float:
         """Bytes per trainable byte the optimizer's step allocates while it runs (foreach AdamW when unset: 1)."""
-        value = "adamw" if self.optimizer_state is None else self.optimizer_state
+        value = self._optimizer
         return OPTIMIZER_STEP_TEMPORARIES[value] if isinstance(value, str) else 0.0
+
+    @property
+    def _optimizer(self) -> float | str:
+        """``optimizer_state`` as given, a name or bytes per trainable byte (``"adamw"`` when unset)."""
+        return "adamw" if self.optimizer_state is None else self.optimizer_state
 
     @property
     def stride(self) -> int:
