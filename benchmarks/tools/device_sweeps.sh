@@ -10,7 +10,7 @@
 #             fall between its modes' peaks; at 4096 tokens no checkpointing fits them all), then Flux
 #             at its full size (4096 tokens), each target and config in its own process (BUDGET_TARGETS); configs full fine-tune, LoRA
 #             r16 on the attention projections, LoRA r16 on every block linear, in that order (BUDGET_CONFIGS);
-#             budgets 16, 24, 32, 48 GiB and each target's floor, the process limited to the budget; auto and the
+#             budgets 16, 24, 32, 48 GiB and each target's floor (BUDGET_SIZES), the process limited to the budget; auto and the
 #             fixed modes none, torch-ffn, torch, unsloth-ffn, unsloth in 3 paired rounds. Writes
 #             $BUDGET_STEM.{json,md} (default budget-promise) and budget.log.
 #   families  memfit_benchmarks.families: every family at its published size, memfit `torch` against diffusers'
@@ -47,6 +47,7 @@ FAMILY_S="${FAMILY_S:-45}"
 BUDGET_TARGETS="${BUDGET_TARGETS:-synthetic-16384,flux}"
 BUDGET_CONFIGS="${BUDGET_CONFIGS:-full,attn,all}"
 BUDGET_STEM="${BUDGET_STEM:-budget-promise}"
+BUDGET_SIZES="${BUDGET_SIZES:-16GiB,24GiB,32GiB,48GiB,floor}"
 source "$(dirname "$0")/device_env.sh"
 elapsed() { echo "[$(( $(date +%s) - START )) s] $*"; }
 dry="${DRY_RUN:+--dry-run}"
@@ -65,7 +66,7 @@ families_dir="${TMPDIR:-/tmp}/memfit-families"  # seven files: packed into one a
 for part in ${PARTS:-budget families}; do
     case "$part" in
         budget) run_part budget python3 -m memfit_benchmarks.budget_promise --device cuda --targets "$BUDGET_TARGETS" \
-            --configs "$BUDGET_CONFIGS" --stem "$BUDGET_STEM" --budgets 16GiB,24GiB,32GiB,48GiB,floor \
+            --configs "$BUDGET_CONFIGS" --stem "$BUDGET_STEM" --budgets "$BUDGET_SIZES" \
             --fixed none,torch-ffn,torch,unsloth-ffn,unsloth --rounds 3 --warmup 1 --auto-warmup 2 --steps 1 \
             --stop-at "$(stop_at "$BUDGET_PART_S")" --out "$OUT" $dry ;;
         families)

@@ -341,6 +341,40 @@ def test_quantized_blocks_without_streamable_weights_are_never_streamed():
     assert plan.streamed and all(int(name.rpartition(".")[2]) % 2 == 0 for name in plan.streamed)
 
 
+def test_where_copies_would_leave_the_allocator_no_room_a_plan_that_copies_less_runs(monkeypatch):
+    """A plan's copies leave the caching allocator a reserve about as large as what they move (an H200 limited to
+    16 GiB: 12.2 GiB allocated and 6.2 GiB copied per step reserved all 16 and ran out of memory in one of two
+    runs). Where the process cannot hold the cheapest plan's peak and that reserve, auto runs the cheapest plan
+    that fits both, within the same budget; with room for them, the cheapest plan as before."""
+    from memfit.auto.planner import CARD_FIT, card_need
+
+    prof = profile()
+    floor, none = floor_without_streaming(prof), plan_for(prof, 1 << 40).predicted_peak_bytes
+    budget = int(floor + 0.3 * (none - floor))
+    planner = budget_planner.BudgetPlanner(
+        frozen_toy(blocks=2, dim=8),
+        TOY,
+        budget,
+        can_offload=True,
+        min_offload_bytes=0,
+        copy_bytes_per_second=prof.copy_bytes_per_second,
+        can_stream=False,
+    )
+    monkeypatch.setattr(budget_planner, "device_capacity", lambda device: None)
+    roomy = planner._plan_at(prof, budget)
+    assert roomy.copied_bytes > 0 and roomy.predicted_peak_bytes <= budget
+    capacity = int(budget / 0.9)
+    card = CARD_FIT * capacity
+    assert card_need(roomy.predicted_peak_bytes, roomy.copied_bytes) > card
+    monkeypatch.setattr(budget_planner, "device_capacity", lambda device: capacity)
+    tight = planner._plan_at(prof, budget)
+    assert card_need(tight.predicted_peak_bytes, tight.copied_bytes) <= card
+    assert tight.predicted_peak_bytes <= budget and tight.copied_bytes < roomy.copied_bytes
+    assert tight.predicted_extra_seconds > roomy.predicted_extra_seconds  # room costs time, and only here
+    monkeypatch.setattr(budget_planner, "device_capacity", lambda device: int(budget / 0.5))
+    assert planner._plan_at(prof, budget).blocks == roomy.blocks
+
+
 # -- the whole path on CPU ----------------------------------------------------------------------------------------
 
 
@@ -535,21 +569,35 @@ def test_a_correction_moves_only_the_blocks_that_change(streaming_on_cpu, monkey
 
 def test_the_budget_a_budget_error_suggests_plans_even_after_a_few_more_bytes_stay_allocated():
     """The suggestion sits FLOOR_ALLOWANCE and WORKSPACE_ALLOWANCE above the smallest peak: a later profile that
-    sees what earlier steps left allocated (workspaces) still plans within it."""
-    from memfit.auto.planner import FLOOR_ALLOWANCE, WORKSPACE_ALLOWANCE
+    sees what earlier steps left allocated (workspaces) still plans within it. On CUDA it is the size of a card
+    that holds the smallest plan: the allocator's headroom above its peak, and the reserve of its copies."""
+    from memfit.auto.planner import (
+        ALLOCATOR_HEADROOM,
+        CARD_FIT,
+        FLOOR_ALLOWANCE,
+        WORKSPACE_ALLOWANCE,
+        card_need,
+        suggested_budget,
+    )
     from memfit.units import format_bytes
 
     prof = profile()
+    assert prof.counts_transient  # CUDA's measure
     with pytest.raises(BudgetError) as info:
         plan_policies(prof, 1, allowed=allowed)
     exc = info.value
-    above = exc.smallest_peak_bytes * FLOOR_ALLOWANCE + WORKSPACE_ALLOWANCE
-    assert (
-        exc.smallest_peak_bytes + above <= exc.suggested_budget_bytes < exc.smallest_peak_bytes + above + MiB
+    smallest = plan_policies(prof, exc.smallest_peak_bytes, allowed=allowed)
+    assert smallest.copied_bytes > 0  # the smallest plan parks activations: their reserve counts
+    card = max(
+        exc.smallest_peak_bytes / ALLOCATOR_HEADROOM,
+        card_need(exc.smallest_peak_bytes, smallest.copied_bytes) / CARD_FIT,
     )
+    assert card <= exc.suggested_budget_bytes < card + MiB
     assert f"at least {format_bytes(exc.suggested_budget_bytes)}" in str(exc)
+    # where the budget counts held activations (off CUDA) no allocator: the allowances alone
+    plain = suggested_budget(exc.smallest_peak_bytes)
+    above = exc.smallest_peak_bytes * FLOOR_ALLOWANCE + WORKSPACE_ALLOWANCE
+    assert exc.smallest_peak_bytes + above <= plain < exc.smallest_peak_bytes + above + MiB < card
     for left in (int(0.001 * exc.smallest_peak_bytes), 70 * MiB):  # a share, and cuBLAS's workspaces
         later = dataclasses.replace(prof, static_bytes=prof.static_bytes + left)
-        assert plan_policies(later, exc.suggested_budget_bytes, allowed=allowed).predicted_peak_bytes <= (
-            exc.suggested_budget_bytes
-        )
+        assert plan_policies(later, plain, allowed=allowed).predicted_peak_bytes <= plain

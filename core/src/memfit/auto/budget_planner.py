@@ -29,7 +29,15 @@ from torch import nn
 
 import memfit.offload.hostmem as hostmem
 from memfit.adapters.spec import FamilyAdapter
-from memfit.auto.planner import Plan, plan_policies, suggested_budget
+from memfit.auto.planner import (
+    ALLOCATOR_HEADROOM,
+    CARD_FIT,
+    COPY_RESERVE,
+    Plan,
+    card_need,
+    plan_policies,
+    suggested_budget,
+)
 from memfit.auto.policy import allowed_policies
 from memfit.auto.profile import BlockProfile, ModelProfile, profile_model
 from memfit.auto.streaming import choose_streaming, streamable_counts
@@ -38,9 +46,6 @@ from memfit.errors import BudgetError, MemfitWarning
 from memfit.plan import BlockPolicy, RegionPlan
 from memfit.units import format_bytes
 
-# a budget is planned for at most this share of what the process can hold, until a step measured the
-# allocator's own reserve (docs/cost-model.md, "Allocator headroom")
-ALLOCATOR_HEADROOM = 0.84
 # the first plan of each input shape targets this much less than the budget: its own step must fit too, and
 # the peak model has under-predicted by up to 4% (docs/cost-model.md, "The budget is a promise")
 FIRST_PLAN_MARGIN = 0.05
@@ -49,6 +54,8 @@ MEASURED_MARGIN = 0.01
 # a step that reached the process's limit (the allocator freed its cache and retried) is re-planned this share of the
 # budget leaner: a card of the budget's size had one allocation left before running out (docs/cost-model.md)
 LIMIT_STEP_BACK = 0.03
+# _plan_at's searches (see "Copy reserve"): every policy, copies weighed with their reserve, no copies
+_PLAIN, _RESERVE, _NO_OFFLOAD = "plain", "reserve", "no-offload"
 CALIBRATION_STEPS = 3  # measured steps without a change after which a shape's plan is settled
 MENTIONED_OPTIMIZER_SHARE = 0.05  # a BudgetError names the optimizer state from this share of the peak on
 
@@ -448,6 +455,9 @@ class BudgetPlanner:
             ) from None
         if step_least > self.budget_bytes:
             raise self._optimizer_step_error(max(step_least, plan.smallest_peak_bytes))
+        card = self._card_bytes()
+        if card is not None and _card_need(plan) > card:  # not even the leanest plan fits the device
+            raise self._card_error(plan, card)
         shape = self.shapes[signature] = ShapeBudget(profile, plan, target)
         if not plan.needed and not self._warned_unneeded:
             self._warned_unneeded = True
@@ -462,24 +472,49 @@ class BudgetPlanner:
 
     def _plan_at(self, profile: ModelProfile, target: int, *, at_least: int | None = None) -> Plan:
         """The cheapest plan for ``target``; below what any plan reaches, the smallest plan if that is within
-        ``at_least`` (default: the budget), else the BudgetError for the user's budget."""
+        ``at_least`` (default: the budget), else the BudgetError for the user's budget. Where the process can hold
+        less than that plan and the reserve its copies leave the caching allocator (see "Copy reserve" in
+        docs/cost-model.md), the cheapest of the plans that copy less or nothing and fit both."""
+        chosen = self._cheapest(profile, target, at_least=at_least)
+        card = self._card_bytes()
+        if card is None or _card_need(chosen) <= card:
+            return chosen
+        most = max(target, chosen.predicted_peak_bytes)  # never a higher peak than the cheapest plan's
+        candidates = [chosen]
+        for bytes_, variant in ((min(target, card), _RESERVE), (card, _RESERVE), (target, _NO_OFFLOAD)):
+            try:
+                candidates.append(self._cheapest(profile, bytes_, at_least=most, variant=variant))
+            except BudgetError:
+                continue
+        within = [p for p in candidates if p.predicted_peak_bytes <= most]  # the cheapest plan is
+        fitting = [p for p in within if _card_need(p) <= card]
+        best = (
+            min(fitting, key=lambda p: p.predicted_extra_seconds) if fitting else min(within, key=_card_need)
+        )
+        return dataclasses.replace(best, budget_bytes=target, smallest_peak_bytes=chosen.smallest_peak_bytes)
+
+    def _cheapest(
+        self, profile: ModelProfile, target: int, *, at_least: int | None = None, variant: str = _PLAIN
+    ) -> Plan:
+        """:meth:`_plan_at`'s search for one ``variant``: every policy (plain), copies weighed with their reserve
+        (the budget counts :data:`COPY_RESERVE` per byte copied), or no copies at all."""
+        can_offload = self.can_offload and variant != _NO_OFFLOAD
 
         def allowed(b: BlockProfile) -> tuple[BlockPolicy, ...]:
-            return allowed_policies(
-                has_ffn=b.has_ffn, has_attention=b.has_attention, can_offload=self.can_offload
-            )
+            return allowed_policies(has_ffn=b.has_ffn, has_attention=b.has_attention, can_offload=can_offload)
 
         max_count = self._streamable(profile)  # once: the fallback below plans with the same host RAM
         held = self._memos.get(id(profile))
         if held is None or held[0] is not profile:  # held with its profile: an id is never reused under it
             held = self._memos[id(profile)] = (profile, {})
-        memo = held[1]
+        memo = held[1].setdefault(variant, {})
+        copy_reserve = COPY_RESERVE if variant == _RESERVE else 0.0
 
         def plan(bytes_: int) -> Plan:
             return choose_streaming(
                 profile,
                 lambda streamed: plan_policies(
-                    profile, bytes_, allowed=allowed, streamed=streamed, memo=memo
+                    profile, bytes_, allowed=allowed, streamed=streamed, memo=memo, copy_reserve=copy_reserve
                 ),
                 seconds=lambda p: p.predicted_extra_seconds,
                 max_count=max_count,
@@ -500,6 +535,26 @@ class BudgetPlanner:
             else chosen
         )
 
+    def _card_bytes(self) -> int | None:
+        """What a plan's peak and its copies' reserve may reach on this process's device (None: no cap)."""
+        capacity = device_capacity(next(self.model.parameters()).device)
+        return None if capacity is None else int(CARD_FIT * capacity)
+
+    def _card_error(self, plan: Plan, card: int) -> BudgetError:
+        need = _card_need(plan)
+        suggested = suggested_budget(plan.predicted_peak_bytes, copied_bytes=plan.copied_bytes)
+        return BudgetError(
+            f"this process can hold {format_bytes(int(card / CARD_FIT))} on its device, and the leanest plan for "
+            f"a budget of {format_bytes(self.budget_bytes)} peaks at {format_bytes(plan.predicted_peak_bytes)} "
+            f"allocated, copying {format_bytes(plan.copied_bytes)} per step to host memory: with the reserve the "
+            f"CUDA caching allocator keeps (up to {1 / ALLOCATOR_HEADROOM:.2f}x the allocated peak, and about what a "
+            f"step copies) that needs {format_bytes(need)}, over the {CARD_FIT:.0%} of it a step can use without "
+            f"running out of memory. It needs a device (or a per-process memory fraction) of at least "
+            f"{format_bytes(suggested)}: free memory on the device, or shrink the step (batch, resolution).",
+            smallest_peak_bytes=plan.predicted_peak_bytes,
+            suggested_budget_bytes=suggested,
+        )
+
     def _optimizer_step_least(self, profile: ModelProfile) -> int:
         """The least peak of the optimizer's step (weights, state, every gradient, its temporaries; less every
         frozen weight that may stream): no activation plan goes below it (0: not counted here)."""
@@ -510,7 +565,7 @@ class BudgetPlanner:
         return profile.static_bytes + profile.optimizer_step_bytes - (sum(frozen[-count:]) if count else 0)
 
     def _optimizer_step_error(self, least: int) -> BudgetError:
-        suggested = suggested_budget(least)
+        suggested = suggested_budget(least, copied_bytes=0)  # a full fine-tune's step: CUDA only
         temporaries = f"{self.optimizer_temporaries_per_byte:g} per trainable byte"
         if self.optimizer_temporaries_per_byte:
             temporaries += ": torch's foreach AdamW"
@@ -550,6 +605,10 @@ class BudgetPlanner:
                 f"auto: budget {format_bytes(self.budget_bytes)}; planned at the first forward with gradients"
             )
         return self.plan.describe()
+
+
+def _card_need(plan: Plan) -> int:
+    return card_need(plan.predicted_peak_bytes, plan.copied_bytes)
 
 
 def _optimizer_step_peak(profile: ModelProfile, plan: Plan) -> int:

@@ -70,11 +70,33 @@ _UNITS = 1024  # kept bytes are counted in units of 1/_UNITS of the total (searc
 # stack, whose 2.6 GiB floor 0.5% alone did not cover), and the suggestion must still plan
 FLOOR_ALLOWANCE = 0.005
 WORKSPACE_ALLOWANCE = 128 << 20
+# a budget is planned for at most this share of what the process can hold, until a step measured the
+# allocator's own reserve (docs/cost-model.md, "Allocator headroom")
+ALLOCATOR_HEADROOM = 0.84
+# bytes the caching allocator reserves per byte a step copies to host memory, and the share of what the process can
+# hold that a plan's peak and that reserve may reach together (docs/cost-model.md, "Copy reserve")
+COPY_RESERVE = 1.0
+CARD_FIT = 0.92
 
 
-def suggested_budget(smallest_peak_bytes: int) -> int:
-    """The budget a :class:`BudgetError` suggests for ``smallest_peak_bytes``: the allowances above it, whole MiB."""
-    return -(-(int(smallest_peak_bytes * (1 + FLOOR_ALLOWANCE)) + WORKSPACE_ALLOWANCE) // (1 << 20)) << 20
+def suggested_budget(smallest_peak_bytes: int, *, copied_bytes: int | None = None) -> int:
+    """The budget a :class:`BudgetError` suggests for a smallest plan of ``smallest_peak_bytes``: the allowances
+    above it, whole MiB. With ``copied_bytes`` (its copies per step; CUDA, where the budget is a card's size) also
+    the room the caching allocator needs on a card of that size: its headroom, and the reserve of the copies."""
+    least = int(smallest_peak_bytes * (1 + FLOOR_ALLOWANCE)) + WORKSPACE_ALLOWANCE
+    if copied_bytes is not None:
+        least = max(
+            least,
+            int(smallest_peak_bytes / ALLOCATOR_HEADROOM),
+            int(card_need(smallest_peak_bytes, copied_bytes) / CARD_FIT),
+        )
+    return -(-least // (1 << 20)) << 20
+
+
+def card_need(peak_bytes: int, copied_bytes: int) -> int:
+    """What a plan needs of what the process can hold: its peak allocated and the reserve its copies leave the
+    caching allocator (see "Copy reserve")."""
+    return peak_bytes + int(COPY_RESERVE * copied_bytes)
 
 
 @dataclass(frozen=True)
@@ -151,13 +173,17 @@ def plan_policies(
     allowed: Callable[[BlockProfile], tuple[BlockPolicy, ...]],
     streamed: StreamedSet | None = None,
     memo: dict[Any, Any] | None = None,
+    copy_reserve: float = 0.0,
 ) -> Plan:
     """The fastest plan (by the cost model) whose predicted peak is within ``budget_bytes``.
 
     ``streamed``: blocks whose frozen weights stream from host memory (:mod:`memfit.auto.streaming`): they are
     whole-block recomputed, the static bytes drop by their weights, and their uploads count where they are alive.
-    ``memo``: a dict the caller keeps across calls with the same profile and ``allowed``: the least peak of each
-    streamed set does not depend on the budget, and is searched once (the closed loop re-plans every step).
+    ``memo``: a dict the caller keeps across calls with the same profile, ``allowed`` and ``copy_reserve``: the
+    least peak of each streamed set does not depend on the budget, and is searched once (the closed loop re-plans
+    every step).
+    ``copy_reserve``: bytes counted against ``budget_bytes`` per byte a block copies to host memory (the caching
+    allocator's reserve, :func:`card_need`); the plan's predicted peak stays the allocated bytes alone.
 
     Raises:
         BudgetError: no plan reaches the budget (the message and ``smallest_peak_bytes`` give the smallest).
@@ -203,10 +229,16 @@ def plan_policies(
         options = _streaming_options(options, streamed)
         base -= streamed.total_bytes
         forward = streamed.forward_bytes
+    allocated = options
+    if copy_reserve:  # the search weighs each copy's reserve as if kept; the plan reports what is allocated
+        options = [
+            [dataclasses.replace(c, kept=c.kept + int(copy_reserve * c.copied)) for c in opts]
+            for opts in options
+        ]
     unit = max(1, -(-sum(b.saved_bytes for b in profile.blocks) // _UNITS))
     problem = search.Problem(options, unit, depth, own_counts=profile.counts_transient)
     # the least peak any plan reaches: exact under the model up to the units, recomputed in bytes
-    key = ("smallest", streamed.indices if streamed is not None else None)
+    key = ("smallest", streamed.indices if streamed is not None else None, copy_reserve)
     floor_picks = memo.get(key) if memo is not None else None
     if floor_picks is None:
         floor_picks = search.smallest(
@@ -221,10 +253,11 @@ def plan_policies(
         smallest = min(smallest, no_checkpoint)
 
     def make(picks: list[Choice]) -> Plan:
+        held = [kept[opts.index(c)] for c, opts, kept in zip(picks, options, allocated, strict=True)]
         return Plan(
             blocks=tuple((b.name, c.policy) for b, c in zip(profile.blocks, picks, strict=True)),
             budget_bytes=budget_bytes,
-            predicted_peak_bytes=peak(picks, base, forward),
+            predicted_peak_bytes=peak(held, base, forward),
             predicted_extra_seconds=sum(c.seconds for c in picks) + (streamed.seconds if streamed else 0.0),
             no_checkpoint_peak_bytes=no_checkpoint,
             smallest_peak_bytes=smallest,
@@ -243,7 +276,8 @@ def plan_policies(
             if streamed is not None
             else ""
         )
-        suggested = suggested_budget(smallest)
+        copied = sum(c.copied for c in floor_picks) if profile.counts_transient else None
+        suggested = suggested_budget(smallest, copied_bytes=copied)
         raise BudgetError(
             f"memory budget {format_bytes(budget_bytes)} is below what any plan reaches: the smallest predicted "
             f"{metric} is {format_bytes(smallest)}{streaming} (no checkpointing: {format_bytes(no_checkpoint)}). "
