@@ -49,6 +49,19 @@ def test_summarize_picks_the_fastest_fixed_mode_that_fits_and_pairs_by_round():
     assert entry["x_fixed_rounds"] == pytest.approx([0.9, 0.8, 0.85])
 
 
+def test_a_fixed_mode_at_the_process_s_limit_is_listed_and_auto_is_compared_with_those_clear_of_it():
+    """A fixed mode whose timed steps made the allocator free its cache and retry ran one allocation from out of
+    memory (torch-ffn on a full fine-tune at 0.88 of a 32 GiB process): auto treats such a step as over the budget,
+    so its comparison is with the fastest mode clear of the limit, and the one at the limit is named."""
+    auto = _row("auto", [0.9, 0.9, 0.9], within_budget=True)
+    edge = {**_row("torch-ffn", [0.8, 0.8, 0.8]), "alloc_retries_in_timed_steps": 1}
+    entry = _entry(32, [auto, edge, _row("torch", [1.0, 1.0, 1.0])], auto_rounds=[{"within_budget": True}] * 3)
+    assert entry["best_fixed"] == "torch" and entry["x_fixed"] == pytest.approx(0.9)
+    assert entry["fixed_at_limit"] == ["torch-ffn"]
+    clear = _entry(32, [auto, _row("torch-ffn", [0.8, 0.8, 0.8]), _row("torch", [1.0, 1.0, 1.0])])
+    assert clear["best_fixed"] == "torch-ffn" and "fixed_at_limit" not in clear
+
+
 def test_summarize_says_what_auto_did_when_it_did_not_run():
     refused = _entry(
         16, [{"mode": "auto", "oom": False, "budget_error": "below", "failed": "BudgetError"}], below=True

@@ -64,7 +64,7 @@ def force_auto_plan(monkeypatch, choose: Callable[[list[str]], Sequence[BlockPol
     from memfit.auto import budget_planner
     from memfit.auto.planner import Plan
 
-    def forced(profile, budget, *, allowed, streamed=None, memo=None):
+    def forced(profile, budget, *, allowed, streamed=None, memo=None, copy_reserve=0.0):
         names = [b.name for b in profile.blocks]
         return Plan(
             blocks=tuple(zip(names, choose(names), strict=True)),

@@ -570,9 +570,8 @@ def test_a_correction_moves_only_the_blocks_that_change(streaming_on_cpu, monkey
 def test_the_budget_a_budget_error_suggests_plans_even_after_a_few_more_bytes_stay_allocated():
     """The suggestion sits FLOOR_ALLOWANCE and WORKSPACE_ALLOWANCE above the smallest peak: a later profile that
     sees what earlier steps left allocated (workspaces) still plans within it. On CUDA it is the size of a card
-    that holds the smallest plan: the allocator's headroom above its peak, and the reserve of its copies."""
+    on which the smallest plan fits: its peak and the reserve of its copies within CARD_FIT of it."""
     from memfit.auto.planner import (
-        ALLOCATOR_HEADROOM,
         CARD_FIT,
         FLOOR_ALLOWANCE,
         WORKSPACE_ALLOWANCE,
@@ -588,10 +587,7 @@ def test_the_budget_a_budget_error_suggests_plans_even_after_a_few_more_bytes_st
     exc = info.value
     smallest = plan_policies(prof, exc.smallest_peak_bytes, allowed=allowed)
     assert smallest.copied_bytes > 0  # the smallest plan parks activations: their reserve counts
-    card = max(
-        exc.smallest_peak_bytes / ALLOCATOR_HEADROOM,
-        card_need(exc.smallest_peak_bytes, smallest.copied_bytes) / CARD_FIT,
-    )
+    card = card_need(exc.smallest_peak_bytes, smallest.copied_bytes) / CARD_FIT
     assert card <= exc.suggested_budget_bytes < card + MiB
     assert f"at least {format_bytes(exc.suggested_budget_bytes)}" in str(exc)
     # where the budget counts held activations (off CUDA) no allocator: the allowances alone

@@ -27,7 +27,8 @@ peers sweep's ``lora-attn``; ``full``: every weight trains, a foreach AdamW step
 
 Per budget the report gives auto's status, whether every step (warm-up, planning forward and timed steps, every
 round) stayed within the budget, peak allocated and reserved, the median step, the fastest fixed mode that fits
-and auto's step over it paired by round; per target three checks (:func:`budget_checks`). A child that crashes
+clear of the process's limit (a mode whose timed steps made the caching allocator free its cache and retry is
+listed as at the limit: auto steps back from such steps) and auto's step over it paired by round; per target three checks (:func:`budget_checks`). A child that crashes
 keeps what it wrote after each budget. ``--stop-at``: no measurement starts later (rows left out say so). Off
 CUDA nothing limits memory: the CPU run proves the script (auto's budget counts held activation bytes there).
 Writes ``<stem>.json`` and ``<stem>.md`` (default stem ``budget-promise``) to ``--out``.
@@ -352,7 +353,12 @@ def summarize(entry: dict[str, Any]) -> dict[str, Any]:
         checked = [r for r in auto_rounds if "within_budget" in r]
         out["within_budget"] = all(r["within_budget"] for r in checked) if checked else None
     fits = [r for m, r in rows.items() if m != "auto" and _fits(r, budget)]
-    best = min(fits, key=lambda r: r["step_s"], default=None)
+    # a fixed mode whose steps made the allocator free its cache and retry was one allocation from running out:
+    # auto counts that as over the budget and steps back, so it is compared with the modes clear of the limit
+    at_limit = sorted(r["mode"] for r in fits if r.get("alloc_retries_in_timed_steps"))
+    if at_limit:
+        out["fixed_at_limit"] = at_limit
+    best = min((r for r in fits if r["mode"] not in at_limit), key=lambda r: r["step_s"], default=None)
     if best is not None:
         out["best_fixed"] = best["mode"]
         out["best_fixed_step_s"] = best["step_s"]
@@ -455,6 +461,11 @@ def _entries(result: dict[str, Any]) -> list[tuple[dict[str, Any], dict[str, Any
     return [(t, c, b) for t in result["targets"] for c in t.get("configs", []) for b in c.get("budgets", [])]
 
 
+def _at_limit(entry: dict[str, Any]) -> str:
+    modes = entry.get("fixed_at_limit")
+    return f" ({', '.join(modes)}: at the process's limit)" if modes else ""
+
+
 def markdown(result: dict[str, Any]) -> str:
     """The sweep as markdown: the headline table, the checks per target, then every budget's fixed modes."""
     lines = [
@@ -484,7 +495,7 @@ def markdown(result: dict[str, Any]) -> str:
         lines.append(
             f"| {target['target']} | {config['config']} | {budget} | {status} | {within} | "
             f"{_gib(auto.get('peak_allocated'))} | {_gib(auto.get('peak_reserved'))} | {step} | "
-            f"{b.get('best_fixed', '-')} | {fixed_step} | {ratio} | {corrections} | {plan} |"
+            f"{b.get('best_fixed', '-')}{_at_limit(b)} | {fixed_step} | {ratio} | {corrections} | {plan} |"
         )
     lines += ["", "## Checks", ""]
     for target in result["targets"]:

@@ -81,15 +81,11 @@ CARD_FIT = 0.92
 
 def suggested_budget(smallest_peak_bytes: int, *, copied_bytes: int | None = None) -> int:
     """The budget a :class:`BudgetError` suggests for a smallest plan of ``smallest_peak_bytes``: the allowances
-    above it, whole MiB. With ``copied_bytes`` (its copies per step; CUDA, where the budget is a card's size) also
-    the room the caching allocator needs on a card of that size: its headroom, and the reserve of the copies."""
+    above it, whole MiB. With ``copied_bytes`` (its copies per step; CUDA, where the budget is a card's size) at
+    least the card on which that plan fits (see "Copy reserve")."""
     least = int(smallest_peak_bytes * (1 + FLOOR_ALLOWANCE)) + WORKSPACE_ALLOWANCE
     if copied_bytes is not None:
-        least = max(
-            least,
-            int(smallest_peak_bytes / ALLOCATOR_HEADROOM),
-            int(card_need(smallest_peak_bytes, copied_bytes) / CARD_FIT),
-        )
+        least = max(least, int(card_need(smallest_peak_bytes, copied_bytes) / CARD_FIT))
     return -(-least // (1 << 20)) << 20
 
 
