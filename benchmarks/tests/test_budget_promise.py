@@ -55,7 +55,9 @@ def test_a_fixed_mode_at_the_process_s_limit_is_listed_and_auto_is_compared_with
     so its comparison is with the fastest mode clear of the limit, and the one at the limit is named."""
     auto = _row("auto", [0.9, 0.9, 0.9], within_budget=True)
     edge = {**_row("torch-ffn", [0.8, 0.8, 0.8]), "alloc_retries_in_timed_steps": 1}
-    entry = _entry(32, [auto, edge, _row("torch", [1.0, 1.0, 1.0])], auto_rounds=[{"within_budget": True}] * 3)
+    entry = _entry(
+        32, [auto, edge, _row("torch", [1.0, 1.0, 1.0])], auto_rounds=[{"within_budget": True}] * 3
+    )
     assert entry["best_fixed"] == "torch" and entry["x_fixed"] == pytest.approx(0.9)
     assert entry["fixed_at_limit"] == ["torch-ffn"]
     clear = _entry(32, [auto, _row("torch-ffn", [0.8, 0.8, 0.8]), _row("torch", [1.0, 1.0, 1.0])])

@@ -730,13 +730,7 @@ def test_the_budget_a_budget_error_suggests_plans_even_after_a_few_more_bytes_st
     """The suggestion sits FLOOR_ALLOWANCE and WORKSPACE_ALLOWANCE above the smallest peak: a later profile that
     sees what earlier steps left allocated (workspaces) still plans within it. On CUDA it is the size of a card
     on which the smallest plan fits: its peak and the reserve of its copies within CARD_FIT of it."""
-    from memfit.auto.planner import (
-        CARD_FIT,
-        FLOOR_ALLOWANCE,
-        WORKSPACE_ALLOWANCE,
-        card_need,
-        suggested_budget,
-    )
+    from memfit.auto.planner import CARD_FIT, FLOOR_ALLOWANCE, WORKSPACE_ALLOWANCE, suggested_budget
     from memfit.units import format_bytes
 
     prof = profile()
@@ -744,15 +738,20 @@ def test_the_budget_a_budget_error_suggests_plans_even_after_a_few_more_bytes_st
     with pytest.raises(BudgetError) as info:
         plan_policies(prof, 1, allowed=allowed)
     exc = info.value
-    smallest = plan_policies(prof, exc.smallest_peak_bytes, allowed=allowed)
-    assert smallest.copied_bytes > 0  # the smallest plan parks activations: their reserve counts
-    card = card_need(exc.smallest_peak_bytes, smallest.copied_bytes) / CARD_FIT
-    assert card <= exc.suggested_budget_bytes < card + MiB
+    # the smallest plan parks activations: the reserve of its copies counts on top of its peak
+    without_copies = suggested_budget(exc.smallest_peak_bytes, copied_bytes=0)
+    assert without_copies >= exc.smallest_peak_bytes / CARD_FIT
+    assert (
+        without_copies
+        < exc.suggested_budget_bytes
+        <= suggested_budget(exc.smallest_peak_bytes, copied_bytes=exc.smallest_peak_bytes)
+    )
     assert f"at least {format_bytes(exc.suggested_budget_bytes)}" in str(exc)
     # where the budget counts held activations (off CUDA) no allocator: the allowances alone
     plain = suggested_budget(exc.smallest_peak_bytes)
     above = exc.smallest_peak_bytes * FLOOR_ALLOWANCE + WORKSPACE_ALLOWANCE
-    assert exc.smallest_peak_bytes + above <= plain < exc.smallest_peak_bytes + above + MiB < card
+    assert exc.smallest_peak_bytes + above <= plain < exc.smallest_peak_bytes + above + MiB
+    assert plain <= without_copies
     for left in (int(0.001 * exc.smallest_peak_bytes), 70 * MiB):  # a share, and cuBLAS's workspaces
         later = dataclasses.replace(prof, static_bytes=prof.static_bytes + left)
         assert plan_policies(later, plain, allowed=allowed).predicted_peak_bytes <= plain
