@@ -451,6 +451,27 @@ def test_auto_streams_weights_where_the_budget_needs_it_and_gradients_stay_exact
     assert_same(step(model, x), reference)
 
 
+def test_a_floor_that_streaming_lowers_is_suggested_as_a_card_the_profiling_forward_fits(streaming_on_cpu):
+    """Streaming takes weights off the device once a plan is installed, but each new input shape is profiled with
+    every weight on it: a card of the streamed floor's size runs out of memory before any plan applies (the
+    synthetic stack: every LoRA floor did, in processes limited to it). The BudgetError suggests a card that
+    holds the profiling forward too."""
+    from memfit.auto.planner import CARD_FIT
+
+    model = frozen_toy(blocks=8, dim=128)
+    x = torch.randn(1, 2, 128)  # weights far above the activations
+    floor, frozen = planned_floor(model, x)
+    with pytest.raises(BudgetError) as raised, memfit.apply(model, auto(1), adapter=TOY) as handle:
+        step(model, x)
+    exc = raised.value
+    assert (
+        exc.smallest_peak_bytes < floor
+    )  # streaming lowers the smallest peak below every weight on the device
+    weights = sum(p.numel() * p.element_size() for p in model.parameters())
+    assert exc.suggested_budget_bytes >= weights / CARD_FIT
+    assert "profiling forward" in str(exc) and handle.plan is None
+
+
 def test_a_new_input_shape_replans_and_keeps_the_host_masters_of_blocks_that_stay(streaming_on_cpu):
     model = frozen_toy(blocks=8, dim=32)
     x, wide = torch.randn(2, 8, 32), torch.randn(2, 12, 32)

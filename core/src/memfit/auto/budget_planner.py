@@ -400,14 +400,54 @@ class BudgetPlanner:
         return target
 
     def _new_shape(self, signature: Hashable, args: tuple, kwargs: dict) -> ShapeBudget:
-        profile = profile_model(
-            self.model,
-            self.adapter,
-            args,
-            kwargs,
-            min_offload_bytes=self.min_offload_bytes,
-            copy_bytes_per_second=self._bandwidth(),
+        measured = self._profile(args, kwargs)
+        try:
+            profile, plan, target = self._first_plan(measured)
+        except BudgetError as exc:
+            raise _with_profiling_floor(exc, measured) from None
+        shape = self.shapes[signature] = ShapeBudget(profile, plan, target)
+        if not plan.needed and not self._warned_unneeded:
+            self._warned_unneeded = True
+            warnings.warn(
+                f"gradient_checkpointing_backend='auto': the budget of {format_bytes(self.budget_bytes)} needs no "
+                f"checkpointing at this input shape (predicted {format_bytes(plan.predicted_peak_bytes)}); nothing "
+                f"is installed. memfit re-plans if the input shape changes.",
+                MemfitWarning,
+                stacklevel=6,
+            )
+        return shape
+
+    def _profile(self, args: tuple, kwargs: dict) -> ModelProfile:
+        """:func:`profile_model`; running out of memory in it is a BudgetError (see "Profiling" in
+        docs/cost-model.md)."""
+        device = next(self.model.parameters()).device
+        try:
+            return profile_model(
+                self.model,
+                self.adapter,
+                args,
+                kwargs,
+                min_offload_bytes=self.min_offload_bytes,
+                copy_bytes_per_second=self._bandwidth(),
+            )
+        except torch.OutOfMemoryError:
+            pass  # raised below, outside the handler: its traceback holds the failed forward's tensors
+        resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
+        capacity = device_capacity(device)
+        room = f" of the {format_bytes(capacity)} this process can hold" if capacity is not None else ""
+        error = BudgetError(
+            f"gradient_checkpointing_backend='auto' ran out of memory in its profiling forward, which runs the model "
+            f"once per new input shape with every weight on the device ({format_bytes(resident)}{room} allocated "
+            f"before it), before any plan applies (weight streaming included). The process needs room for the "
+            f"weights and one forward's working memory: free memory on the device, use a larger one, or shrink the "
+            f"step (batch, resolution).",
+            smallest_peak_bytes=resident,
+            suggested_budget_bytes=suggested_budget(resident, copied_bytes=0),
         )
+        raise error
+
+    def _first_plan(self, profile: ModelProfile) -> tuple[ModelProfile, Plan, int]:
+        """The first plan of a new input shape: the profile with the optimizer's bytes, the plan, its target."""
         capacity = device_capacity(next(self.model.parameters()).device)
         budget = plannable_budget(self.budget_bytes, capacity)
         if budget < self.budget_bytes and not self._warned_capacity:
@@ -458,17 +498,7 @@ class BudgetPlanner:
         card = self._card_bytes()
         if card is not None and _card_need(plan) > card:  # not even the leanest plan fits the device
             raise self._card_error(plan, card)
-        shape = self.shapes[signature] = ShapeBudget(profile, plan, target)
-        if not plan.needed and not self._warned_unneeded:
-            self._warned_unneeded = True
-            warnings.warn(
-                f"gradient_checkpointing_backend='auto': the budget of {format_bytes(self.budget_bytes)} needs no "
-                f"checkpointing at this input shape (predicted {format_bytes(plan.predicted_peak_bytes)}); nothing "
-                f"is installed. memfit re-plans if the input shape changes.",
-                MemfitWarning,
-                stacklevel=6,
-            )
-        return shape
+        return profile, plan, target
 
     def _plan_at(self, profile: ModelProfile, target: int, *, at_least: int | None = None) -> Plan:
         """The cheapest plan for ``target``; below what any plan reaches, the smallest plan if that is within
@@ -609,6 +639,24 @@ class BudgetPlanner:
 
 def _card_need(plan: Plan) -> int:
     return card_need(plan.predicted_peak_bytes, plan.copied_bytes)
+
+
+def _with_profiling_floor(exc: BudgetError, profile: ModelProfile) -> BudgetError:
+    """``exc``, suggesting at least a card on which the profiling forward that made ``profile`` runs again: it holds
+    every weight (a plan may stream some: its peak can be lower than the profile's, see "Profiling")."""
+    if not profile.counts_transient:
+        return exc
+    own = max((b.backward_peak_bytes for b in profile.blocks), default=0)
+    need = profile.static_bytes + profile.outside_bytes + profile.workspace_bytes + own
+    card = suggested_budget(need, copied_bytes=0)
+    if exc.suggested_budget_bytes >= card:
+        return exc
+    return BudgetError(
+        f"{exc} On a card of that size auto's profiling forward, which runs with every weight on the device "
+        f"(~{format_bytes(need)}), would not fit: a card needs at least {format_bytes(card)}.",
+        smallest_peak_bytes=exc.smallest_peak_bytes,
+        suggested_budget_bytes=card,
+    )
 
 
 def _optimizer_step_peak(profile: ModelProfile, plan: Plan) -> int:
