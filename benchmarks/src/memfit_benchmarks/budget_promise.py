@@ -532,7 +532,8 @@ def markdown(result: dict[str, Any]) -> str:
             lines.append(
                 f"{config.get('config_description', '')}; {config.get('trainable_params', 0) / 1e6:.1f} M trainable. "
                 + (
-                    f"Floor (the budget auto's BudgetError suggests: its smallest predicted peak + 0.5%): {format_bytes(config['floor_bytes'])}."
+                    f"Floor (the budget auto's BudgetError suggests at 1 byte; on CUDA a card that holds its smallest plan, "
+                    f"docs/cost-model.md): {format_bytes(config['floor_bytes'])}."
                     if config.get("floor_bytes")
                     else f"Floor unknown: {config.get('floor_error', 'not probed')}."
                 )
