@@ -153,3 +153,54 @@ def test_the_meter_tells_a_step_that_reached_the_process_s_limit():
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         del held
         torch.cuda.empty_cache()
+
+
+def test_on_a_card_of_the_budget_s_size_auto_keeps_its_copies_reserve_and_runs_clear_of_the_limit():
+    """What a plan copies to host memory grows the caching allocator's reserve (docs/cost-model.md, "Copy
+    reserve"): in a process that holds the budget over ``ALLOCATOR_HEADROOM`` but not the cheapest plan's peak and
+    copies within ``CARD_FIT`` of it, auto runs a plan that fits both, within the budget, and its steps after
+    the first need no cache flush of the allocator."""
+    from memfit.auto.budget_planner import ALLOCATOR_HEADROOM, CARD_FIT, card_need
+
+    model = build()
+    batch = ADAPTER.presets["tiny"].inputs(model, tokens=4096, generator=torch.Generator().manual_seed(0))
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    none_peak, _, _, _ = run(model, batch, None)
+    static = torch.cuda.memory_allocated()
+    budget = int(static + (none_peak - static) * 0.45)
+    cfg = {
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_backend": "auto",
+        "gradient_checkpointing_memory_budget": budget,
+    }
+    _, _, roomy, _ = run(model, batch, cfg)  # the whole device: the cheapest plan
+    capacity = int(budget / ALLOCATOR_HEADROOM)
+    assert (
+        roomy.copied_bytes and card_need(roomy.predicted_peak_bytes, roomy.copied_bytes) > CARD_FIT * capacity
+    ), "the scenario needs a cheapest plan whose copies would not fit the card: choose another budget"
+    device = torch.device("cuda", torch.cuda.current_device())
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.empty_cache()
+    torch.cuda.set_per_process_memory_fraction(capacity / total, device)
+    handle = memfit.apply(model, cfg, adapter=ADAPTER)
+    try:
+        retries = []
+        for _ in range(6):
+            model.zero_grad(set_to_none=True)
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+                ADAPTER.loss(model(**batch)).backward()
+            torch.cuda.synchronize()
+            retries.append(torch.cuda.memory_stats(device).get("num_alloc_retries", 0))
+        plan = handle.plan
+        assert card_need(plan.predicted_peak_bytes, plan.copied_bytes) <= CARD_FIT * capacity
+        assert plan.copied_bytes < roomy.copied_bytes and plan.predicted_peak_bytes <= budget
+        assert retries[-1] == retries[1], retries  # no flush once planned
+        assert all(
+            s["measured_peak_bytes"] is None or s["measured_peak_bytes"] <= budget
+            for s in handle.stats()["shapes"]
+        )
+    finally:
+        handle.remove()
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        model.zero_grad(set_to_none=True)
+        torch.cuda.empty_cache()
