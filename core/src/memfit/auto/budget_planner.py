@@ -30,7 +30,6 @@ from torch import nn
 import memfit.offload.hostmem as hostmem
 from memfit.adapters.spec import FamilyAdapter
 from memfit.auto.planner import (
-    ALLOCATOR_HEADROOM,
     CARD_FIT,
     COPY_RESERVE,
     Plan,
@@ -46,6 +45,9 @@ from memfit.errors import BudgetError, MemfitWarning
 from memfit.plan import BlockPolicy, RegionPlan
 from memfit.units import format_bytes
 
+# a budget is planned for at most this share of what the process can hold, until a step measured the
+# allocator's own reserve (docs/cost-model.md, "Allocator headroom")
+ALLOCATOR_HEADROOM = 0.84
 # the first plan of each input shape targets this much less than the budget: its own step must fit too, and
 # the peak model has under-predicted by up to 4% (docs/cost-model.md, "The budget is a promise")
 FIRST_PLAN_MARGIN = 0.05

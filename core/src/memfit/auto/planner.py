@@ -70,9 +70,6 @@ _UNITS = 1024  # kept bytes are counted in units of 1/_UNITS of the total (searc
 # stack, whose 2.6 GiB floor 0.5% alone did not cover), and the suggestion must still plan
 FLOOR_ALLOWANCE = 0.005
 WORKSPACE_ALLOWANCE = 128 << 20
-# a budget is planned for at most this share of what the process can hold, until a step measured the
-# allocator's own reserve (docs/cost-model.md, "Allocator headroom")
-ALLOCATOR_HEADROOM = 0.84
 # bytes the caching allocator reserves per byte a step copies to host memory, and the share of what the process can
 # hold that a plan's peak and that reserve may reach together (docs/cost-model.md, "Copy reserve")
 COPY_RESERVE = 1.0
