@@ -513,7 +513,9 @@ class BudgetPlanner:
             return chosen
         most = max(target, chosen.predicted_peak_bytes)  # never a higher peak than the cheapest plan's
         candidates = [chosen]
-        for bytes_, variant in ((min(target, card), _RESERVE), (card, _RESERVE), (target, _NO_OFFLOAD)):
+        # where the card is below the target the two reserve searches are one
+        searches = dict.fromkeys(((min(target, card), _RESERVE), (card, _RESERVE), (target, _NO_OFFLOAD)))
+        for bytes_, variant in searches:
             try:
                 candidates.append(self._cheapest(profile, bytes_, at_least=most, variant=variant))
             except BudgetError:
