@@ -209,6 +209,21 @@ def test_only_fixed_modes_that_fit_and_are_near_the_fastest_are_timed_again():
     assert contenders({"auto": first["auto"]}, 100) == set()
 
 
+def test_a_fixed_mode_at_the_process_s_limit_is_not_what_the_contenders_span_is_measured_from():
+    # torch-ffn fits but made the allocator retry: the span runs from unsloth-ffn, the fastest clear of the limit,
+    # so torch (1.15x unsloth-ffn, 1.4x torch-ffn) is timed again and can be the mode auto is compared with
+    first = {
+        "auto": {"mode": "auto", "step_s": 0.5, "peak_allocated": 10},
+        "torch-ffn": {"mode": "torch-ffn", "step_s": 1.0, "peak_allocated": 90, "alloc_retries_in_timed_steps": 2},
+        "unsloth-ffn": {"mode": "unsloth-ffn", "step_s": 1.2, "peak_allocated": 80},
+        "torch": {"mode": "torch", "step_s": 1.38, "peak_allocated": 50},
+    }
+    assert contenders(first, 100) == {"unsloth-ffn", "torch"}
+    entry = {"budget_bytes": 100, "rows": list(first.values())}
+    assert summarize(entry)["best_fixed"] == "unsloth-ffn"
+    assert summarize(entry)["fixed_at_limit"] == ["torch-ffn"]
+
+
 def test_each_config_s_child_joins_its_target_and_a_config_not_measured_says_why():
     from memfit_benchmarks.budget_promise import _merge_child
 

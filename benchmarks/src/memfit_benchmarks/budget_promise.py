@@ -323,11 +323,17 @@ def _fits(row: dict[str, Any], budget: int) -> bool:
     return all(p is None or p <= budget for p in peaks)
 
 
+def _clear(row: dict[str, Any], budget: int) -> bool:
+    """A fixed mode's row that fits ``budget`` and whose timed steps never made the allocator free its cache and
+    retry: one allocation from running out is at the limit, and auto treats that as over the budget."""
+    return _fits(row, budget) and not row.get("alloc_retries_in_timed_steps")
+
+
 def contenders(first: dict[str, dict[str, Any]], budget: int, span: float = CONTENDER_SPAN) -> set[str]:
-    """The fixed modes worth timing again after the first round: those that fit ``budget`` with a first-round
-    step within ``span`` x the fastest of them (a mode over the budget, or far behind, cannot be the fastest
-    that fits; its first round is its row)."""
-    steps = {m: r["step_s"] for m, r in first.items() if m != "auto" and _fits(r, budget)}
+    """The fixed modes worth timing again after the first round: those clear of the limit (:func:`_clear`) with
+    a first-round step within ``span`` x the fastest of them (a mode over the budget or at the limit cannot be
+    the one auto is compared with, and one far behind cannot be the fastest; its first round is its row)."""
+    steps = {m: r["step_s"] for m, r in first.items() if m != "auto" and _clear(r, budget)}
     fastest = min(steps.values(), default=None)
     return {m for m, step in steps.items() if step <= span * fastest}
 
@@ -353,12 +359,10 @@ def summarize(entry: dict[str, Any]) -> dict[str, Any]:
         checked = [r for r in auto_rounds if "within_budget" in r]
         out["within_budget"] = all(r["within_budget"] for r in checked) if checked else None
     fits = [r for m, r in rows.items() if m != "auto" and _fits(r, budget)]
-    # a fixed mode whose steps made the allocator free its cache and retry was one allocation from running out:
-    # auto counts that as over the budget and steps back, so it is compared with the modes clear of the limit
-    at_limit = sorted(r["mode"] for r in fits if r.get("alloc_retries_in_timed_steps"))
+    at_limit = sorted(r["mode"] for r in fits if not _clear(r, budget))
     if at_limit:
         out["fixed_at_limit"] = at_limit
-    best = min((r for r in fits if r["mode"] not in at_limit), key=lambda r: r["step_s"], default=None)
+    best = min((r for r in fits if _clear(r, budget)), key=lambda r: r["step_s"], default=None)
     if best is not None:
         out["best_fixed"] = best["mode"]
         out["best_fixed_step_s"] = best["step_s"]
