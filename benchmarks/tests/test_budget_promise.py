@@ -214,7 +214,12 @@ def test_a_fixed_mode_at_the_process_s_limit_is_not_what_the_contenders_span_is_
     # so torch (1.15x unsloth-ffn, 1.4x torch-ffn) is timed again and can be the mode auto is compared with
     first = {
         "auto": {"mode": "auto", "step_s": 0.5, "peak_allocated": 10},
-        "torch-ffn": {"mode": "torch-ffn", "step_s": 1.0, "peak_allocated": 90, "alloc_retries_in_timed_steps": 2},
+        "torch-ffn": {
+            "mode": "torch-ffn",
+            "step_s": 1.0,
+            "peak_allocated": 90,
+            "alloc_retries_in_timed_steps": 2,
+        },
         "unsloth-ffn": {"mode": "unsloth-ffn", "step_s": 1.2, "peak_allocated": 80},
         "torch": {"mode": "torch", "step_s": 1.38, "peak_allocated": 50},
     }

@@ -8,6 +8,7 @@ boundary like the allocator's own tensors): there the comparisons are bitwise. F
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 
 import pytest
@@ -209,7 +210,7 @@ def test_delayed_streams_still_give_identical_gradients(monkeypatch, delayed):
     x = torch.randn(1, 2048, 1024, device="cuda")
     hooks = []
     if delayed == "copies":
-        monkeypatch.setattr(memfit.controller, "stream_api_for", lambda block: _DelayedCopies(10_000_000))
+        monkeypatch.setattr(memfit.controller, "stream_api_for", lambda device: _DelayedCopies(10_000_000))
     else:
         hooks = [
             b.ff_out.register_forward_hook(lambda *_: torch.cuda._sleep(2_000_000)) for b in model.blocks
@@ -272,3 +273,73 @@ def test_inductor_compiled_blocks_stream_without_recompiles():
     assert graphs[0] > 0 and graphs[1] == graphs[2] == graphs[0], f"recompiled on later steps: {graphs}"
     assert not counters["recompiles"], dict(counters["recompiles"])
     assert stats["weight_uploads"] == 3 * 2 * stats["streamed_blocks"]
+
+
+# -- a model that starts on the host (apply's ``device``) -----------------------------------------------------
+
+
+def _parameter_bytes(model) -> int:
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+@pytest.mark.parametrize("name", ["torch", "unsloth", "torch-ffn"])
+def test_a_cpu_model_trains_on_the_card_bitwise_and_its_streamed_weights_never_visit_it(name):
+    """``apply(..., device="cuda")`` on a model loaded on the CPU: the streamed blocks' frozen weights go straight
+    to their host masters (the card holds the rest only), the steps are the CUDA model's bit for bit, and
+    ``remove()`` puts every weight back on the CPU with its values."""
+    require_cuda()
+    model = frozen_toy(device="cpu", dim=1024, blocks=6)
+    x = torch.randn(1, 2048, 1024, device="cuda")
+    reference = copy.deepcopy(model).to("cuda")
+    ref = step(reference, x)
+    del reference
+    gc.collect()
+    torch.cuda.empty_cache()
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    streamed = 3 * frozen_block_bytes(model.blocks[0])
+    before = torch.cuda.memory_allocated()
+    with memfit.apply(model, TOY_CONFIGS[name], adapter=TOY, min_offload_bytes=0, device="cuda") as handle:
+        on_card = torch.cuda.memory_allocated() - before
+        assert on_card <= _parameter_bytes(model) - streamed + (1 << 20), (on_card, streamed)
+        assert all(p.is_cuda for p in model.parameters()) and all(b.is_cuda for b in model.buffers())
+        model.to("cuda")  # a trainer's own move after apply (accelerate.prepare) changes nothing
+        for _ in range(3):
+            assert_same(ref, step(model, x))
+        stats = handle.stats()
+    assert stats["streamed_blocks"] == 3 and stats["weight_uploads_on_demand"] == 0
+    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(torch.equal(p, values[n]) for n, p in model.named_parameters())
+
+
+def test_a_model_larger_than_the_process_may_hold_trains_from_the_host():
+    """A process limited below the model's weights cannot hold it (moving it whole runs out of memory); with
+    ``device`` and enough blocks streamed it trains, each step within the limit."""
+    require_cuda()
+    model = frozen_toy(device="cpu", dim=1024, blocks=8)
+    x = torch.randn(1, 256, 1024, device="cuda")
+    total = _parameter_bytes(model)
+    device = torch.device("cuda", torch.cuda.current_device())
+    gc.collect()
+    torch.cuda.empty_cache()
+    limit = torch.cuda.memory_reserved(device) + int(0.75 * total)
+    torch.cuda.set_per_process_memory_fraction(
+        limit / torch.cuda.get_device_properties(device).total_memory, device
+    )
+    try:
+        with pytest.raises(torch.OutOfMemoryError):
+            copy.deepcopy(model).to(device)
+        gc.collect()
+        torch.cuda.empty_cache()
+        with pytest.raises(memfit.DeviceMemoryError, match="profiles the model with every weight"):
+            memfit.apply(model, {**ON, "gradient_checkpointing_backend": "auto"}, adapter=TOY, device=device)
+        assert all(p.device.type == "cpu" for p in model.parameters())  # left where it was
+        config = {**ON, "gradient_checkpointing_backend": "unsloth", KEY: 6}
+        torch.cuda.reset_peak_memory_stats(device)
+        with memfit.apply(model, config, adapter=TOY, device=device) as handle:
+            for _ in range(3):
+                step(model, x)
+            assert torch.cuda.max_memory_reserved(device) <= limit
+            assert handle.stats()["streamed_blocks"] == 6
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    assert all(p.device.type == "cpu" for p in model.parameters())

@@ -319,7 +319,7 @@ class _WeightStreams(RecordingStreams):
 
 def test_every_use_of_an_upload_waits_for_its_copy(monkeypatch, x):
     streams = _WeightStreams()
-    monkeypatch.setattr(memfit.controller, "stream_api_for", lambda block: streams)
+    monkeypatch.setattr(memfit.controller, "stream_api_for", lambda device: streams)
     model = frozen_toy()
     ref = step(model, x)
     with apply(model, {**ON, KEY: 3}) as handle:
@@ -482,3 +482,79 @@ def test_a_deep_copy_is_an_ordinary_model_of_placeholders(x):
             twin = copy.deepcopy(model)
         assert torch.isnan(twin(x)).all()
         assert torch.isfinite(step(model, x)[0])
+
+
+# -- a model that starts where it does not train (apply's ``device``) ------------------------------------------
+# On a CPU machine the only device is the CPU, so here ``device`` is checked and shown to change nothing where the
+# model already is; the move itself (CPU model, CUDA training) is test_gpu_weights.py's.
+
+
+@pytest.mark.parametrize(
+    ("device", "error", "message"),
+    [
+        ("xla", ConfigError, "memfit trains on 'cuda' or 'cpu', not 'xla'"),
+        ("tpu", ConfigError, "not a device"),
+        ("cuda:99", NotAvailableError, "this process sees"),
+    ],
+)
+def test_a_device_memfit_cannot_train_on_is_refused_before_anything_is_touched(device, error, message):
+    model = frozen_toy()
+    with pytest.raises(error, match=message):
+        apply(model, {**ON, KEY: 2}, device=device)
+    assert not any(m._forward_pre_hooks for m in model.modules())
+    with apply(model, {**ON, KEY: 2}):  # nothing half-applied
+        pass
+
+
+def test_the_device_the_model_is_on_already_moves_nothing_and_gives_the_same_gradients(x):
+    model = frozen_toy()
+    params = dict(model.named_parameters())
+    values = {n: p.detach().clone() for n, p in params.items()}
+    ref = step(model, x)
+    with apply(model, {**ON, KEY: 3}, device="cpu") as handle:
+        assert handle._controller.placement is not None and not handle._controller.placement.parameters
+        assert_same(ref, step(model, x))
+    assert dict(model.named_parameters()) == params
+    assert all(torch.equal(p, values[n]) for n, p in params.items())
+
+
+def test_what_stays_on_the_device_not_fitting_leaves_the_model_as_it_was(monkeypatch, x):
+    from memfit.placement import Placement
+
+    def out_of_memory(model, device, *, profiles=False):
+        raise memfit.DeviceMemoryError(f"does not fit on {device} (profiles={profiles})")
+
+    monkeypatch.setattr(Placement, "move", staticmethod(out_of_memory))
+    model = frozen_toy()
+    ref = step(model, x)
+    values = {n: p.detach().clone() for n, p in model.named_parameters()}
+    with pytest.raises(memfit.DeviceMemoryError, match="profiles=False"):
+        apply(model, {**ON, "gradient_checkpointing_backend": "unsloth", KEY: 3}, device="cpu")
+    assert all(torch.equal(p, values[n]) and p.is_contiguous() for n, p in model.named_parameters())
+    assert not any(m._forward_pre_hooks or m._forward_hooks for m in model.modules())
+    assert_same(ref, step(model, x))
+    with apply(model, {**ON, KEY: 3}):  # memfit is not left applied
+        assert_same(ref, step(model, x))
+
+
+def test_host_memory_counts_the_weights_a_cpu_model_gives_back_as_they_stream(monkeypatch):
+    # a CPU model streamed for a GPU frees its CPU weights block by block as their masters fill: they count as
+    # free, less one block's buffer; a model already on the device frees no host memory
+    model = frozen_toy()
+    blocks = [(f"blocks.{i}", model.blocks[i]) for i in range(3)]
+    streamer = WeightStreamer(model, blocks)
+    need = sum(b.nbytes for b in streamer.blocks)
+    payload = sum(b.payload for b in streamer.blocks)
+    largest = max(b.nbytes for b in streamer.blocks)
+    streamer.device = torch.device("cuda")  # where it would train (nothing is uploaded here)
+    room = need - (payload - largest)
+    streamer._available = lambda: room
+    streamer._reserve = 0
+    streamer._check_host_memory(streamer.blocks)
+    streamer._available = lambda: room - 1
+    with pytest.raises(HostMemoryError, match="plus .* the weights free as they leave the CPU"):
+        streamer._check_host_memory(streamer.blocks)
+    streamer.device = torch.device("cpu")
+    streamer._available = lambda: need - 1
+    with pytest.raises(HostMemoryError, match=r"need .* but .* is available and"):
+        streamer._check_host_memory(streamer.blocks)

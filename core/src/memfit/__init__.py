@@ -23,6 +23,7 @@ from memfit.config import Backend, MemfitConfig
 from memfit.errors import (
     BudgetError,
     ConfigError,
+    DeviceMemoryError,
     HostMemoryError,
     MemfitError,
     MemfitWarning,
@@ -41,6 +42,7 @@ __all__ = [
     "BlockSpec",
     "CheckpointSwitch",
     "ConfigError",
+    "DeviceMemoryError",
     "FamilyAdapter",
     "HostMemoryError",
     "MemfitConfig",

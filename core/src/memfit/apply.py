@@ -29,6 +29,7 @@ from memfit.install import block_lists, supports_diffusers_checkpointing
 from memfit.offload.copy import CopyEngine
 from memfit.offload.pool import PinnedBucketPool
 from memfit.offload.session import OffloadSession
+from memfit.placement import target_device
 from memfit.plan import BlockEntry, RegionPlan
 
 # models with memfit on; weak, and holding nothing that refers back to the model (a handle would keep it alive)
@@ -44,6 +45,7 @@ def apply(
     strict: bool = True,
     copy_engine: CopyEngine | None = None,
     min_offload_bytes: int = 1 << 20,
+    device: torch.device | str | int | None = None,
     **overrides: Any,
 ) -> MemfitHandle:
     """Install checkpointing/offload on ``model`` as ``config`` asks.
@@ -60,6 +62,11 @@ def apply(
             a CUDA :class:`~memfit.offload.copy.CopyEngine` over a pinned pool sized by the config.
             (``SyncCopyEngine`` runs the same logic on CPU tensors, for tests.)
         min_offload_bytes: tensors smaller than this stay on the device (copying them frees little).
+        device: where the model trains, when it is not there yet (a model loaded on the CPU that the card cannot
+            hold whole): ``apply`` moves it, and the frozen weights of the blocks that stream
+            (``gradient_checkpointing_stream_blocks``) go from where they are straight into pinned host memory,
+            never through the device. ``handle.remove()`` moves everything back where it was. Default: the model
+            trains where its weights are.
 
     Returns:
         A :class:`MemfitHandle`; ``handle.remove()`` restores the model exactly.
@@ -68,7 +75,8 @@ def apply(
         TypeError: ``model`` is not a module, or ``adapter`` neither an adapter nor a family name.
         ConfigError: a key or value is invalid.
         UnsupportedBoundaryError: the family has not declared the requested scope.
-        NotAvailableError: the backend cannot run here.
+        NotAvailableError: the backend cannot run here, or ``device`` is a CUDA device this process cannot see.
+        DeviceMemoryError: what stays on ``device`` does not fit there (the model is left where it was).
         MemfitError: the model already has memfit applied, or cannot be checkpointed at all.
 
     Example:
@@ -78,6 +86,7 @@ def apply(
         >>> handle.remove()
     """
     cfg = as_config(config, strict=strict, **overrides)
+    target = target_device(device)
     if not isinstance(model, nn.Module):
         raise TypeError(
             f"memfit.apply(model, ...) needs the model as a torch.nn.Module (the transformer), got "
@@ -100,9 +109,9 @@ def apply(
     session: OffloadSession | None
     planner: Planner
     if cfg.enabled and cfg.backend is Backend.AUTO:
-        session = _auto_session(model, cfg, adapter, copy_engine, min_offload_bytes)
+        session = _auto_session(model, cfg, adapter, copy_engine, min_offload_bytes, target)
         assert adapter is not None  # checked by _auto_session
-        budget = cfg.memory_budget if cfg.memory_budget is not None else _free_device_memory(model)
+        budget = cfg.memory_budget if cfg.memory_budget is not None else _free_device_memory(model, target)
         planner = BudgetPlanner(
             model,
             adapter,
@@ -116,10 +125,10 @@ def apply(
         initial = RegionPlan(())
     else:
         offloads = (cfg.enabled and cfg.backend.offloads_inputs) or cfg.offload_attention
-        session = _offload_session(model, cfg, copy_engine, min_offload_bytes) if offloads else None
+        session = _offload_session(model, cfg, copy_engine, min_offload_bytes, target) if offloads else None
         initial = _fixed_plan(model, cfg, adapter)
         planner = FixedPlanner(initial)
-    controller = Controller(model, adapter, planner, initial=initial, session=session)
+    controller = Controller(model, adapter, planner, initial=initial, session=session, device=target)
     # FSDP2: memfit goes on after fully_shard; sharding afterwards is refused at the next forward.
     if cfg.installs_anything:
         lists = block_lists(model, adapter)
@@ -155,6 +164,7 @@ def _auto_session(
     adapter: FamilyAdapter | None,
     copy_engine: CopyEngine | None,
     min_offload_bytes: int,
+    target: torch.device | None,
 ) -> OffloadSession | None:
     """The ``auto`` backend's checks, and its offload session (None where no copy engine can run)."""
     if adapter is None:
@@ -170,27 +180,39 @@ def _auto_session(
         )
     if copy_engine is not None:
         return OffloadSession(copy_engine, model, min_offload_bytes=min_offload_bytes)
-    param = next(model.parameters(), None)
-    if param is not None and param.is_cuda:  # the offload policies are offered only where a copy engine runs
-        return _offload_session(model, cfg, None, min_offload_bytes)
+    device = _training_device(model, target)
+    if device is not None and device.type == "cuda":  # the offload policies are offered only where copies run
+        return _offload_session(model, cfg, None, min_offload_bytes, target)
     return None
 
 
-def _free_device_memory(model: nn.Module) -> int:
-    """The default budget: what this process can still allocate on the model's GPU, plus what it holds."""
+def _training_device(model: nn.Module, target: torch.device | None) -> torch.device | None:
+    """``apply``'s ``device``, else where the model's first parameter is (None: no parameter)."""
+    if target is not None:
+        return target
     param = next(model.parameters(), None)
-    if param is None or not param.is_cuda:
+    return param.device if param is not None else None
+
+
+def _free_device_memory(model: nn.Module, target: torch.device | None) -> int:
+    """The default budget: what this process can still allocate on the model's GPU, plus what it holds."""
+    device = _training_device(model, target)
+    if device is None or device.type != "cuda":
         raise ConfigError(
             "gradient_checkpointing_backend='auto' needs gradient_checkpointing_memory_budget (e.g. \"24GiB\") when "
             "the model is not on a CUDA device: off CUDA the budget counts activation bytes held for backward, and "
             "there is no card whose free memory could serve as the default."
         )
-    free, _total = torch.cuda.mem_get_info(param.device)
-    return free + torch.cuda.memory_reserved(param.device)
+    free, _total = torch.cuda.mem_get_info(device)
+    return free + torch.cuda.memory_reserved(device)
 
 
 def _offload_session(
-    model: nn.Module, cfg: MemfitConfig, copy_engine: CopyEngine | None, min_offload_bytes: int
+    model: nn.Module,
+    cfg: MemfitConfig,
+    copy_engine: CopyEngine | None,
+    min_offload_bytes: int,
+    target: torch.device | None = None,
 ) -> OffloadSession:
     if copy_engine is None:
         what = (
@@ -198,13 +220,13 @@ def _offload_session(
             if cfg.backend.offloads_inputs and cfg.enabled
             else "gradient_checkpointing_offload_attention"
         )
-        param = next(model.parameters(), None)
-        if not torch.cuda.is_available() or param is None or not param.is_cuda:
+        device = _training_device(model, target)
+        if not torch.cuda.is_available() or device is None or device.type != "cuda":
             raise NotAvailableError(
                 f"{what} parks activations in pinned CPU memory and needs the model on a CUDA device "
                 f"(CUDA available: {torch.cuda.is_available()}; model on "
-                f"{param.device if param is not None else 'no parameters'}). Move the model to the GPU, or "
-                f"use 'torch' / 'torch-ffn' (recompute instead of offload)."
+                f"{device if device is not None else 'no parameters'}). Move the model to the GPU (or pass "
+                f"memfit.apply(..., device='cuda')), or use 'torch' / 'torch-ffn' (recompute instead of offload)."
             )
         copy_engine = CopyEngine(PinnedBucketPool.from_config(cfg))
     return OffloadSession(copy_engine, model, min_offload_bytes=min_offload_bytes)

@@ -25,7 +25,8 @@ from memfit.engine.frame import FrameStats
 from memfit.engine.hooks import Attached
 from memfit.install import Installation, install, streamed_modules
 from memfit.offload.session import OffloadSession
-from memfit.offload.weights import WeightStreamer, stream_api_for
+from memfit.offload.weights import WeightStreamer, first_weight_device, stream_api_for
+from memfit.placement import Placement
 from memfit.plan import RegionPlan
 
 
@@ -108,6 +109,13 @@ class Controller:
         planner: chooses the plans.
         initial: the plan installed now (a fixed backend's; ``auto``: one that keeps everything).
         session: the offload session shared by every plan, or None.
+        device: where the model trains when ``apply`` was told (``apply(..., device=)``), else None (where the
+            weights are). Given, the initial plan's streamed weights go to host memory from where they are, then
+            everything else moves to ``device`` (:class:`~memfit.placement.Placement`; moved back on
+            :meth:`remove`).
+
+    Raises:
+        DeviceMemoryError: what stays on ``device`` does not fit there (nothing is left moved or installed).
     """
 
     def __init__(
@@ -118,8 +126,11 @@ class Controller:
         *,
         initial: RegionPlan,
         session: OffloadSession | None,
+        device: torch.device | None = None,
     ) -> None:
         self.model = model
+        self.device = device
+        self.placement: Placement | None = None
         self.adapter = adapter
         self.planner = planner
         self.session = session
@@ -130,7 +141,17 @@ class Controller:
         self._handles: list[Any] = []
         # streams the current plan's streamed blocks; outlives re-plans, so host masters are made once per block
         self.streamer: WeightStreamer | None = None
-        self.installation = self._install(initial)
+        try:
+            self.installation = self._install(initial)
+            if (
+                device is not None
+            ):  # after the streamer took its weights: the device holds the resident part only
+                self.placement = Placement.move(model, device, profiles=planner.adaptive)
+        except BaseException:
+            if hasattr(self, "installation"):
+                self.installation.remove()
+            self._release_weights()
+            raise
         self._handles.append(model.register_forward_pre_hook(Attached(self._pre), with_kwargs=True))
         self._handles.append(model.register_forward_hook(Attached(self._post), always_call=True))
 
@@ -141,12 +162,18 @@ class Controller:
     def remove(self) -> None:
         self._undo_interrupted()
         self.installation.remove()
-        if self.streamer is not None:
-            self.streamer.remove()
-            self.streamer = None
+        self._release_weights()
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def _release_weights(self) -> None:
+        """Streamed weights back where they were, then what ``apply`` moved to the device."""
+        if self.streamer is not None:
+            self.streamer.remove()
+            self.streamer = None
+        if self.placement is not None:
+            self.placement.undo()
 
     def _install(self, plan: RegionPlan) -> Installation:
         return install(
@@ -168,7 +195,8 @@ class Controller:
                 self.streamer = None
             return None
         if self.streamer is None:
-            self.streamer = WeightStreamer(self.model, modules, streams=stream_api_for(modules[0][1]))
+            device = self.device or first_weight_device(modules)
+            self.streamer = WeightStreamer(self.model, modules, device=device, streams=stream_api_for(device))
         else:  # installed: only the blocks that change move (no round trip of every weight through the device)
             self.streamer.retarget(modules)
         return self.streamer

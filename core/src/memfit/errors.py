@@ -31,6 +31,10 @@ class HostMemoryError(MemfitError):
     """The offload pool cannot get the host memory a parked tensor needs (host RAM, its cap, or pinning)."""
 
 
+class DeviceMemoryError(MemfitError):
+    """The part of the model that stays on the device does not fit there (``memfit.apply(..., device=)``)."""
+
+
 class MemfitWarning(UserWarning):
     """A setting was ignored or disabled on purpose (e.g. interval on a family without interval support)."""
 

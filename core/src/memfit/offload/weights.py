@@ -33,6 +33,12 @@ master is the truth.
 
 Without streams (a model on the CPU: tests, CPU-only machines) the same bookkeeping runs with synchronous
 copies.
+
+Where the weights start.  The streamer's ``device`` is where the model trains; a weight may start elsewhere (a
+model loaded on the CPU, too large for the card: ``memfit.apply(..., device=)``). Its master is filled from
+where it is and its placeholder made on ``device``, so a streamed weight never passes through the device at
+installation. Each weight remembers that place (its home): :meth:`WeightStreamer.remove` puts it back there,
+while a block that stops streaming in a re-plan comes back to ``device``, where the model trains.
 """
 
 from __future__ import annotations
@@ -172,6 +178,7 @@ class _Weight:
     stride: tuple[int, ...]
     dtype: torch.dtype
     placeholder: torch.Tensor
+    home: torch.device  # where it was when streaming began (``remove`` puts it back there)
     master: torch.Tensor | None = None  # a view of the host buffer
 
 
@@ -223,6 +230,9 @@ class WeightStreamer:
         model: the model (its other parameters and buffers are checked for shared storage; FSDP2 is refused).
         blocks: (name, block) of the streamed blocks, in call order.
         streams: the stream and event calls; ``None`` copies synchronously (a model on the CPU).
+        device: where the model trains: uploads and placeholders go there (default: where the first streamed
+            weight is). A weight elsewhere (on the CPU) is copied to its master from there ("Where the weights
+            start").
         ahead: streamed blocks uploaded ahead of the one running (:data:`UPLOADS_AHEAD`).
         available_host_bytes: host RAM that can still be allocated (default: :mod:`memfit.offload.hostmem`).
         host_reserve_bytes: RAM left free for the rest of the process (default: 10% of the host, at least 2 GiB).
@@ -247,6 +257,7 @@ class WeightStreamer:
         blocks: Sequence[tuple[str, nn.Module]],
         *,
         streams: StreamApi | None = None,
+        device: torch.device | None = None,
         ahead: int = UPLOADS_AHEAD,
         available_host_bytes: Callable[[], int] | None = None,
         host_reserve_bytes: int | None = None,
@@ -268,9 +279,10 @@ class WeightStreamer:
         self._available = available_host_bytes or hostmem.available_host_bytes
         self._reserve = host_reserve_bytes
         self._allocate = allocate
+        self._fixed_device = device is not None
+        self.device = device if device is not None else first_weight_device(blocks)
         self.blocks = self._plan(blocks)
         self._by_module = {b.module: b for b in self.blocks}
-        self.device = self.blocks[0].weights[0].param.device if self.blocks else torch.device("cpu")
         self.stats = WeightStats()
         self.pinned_bytes = 0
         self.host_allocations = 0  # host buffers allocated (at installation only: none in the steady state)
@@ -293,8 +305,8 @@ class WeightStreamer:
             for pname, p in streamable_parameters(module):
                 if _storage_ptr(p) in shared:
                     continue  # tied to another parameter or buffer: an upload would untie them
-                placeholder = torch.full((), math.nan, dtype=p.dtype, device=p.device).expand(p.shape)
-                weights.append(_Weight(p, pname, offset, p.shape, p.stride(), p.dtype, placeholder))
+                placeholder = torch.full((), math.nan, dtype=p.dtype, device=self.device).expand(p.shape)
+                weights.append(_Weight(p, pname, offset, p.shape, p.stride(), p.dtype, placeholder, p.device))
                 nbytes = p.numel() * p.element_size()
                 offset += _padded(nbytes)
                 payload += nbytes
@@ -312,7 +324,7 @@ class WeightStreamer:
         it), swap in the placeholders and add the hooks."""
         if self.installed:
             return
-        self._check_host_memory(sum(b.nbytes for b in self.blocks if b.host is None))
+        self._check_host_memory([b for b in self.blocks if b.host is None])
         if self.streams is not None and self._h2d is None:
             self._h2d = self.streams.new_stream()
         for block in self.blocks:
@@ -342,8 +354,9 @@ class WeightStreamer:
             module.register_load_state_dict_pre_hook(Attached(self._refuse_load)),
         ]
 
-    def _restore(self, block: _Block) -> None:
-        """``block``'s weights back on the device from their host master (kept), its hooks off."""
+    def _restore(self, block: _Block, *, home: bool = False) -> None:
+        """``block``'s weights back on the device (``home``: where each was when it began streaming) from their
+        host master (kept), its hooks off."""
         for uploads in (self._pending, self._active):
             upload = uploads.pop(block, None)
             if upload is not None:
@@ -354,25 +367,48 @@ class WeightStreamer:
         state.mark_streamed([w.param for w in block.weights], streamed=False)
         for w in block.weights:
             assert w.master is not None
-            restored = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=self.device)
+            device = w.home if home else self.device
+            restored = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=device)
             w.param.data = restored.copy_(w.master)
 
-    def _check_host_memory(self, need: int) -> None:
+    def _check_host_memory(self, blocks: list[_Block]) -> None:
+        """The host masters of ``blocks`` fit in host RAM. Weights that start on the host (a model loaded on the
+        CPU, trained on a GPU) give their memory back block by block as their masters fill, so it counts as
+        free, less the largest block's buffer (its master and its weights exist together for a moment)."""
+        need = sum(b.nbytes for b in blocks)
+        if not need:
+            return
+        released = 0
+        if self.device.type != "cpu":
+            released = sum(
+                w.shape.numel() * w.dtype.itemsize for b in blocks for w in b.weights if w.home.type == "cpu"
+            )
+            released = max(0, released - max(b.nbytes for b in blocks))
         reserve = self._reserve if self._reserve is not None else hostmem.default_host_reserve()
         available = int(self._available())
-        if need > available - reserve:
+        if need > available - reserve + released:
+            also = (
+                f" (plus {format_bytes(released)} the weights free as they leave the CPU)" if released else ""
+            )
             raise HostMemoryError(
-                f"{STREAM_KEY}: the frozen weights of {len(self.blocks)} streamed block(s) need "
-                f"{format_bytes(need)} of host memory, but {format_bytes(max(0, available))} is available and "
+                f"{STREAM_KEY}: the frozen weights of {len(blocks)} streamed block(s) need "
+                f"{format_bytes(need)} of host memory, but {format_bytes(max(0, available))} is available{also} and "
                 f"{format_bytes(reserve)} of it is kept free for the rest of the process. Stream fewer blocks "
                 f"(a smaller {STREAM_KEY}), or free host RAM (fewer dataloader workers, smaller caches)."
             )
 
     def remove(self) -> None:
-        """Put every streamed weight back on its device (same values, same Parameter objects); free the masters."""
-        self.suspend()
+        """Put every streamed weight back where it was when it began streaming (same values, same Parameter
+        objects); free the masters."""
         for block in self.blocks:
+            if self.installed:
+                self._restore(block, home=True)
+            else:  # suspended: on the device, where the model trains; home may be elsewhere
+                for w in block.weights:
+                    if w.param.device != w.home:
+                        w.param.data = w.param.data.to(w.home)
             self._release(block)
+        self.installed = False
 
     def suspend(self) -> None:
         """Put every streamed weight back on its device and take the hooks off, keeping the host masters: a later
@@ -402,7 +438,7 @@ class WeightStreamer:
             block.name, block.position = name, position
             planned.append(block)
         if self.installed:
-            self._check_host_memory(sum(b.nbytes for b in fresh))
+            self._check_host_memory(fresh)
             for block in fresh:  # first: taking weights off the device makes room for those that come back
                 self._stream(block)
         for block in kept.values():  # no longer streamed
@@ -411,7 +447,7 @@ class WeightStreamer:
             self._release(block)
         self.blocks = planned
         self._by_module = {b.module: b for b in planned}
-        if planned:
+        if planned and not self._fixed_device:
             self.device = planned[0].weights[0].param.device
 
     def _release(self, block: _Block) -> None:
@@ -628,11 +664,18 @@ class WeightStreamer:
         return sum(b.payload for b in self.blocks)
 
 
-def stream_api_for(block: nn.Module) -> StreamApi | None:
-    """The stream calls for a model whose block ``block`` is: CUDA's on a CUDA device, else None (synchronous
-    copies; tests replace this function to run the stream logic over recording or delayed streams)."""
-    p = next(block.parameters(), None)
-    return StreamApi() if p is not None and p.is_cuda else None
+def first_weight_device(blocks: Sequence[tuple[str, nn.Module]]) -> torch.device:
+    """Where the first streamable weight of ``blocks`` is (the CPU when none is)."""
+    for _, module in blocks:
+        for _, p in streamable_parameters(module):
+            return p.device
+    return torch.device("cpu")
+
+
+def stream_api_for(device: torch.device) -> StreamApi | None:
+    """The stream calls for weights streamed to ``device``: CUDA's on a CUDA device, else None (synchronous copies;
+    tests replace this function to run the stream logic over recording or delayed streams)."""
+    return StreamApi() if device.type == "cuda" else None
 
 
 def weight_stats(streamer: WeightStreamer | None, *, planned_blocks: int) -> dict[str, Any]:

@@ -1,0 +1,152 @@
+"""Where the model trains: ``memfit.apply(model, config, device=...)`` moves it there; ``remove()`` moves it back.
+
+Design notes (``docs/weight-streaming.md``, "A model that starts on the host")
+-----------------------------------------------------------------------------
+Why apply moves the model.  A model larger than the card is loaded on the CPU; ``model.to("cuda")`` before
+``apply`` would run out of memory before any weight could stream. So ``apply`` moves it: the frozen weights of the
+blocks that stream go from where they are into their host masters (the streamer's job), everything else goes to
+the device here. The streamer runs first, so the device never holds more than the resident part.
+
+Undo.  Each tensor moved here keeps its home (its device before ``apply``); :meth:`Placement.undo` moves the tensor
+as it is now back there, so after ``remove()`` the model is where it was, with the values training gave it. A
+parameter added after ``apply`` (LoRA) is not memfit's to move and stays where it was made.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+
+from memfit.errors import ConfigError, DeviceMemoryError, NotAvailableError
+from memfit.units import format_bytes
+
+
+def target_device(device: torch.device | str | int | None) -> torch.device | None:
+    """``apply``'s ``device`` checked: None, the CPU, or an available CUDA device (an index means ``cuda:index``).
+
+    Raises:
+        ConfigError: not a device torch knows, or one memfit does not train on.
+        NotAvailableError: a CUDA device this process cannot see.
+    """
+    if device is None:
+        return None
+    try:
+        target = torch.device(device)
+    except (RuntimeError, TypeError) as exc:
+        raise ConfigError(
+            f"memfit.apply(..., device={device!r}): not a device ({exc}). Pass where the model trains, e.g. "
+            f"device='cuda' or device='cuda:1'."
+        ) from None
+    if target.type not in ("cpu", "cuda"):
+        raise ConfigError(
+            f"memfit.apply(..., device={device!r}): memfit trains on 'cuda' or 'cpu', not {target.type!r}."
+        )
+    if target.type == "cuda":
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if target.index is None:
+            target = torch.device("cuda", torch.cuda.current_device()) if count else target
+        if not count or target.index >= count:
+            raise NotAvailableError(
+                f"memfit.apply(..., device={device!r}): this process sees {count} CUDA device(s). Check "
+                f"CUDA_VISIBLE_DEVICES and the driver, or pass device='cpu'."
+            )
+    return target
+
+
+@dataclass
+class Placement:
+    """The tensors :meth:`move` moved to ``device``, each with its home.
+
+    Example:
+        >>> placement = Placement.move(model, torch.device("cuda"))  # doctest: +SKIP
+        >>> ...  # train
+        >>> placement.undo()  # doctest: +SKIP
+    """
+
+    device: torch.device
+    parameters: list[tuple[nn.Parameter, torch.device]] = field(default_factory=list)
+    buffers: list[tuple[nn.Module, str, torch.device]] = field(default_factory=list)
+
+    @classmethod
+    def move(cls, model: nn.Module, device: torch.device, *, profiles: bool = False) -> Placement:
+        """Every parameter (with its gradient) and buffer of ``model`` that is not on ``device``, moved there.
+
+        Args:
+            model: the model.
+            device: where it trains.
+            profiles: ``auto`` plans it (its profiling forward needs every weight on the device: the error says
+                how to stream weights instead).
+
+        Raises:
+            DeviceMemoryError: the device ran out of memory; what had moved is back where it was.
+        """
+        placement = cls(device)
+        try:
+            placement._move(model)
+        except torch.OutOfMemoryError:
+            placement.undo()
+            staying = _storage_bytes(model)
+            free = torch.cuda.mem_get_info(device)[0] if device.type == "cuda" else None
+            where = f"do not fit on {device} ({format_bytes(free)} free)"
+            if profiles:
+                fix = (
+                    "gradient_checkpointing_backend='auto' profiles the model with every weight on the device, "
+                    "so it needs a device that holds the weights. Use a fixed backend with weights streamed "
+                    "from host memory instead, e.g. {'gradient_checkpointing_backend': 'torch', "
+                    "'gradient_checkpointing_stream_blocks': '<the bytes that do not fit, and more for the "
+                    "activations>'}, or train on a larger device."
+                )
+            else:
+                fix = (
+                    "Stream more blocks' weights from host memory (gradient_checkpointing_stream_blocks, a count "
+                    'or a size such as "8GiB"), or train on a larger device.'
+                )
+            raise DeviceMemoryError(
+                f"memfit.apply(..., device='{device}'): the model's weights and buffers that stay on the device "
+                f"({format_bytes(staying)}) {where}. {fix} The model is where it was."
+            ) from None
+        return placement
+
+    def _move(self, model: nn.Module) -> None:
+        seen: set[int] = set()
+        for module in model.modules():
+            for p in module._parameters.values():
+                if p is None or id(p) in seen or p.device == self.device:
+                    continue
+                seen.add(id(p))
+                home = p.device
+                p.data = p.data.to(self.device)
+                if p.grad is not None:
+                    p.grad = p.grad.to(self.device)
+                self.parameters.append((p, home))
+            for name, buf in module._buffers.items():
+                if buf is None or buf.device == self.device:
+                    continue
+                module._buffers[name] = buf.to(self.device)
+                self.buffers.append((module, name, buf.device))
+
+    def undo(self) -> None:
+        """Every tensor :meth:`move` moved back on its home device, as it is now. Idempotent."""
+        for p, home in reversed(self.parameters):
+            p.data = p.data.to(home)
+            if p.grad is not None:
+                p.grad = p.grad.to(home)
+        for module, name, home in reversed(self.buffers):
+            buf = module._buffers.get(name)
+            if buf is not None:
+                module._buffers[name] = buf.to(home)
+        self.parameters.clear()
+        self.buffers.clear()
+
+
+def _storage_bytes(model: nn.Module) -> int:
+    """Bytes of the distinct storages under ``model``'s parameters and buffers (a streamed weight's placeholder
+    is one element)."""
+    storages: dict[Any, int] = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        storage = t.untyped_storage()
+        storages[(t.device, storage.data_ptr())] = storage.nbytes()
+    return sum(storages.values())
