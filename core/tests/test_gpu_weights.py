@@ -306,8 +306,13 @@ def test_a_cpu_model_trains_on_the_card_bitwise_and_its_streamed_weights_never_v
         for _ in range(3):
             assert_same(ref, step(model, x))
         stats = handle.stats()
+        late = torch.nn.Parameter(
+            torch.zeros(4, device="cuda")
+        )  # added on the card after apply, as LoRA can be
+        model.blocks[0].register_parameter("late", late)
     assert stats["streamed_blocks"] == 3 and stats["weight_uploads_on_demand"] == 0
-    assert all(p.device.type == "cpu" for p in model.parameters())
+    assert all(p.device.type == "cpu" for p in model.parameters()) and late.device.type == "cpu"
+    del model.blocks[0].late
     assert all(torch.equal(p, values[n]) for n, p in model.named_parameters())
 
 

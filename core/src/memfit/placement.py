@@ -8,12 +8,15 @@ blocks that stream go from where they are into their host masters (the streamer'
 the device here. The streamer runs first, so the device never holds more than the resident part.
 
 Undo.  Each tensor moved here keeps its home (its device before ``apply``); :meth:`Placement.undo` moves the tensor
-as it is now back there, so after ``remove()`` the model is where it was, with the values training gave it. A
-parameter added after ``apply`` (LoRA) is not memfit's to move and stays where it was made.
+as it is now back there, so after ``remove()`` the model is where it was, with the values training gave it. Where
+everything moved came from one device (a model loaded on the CPU), a tensor added on the device since (LoRA added
+after ``apply``) goes there too: a model left half on the GPU could not run. Tensors that were on the device
+before ``apply`` stay.
 """
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -66,9 +69,11 @@ class Placement:
         >>> placement.undo()  # doctest: +SKIP
     """
 
+    model: nn.Module
     device: torch.device
     parameters: list[tuple[nn.Parameter, torch.device]] = field(default_factory=list)
     buffers: list[tuple[nn.Module, str, torch.device]] = field(default_factory=list)
+    there_before: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # on the device before the move
 
     @classmethod
     def move(cls, model: nn.Module, device: torch.device, *, profiles: bool = False) -> Placement:
@@ -83,7 +88,7 @@ class Placement:
         Raises:
             DeviceMemoryError: the device ran out of memory; what had moved is back where it was.
         """
-        placement = cls(device)
+        placement = cls(model, device)
         try:
             placement._move(model)
         except torch.OutOfMemoryError:
@@ -114,32 +119,48 @@ class Placement:
         seen: set[int] = set()
         for module in model.modules():
             for p in module._parameters.values():
+                if p is not None and p.device == self.device:
+                    self.there_before.add(p)
                 if p is None or id(p) in seen or p.device == self.device:
                     continue
                 seen.add(id(p))
-                home = p.device
-                p.data = p.data.to(self.device)
-                if p.grad is not None:
-                    p.grad = p.grad.to(self.device)
-                self.parameters.append((p, home))
+                self.parameters.append((p, p.device))
+                _move_parameter(p, self.device)
             for name, buf in module._buffers.items():
+                if buf is not None and buf.device == self.device:
+                    self.there_before.add(buf)
                 if buf is None or buf.device == self.device:
                     continue
                 module._buffers[name] = buf.to(self.device)
                 self.buffers.append((module, name, buf.device))
 
     def undo(self) -> None:
-        """Every tensor :meth:`move` moved back on its home device, as it is now. Idempotent."""
+        """Every tensor :meth:`move` moved back on its home device, as it is now, and where they all came from one
+        device, the tensors added on the device since (see "Undo"). Idempotent."""
+        homes = {home for _, home in self.parameters} | {home for *_, home in self.buffers}
         for p, home in reversed(self.parameters):
-            p.data = p.data.to(home)
-            if p.grad is not None:
-                p.grad = p.grad.to(home)
+            _move_parameter(p, home)
         for module, name, home in reversed(self.buffers):
             buf = module._buffers.get(name)
             if buf is not None:
                 module._buffers[name] = buf.to(home)
+        if len(homes) == 1:
+            (home,) = homes
+            for module in self.model.modules():
+                for p in module._parameters.values():
+                    if p is not None and p.device == self.device and p not in self.there_before:
+                        _move_parameter(p, home)
+                for name, buf in module._buffers.items():
+                    if buf is not None and buf.device == self.device and buf not in self.there_before:
+                        module._buffers[name] = buf.to(home)
         self.parameters.clear()
         self.buffers.clear()
+
+
+def _move_parameter(p: nn.Parameter, device: torch.device) -> None:
+    p.data = p.data.to(device)
+    if p.grad is not None:
+        p.grad = p.grad.to(device)
 
 
 def _storage_bytes(model: nn.Module) -> int:
