@@ -282,19 +282,40 @@ def _parameter_bytes(model) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
-@pytest.mark.parametrize("name", ["torch", "unsloth", "torch-ffn"])
-def test_a_cpu_model_trains_on_the_card_bitwise_and_its_streamed_weights_never_visit_it(name):
-    """``apply(..., device="cuda")`` on a model loaded on the CPU: the streamed blocks' frozen weights go straight
-    to their host masters (the card holds the rest only), the steps are the CUDA model's bit for bit, and
-    ``remove()`` puts every weight back on the CPU with its values."""
+def _cpu_model(*, blocks: int, tokens: int):
+    """The toy stack on the CPU, an input on the GPU, and the reference step of a copy of the model on the GPU
+    (dropped again, the allocator's cache emptied)."""
     require_cuda()
-    model = frozen_toy(device="cpu", dim=1024, blocks=6)
-    x = torch.randn(1, 2048, 1024, device="cuda")
+    model = frozen_toy(device="cpu", dim=1024, blocks=blocks)
+    x = torch.randn(1, tokens, 1024, device="cuda")
     reference = copy.deepcopy(model).to("cuda")
     ref = step(reference, x)
     del reference
     gc.collect()
     torch.cuda.empty_cache()
+    return model, x, ref
+
+
+@contextlib.contextmanager
+def _process_limited_to(nbytes: int):
+    """This process may reserve ``nbytes`` more than it holds now on the current GPU (a card of that size)."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    limit = torch.cuda.memory_reserved(device) + nbytes
+    torch.cuda.set_per_process_memory_fraction(
+        limit / torch.cuda.get_device_properties(device).total_memory, device
+    )
+    try:
+        yield device, limit
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+
+
+@pytest.mark.parametrize("name", ["torch", "unsloth", "torch-ffn"])
+def test_a_cpu_model_trains_on_the_card_bitwise_and_its_streamed_weights_never_visit_it(name):
+    """``apply(..., device="cuda")`` on a model loaded on the CPU: the streamed blocks' frozen weights go straight
+    to their host masters (the card holds the rest only), the steps are the CUDA model's bit for bit, and
+    ``remove()`` puts every weight back on the CPU with its values."""
+    model, x, ref = _cpu_model(blocks=6, tokens=2048)
     values = {n: p.detach().clone() for n, p in model.named_parameters()}
     streamed = 3 * frozen_block_bytes(model.blocks[0])
     before = torch.cuda.memory_allocated()
@@ -306,9 +327,8 @@ def test_a_cpu_model_trains_on_the_card_bitwise_and_its_streamed_weights_never_v
         for _ in range(3):
             assert_same(ref, step(model, x))
         stats = handle.stats()
-        late = torch.nn.Parameter(
-            torch.zeros(4, device="cuda")
-        )  # added on the card after apply, as LoRA can be
+        # added on the card after apply, as LoRA can be
+        late = torch.nn.Parameter(torch.zeros(4, device="cuda"))
         model.blocks[0].register_parameter("late", late)
     assert stats["streamed_blocks"] == 3 and stats["weight_uploads_on_demand"] == 0
     assert all(p.device.type == "cpu" for p in model.parameters()) and late.device.type == "cpu"
@@ -323,20 +343,17 @@ def test_a_model_larger_than_the_process_may_hold_trains_from_the_host():
     model = frozen_toy(device="cpu", dim=1024, blocks=8)
     x = torch.randn(1, 256, 1024, device="cuda")
     total = _parameter_bytes(model)
-    device = torch.device("cuda", torch.cuda.current_device())
     gc.collect()
     torch.cuda.empty_cache()
-    limit = torch.cuda.memory_reserved(device) + int(0.75 * total)
-    torch.cuda.set_per_process_memory_fraction(
-        limit / torch.cuda.get_device_properties(device).total_memory, device
-    )
-    try:
+    with _process_limited_to(int(0.75 * total)) as (device, limit):
         with pytest.raises(torch.OutOfMemoryError):
             copy.deepcopy(model).to(device)
         gc.collect()
         torch.cuda.empty_cache()
         with pytest.raises(memfit.DeviceMemoryError, match="profiles the model with every weight"):
-            memfit.apply(model, {**ON, "gradient_checkpointing_backend": "auto"}, adapter=TOY, device=device)
+            memfit.apply(
+                model, {**ON, "gradient_checkpointing_backend": "auto", KEY: 0}, adapter=TOY, device=device
+            )
         assert all(p.device.type == "cpu" for p in model.parameters())  # left where it was
         config = {**ON, "gradient_checkpointing_backend": "unsloth", KEY: 6}
         torch.cuda.reset_peak_memory_stats(device)
@@ -345,6 +362,30 @@ def test_a_model_larger_than_the_process_may_hold_trains_from_the_host():
                 step(model, x)
             assert torch.cuda.max_memory_reserved(device) <= limit
             assert handle.stats()["streamed_blocks"] == 6
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
+    assert all(p.device.type == "cpu" for p in model.parameters())
+
+
+def test_auto_on_a_card_smaller_than_the_weights_profiles_them_streaming_and_keeps_its_budget():
+    """``auto`` with ``device`` on a CPU model whose weights the process cannot hold: it profiles with the
+    planner's streaming set in host memory, plans, and every step stays within the budget with the unmodified
+    model's gradients (fp32: bitwise)."""
+    model, x, ref = _cpu_model(blocks=8, tokens=256)
+    total = _parameter_bytes(model)
+    budget = int(0.6 * total)
+    peaks = []
+    with _process_limited_to(int(0.75 * total)) as (device, _):
+        config = {
+            **ON,
+            "gradient_checkpointing_backend": "auto",
+            "gradient_checkpointing_memory_budget": budget,
+        }
+        with memfit.apply(model, config, adapter=TOY, device=device) as handle:
+            assert handle._controller.profiles_streaming
+            for _ in range(6):
+                torch.cuda.reset_peak_memory_stats(device)
+                assert_same(ref, step(model, x))
+                peaks.append(torch.cuda.max_memory_allocated(device))
+            stats = handle.stats()
+    assert stats["streamed_blocks"] >= 1 and stats["weight_held_after_forward"] == 0
+    assert max(peaks) <= budget, (peaks, budget, stats["shapes"])
     assert all(p.device.type == "cpu" for p in model.parameters())

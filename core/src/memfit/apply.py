@@ -121,6 +121,7 @@ def apply(
             can_stream=cfg.stream_blocks != 0,  # 0: every weight stays on the device
             optimizer_state_per_byte=cfg.optimizer_state_per_byte,
             optimizer_temporaries_per_byte=cfg.optimizer_step_temporaries_per_byte,
+            device=target,
         )
         initial = RegionPlan(())
     else:

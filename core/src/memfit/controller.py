@@ -11,6 +11,7 @@ of the module being called); the controller forwards the start and end of each f
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 from collections.abc import Hashable, Mapping
@@ -57,6 +58,11 @@ class Planner(Protocol):
     def needs_bare_model(self, signature: Hashable) -> bool:
         """:meth:`plan_for` runs the model (``auto`` profiles a new signature): every weight must be in place."""
 
+    def profiling_plan(self, device: torch.device) -> RegionPlan | None:
+        """For a model that starts on the host and whose weights the card cannot hold: a plan streaming enough
+        blocks' weights for :meth:`plan_for` to profile it on ``device`` (None: not needed, or this planner
+        cannot)."""
+
     def installed(self, signature: Hashable) -> None:
         """The plan for ``signature`` is installed (``auto`` starts measuring its steps from here)."""
 
@@ -93,6 +99,9 @@ class FixedPlanner:
     def needs_bare_model(self, signature: Hashable) -> bool:
         return False
 
+    def profiling_plan(self, device: torch.device) -> RegionPlan | None:
+        return None
+
     def installed(self, signature: Hashable) -> None:
         return None
 
@@ -112,7 +121,9 @@ class Controller:
         device: where the model trains when ``apply`` was told (``apply(..., device=)``), else None (where the
             weights are). Given, the initial plan's streamed weights go to host memory from where they are, then
             everything else moves to ``device`` (:class:`~memfit.placement.Placement`; moved back on
-            :meth:`remove`).
+            :meth:`remove`). Under ``auto``, a model whose weights the device cannot hold starts with the
+            planner's :meth:`~Planner.profiling_plan` streaming, and new input shapes are profiled while it streams
+            (docs/weight-streaming.md, "A model that starts on the host").
 
     Raises:
         DeviceMemoryError: what stays on ``device`` does not fit there (nothing is left moved or installed).
@@ -131,6 +142,9 @@ class Controller:
         self.model = model
         self.device = device
         self.placement: Placement | None = None
+        self.profiles_streaming = (
+            False  # auto profiles with weights streaming (the card cannot hold them all)
+        )
         self.adapter = adapter
         self.planner = planner
         self.session = session
@@ -143,10 +157,8 @@ class Controller:
         self.streamer: WeightStreamer | None = None
         try:
             self.installation = self._install(initial)
-            if (
-                device is not None
-            ):  # after the streamer took its weights: the device holds the resident part only
-                self.placement = Placement.move(model, device, profiles=planner.adaptive)
+            if device is not None:  # after the streamer took its weights: the device holds the rest only
+                self.placement = self._place(device)
         except BaseException:
             if hasattr(self, "installation"):
                 self.installation.remove()
@@ -166,6 +178,19 @@ class Controller:
         for h in self._handles:
             h.remove()
         self._handles.clear()
+
+    def _place(self, device: torch.device) -> Placement:
+        """Everything not streamed moved to ``device``; under ``auto``, weights the device cannot hold for the
+        profile stream from the host first (:meth:`Planner.profiling_plan`)."""
+        profiling = self.planner.profiling_plan(device) if self.planner.adaptive else None
+        if profiling is None:
+            return Placement.move(self.model, device, profiles=self.planner.adaptive)
+        self.installation.remove()
+        self.installation = self._install(
+            profiling
+        )  # its blocks' weights go to host memory from where they are
+        self.profiles_streaming = True
+        return Placement.move(self.model, device)
 
     def _release_weights(self) -> None:
         """Streamed weights back where they were, then what ``apply`` moved to the device."""
@@ -191,7 +216,7 @@ class Controller:
         modules = streamed_modules(self.model, self.adapter, plan)
         if not modules:
             if self.streamer is not None:
-                self.streamer.remove()
+                self.streamer.retarget([])  # their weights back on the device the model trains on
                 self.streamer = None
             return None
         if self.streamer is None:
@@ -237,11 +262,17 @@ class Controller:
     def _switch(self, signature: Hashable, args: tuple, kwargs: dict) -> None:
         current = self.installation.plan
         self.installation.remove()
-        if self.streamer is not None and self.planner.needs_bare_model(signature):
+        profiling = self.streamer is not None and self.planner.needs_bare_model(signature)
+        if profiling and not self.profiles_streaming:
             self.streamer.suspend()  # profiling runs the model with its weights in place
         plan = None
         try:
-            plan = self.planner.plan_for(signature, args, kwargs)
+            with (
+                self.streamer.profiling()
+                if profiling and self.profiles_streaming
+                else contextlib.nullcontext()
+            ):
+                plan = self.planner.plan_for(signature, args, kwargs)
         finally:  # a planning error (BudgetError) leaves the previous plan installed, never a half-removed one
             self.installation = self._install(plan if plan is not None else current)
         self._signature = signature

@@ -38,10 +38,11 @@ from memfit.auto.planner import (
     suggested_budget,
 )
 from memfit.auto.policy import allowed_policies
-from memfit.auto.profile import BlockProfile, ModelProfile, profile_model
+from memfit.auto.profile import BlockProfile, ModelProfile, profile_model, streamed_allocation
 from memfit.auto.streaming import choose_streaming, streamable_counts
 from memfit.config import OPTIMIZER_STATE, OPTIMIZER_STEP_TEMPORARIES
 from memfit.errors import BudgetError, MemfitWarning
+from memfit.offload.weights import choose_streamed_blocks, frozen_block_bytes
 from memfit.plan import BlockPolicy, RegionPlan
 from memfit.units import format_bytes
 
@@ -58,6 +59,9 @@ MEASURED_MARGIN = 0.01
 LIMIT_STEP_BACK = 0.03
 # _plan_at's searches (see "Copy reserve"): every policy, copies weighed with their reserve, no copies
 _PLAIN, _RESERVE, _NO_OFFLOAD = "plain", "reserve", "no-offload"
+# of what the process can hold: the most a model that starts on the host keeps resident while auto profiles it
+# (the rest is the profile's own room: one forward's working memory, one block alone forward and backward)
+PROFILE_RESIDENT_SHARE = 0.5
 CALIBRATION_STEPS = 3  # measured steps without a change after which a shape's plan is settled
 MENTIONED_OPTIMIZER_SHARE = 0.05  # a BudgetError names the optimizer state from this share of the peak on
 
@@ -220,6 +224,7 @@ class BudgetPlanner:
         host_bytes: Callable[[], int] | None = None,
         optimizer_state_per_byte: float = OPTIMIZER_STATE["adamw"],
         optimizer_temporaries_per_byte: float = OPTIMIZER_STEP_TEMPORARIES["adamw"],
+        device: torch.device | None = None,
     ) -> None:
         self.model = model
         self.adapter = adapter
@@ -231,7 +236,7 @@ class BudgetPlanner:
         self.optimizer_state_per_byte = optimizer_state_per_byte
         self.optimizer_temporaries_per_byte = optimizer_temporaries_per_byte
         self._host_bytes = host_bytes or _host_bytes_for_weights
-        device = next(model.parameters()).device
+        device = device if device is not None else next(model.parameters()).device
         # the closed loop runs where a step's peak can be read: CUDA (or a meter given, in tests)
         self.meter = peak_meter if peak_meter is not None else default_peak_meter(device)
         self.shapes: dict[Hashable, ShapeBudget] = {}
@@ -263,6 +268,34 @@ class BudgetPlanner:
 
     def needs_bare_model(self, signature: Hashable) -> bool:
         return signature not in self.shapes  # a new signature is profiled
+
+    def profiling_plan(self, device: torch.device) -> RegionPlan | None:
+        """For a model on the host that trains on ``device``: None where every weight fits on it with room for
+        the profile (:data:`PROFILE_RESIDENT_SHARE`), else the fewest blocks, spread over the frozen bytes, whose
+        frozen weights must stream for the rest to fit in that share, each recomputed whole (nothing runs under
+        this plan: the first forward is profiled with them streaming, then planned).
+
+        Raises:
+            NotAvailableError: a frozen weight that would have to stream is quantized (a tensor subclass).
+        """
+        capacity = device_capacity(device)
+        if not self.can_stream or capacity is None:
+            return None
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        room = int(PROFILE_RESIDENT_SHARE * capacity)
+        if weights <= room:
+            return None
+        lists = self.adapter.resolve_block_lists(self.model)
+        sizes = [
+            (f"{path}.{i}", frozen_block_bytes(m))
+            for path, blocks in lists.items()
+            for i, m in enumerate(blocks)
+        ]
+        streamable = sum(n for _, n in sizes)
+        if not streamable:
+            return None
+        chosen = choose_streamed_blocks(sizes, min_bytes=min(weights - room, streamable))
+        return RegionPlan.from_policies([(name, BlockPolicy.BLOCK) for name in chosen], streamed=chosen)
 
     def installed(self, signature: Hashable) -> None:
         """The next step is measured on its own: from here, after profiling and after the installation took
@@ -437,12 +470,17 @@ class BudgetPlanner:
         resident = torch.cuda.memory_allocated(device) if device.type == "cuda" else 0
         capacity = device_capacity(device)
         room = f" of the {format_bytes(capacity)} this process can hold" if capacity is not None else ""
+        streamed = streamed_allocation(self.model) if device.type == "cuda" else 0
+        weights = (
+            f"with {format_bytes(streamed)} of frozen weights streaming from host memory and the rest on the device"
+            if streamed
+            else "with every weight on the device"
+        )
         error = BudgetError(
             f"gradient_checkpointing_backend='auto' ran out of memory in its profiling forward, which runs the model "
-            f"once per new input shape with every weight on the device ({format_bytes(resident)}{room} allocated "
-            f"before it), before any plan applies (weight streaming included). The process needs room for the "
-            f"weights and one forward's working memory: free memory on the device, use a larger one, or shrink the "
-            f"step (batch, resolution).",
+            f"once per new input shape {weights} ({format_bytes(resident)}{room} allocated before it), before any "
+            f"plan applies. The process needs room for those weights and one forward's working memory: free memory "
+            f"on the device, use a larger one, or shrink the step (batch, resolution).",
             smallest_peak_bytes=resident,
             suggested_budget_bytes=suggested_budget(resident, copied_bytes=0),
         )
@@ -651,12 +689,17 @@ def _with_profiling_floor(exc: BudgetError, profile: ModelProfile) -> BudgetErro
     if not profile.counts_transient:
         return exc
     own = max((b.backward_peak_bytes for b in profile.blocks), default=0)
-    need = profile.static_bytes + profile.outside_bytes + profile.workspace_bytes + own
+    streamed = profile.streamed_while_profiled_bytes
+    upload = (
+        max((b.frozen_bytes for b in profile.blocks), default=0) if streamed else 0
+    )  # the running block's
+    need = profile.static_bytes - streamed + upload + profile.outside_bytes + profile.workspace_bytes + own
     card = suggested_budget(need, copied_bytes=0)
     if exc.suggested_budget_bytes >= card:
         return exc
+    weights = "with some weights streaming as it did here" if streamed else "with every weight on the device"
     return BudgetError(
-        f"{exc} On a card of that size auto's profiling forward, which runs with every weight on the device "
+        f"{exc} On a card of that size auto's profiling forward, which runs {weights} "
         f"(~{format_bytes(need)}), would not fit: a card needs at least {format_bytes(card)}.",
         smallest_peak_bytes=exc.smallest_peak_bytes,
         suggested_budget_bytes=card,

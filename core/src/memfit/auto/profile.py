@@ -20,6 +20,12 @@ Memory.  On CUDA: the bytes allocated before the forward (parameters, gradients,
 inputs), the forward's working memory outside the blocks, and each kind of block's own forward+backward
 peak (:mod:`memfit.auto.blockpeak`). Off CUDA all three are 0 and the budget counts activation bytes
 held for backward.
+
+Streaming while profiling.  On a card that cannot hold every weight the profile runs with some blocks' frozen
+weights streaming (:meth:`memfit.offload.weights.WeightStreamer.profiling`: only the running block's are on the
+device). A saved weight is then a view of the upload, not of a parameter's own storage, so weights are told
+apart by what they are (a parameter or a view of one), not by storage. The static bytes get the streamed
+weights back (as allocated: each rounded to the allocator's 512 bytes), so a profile reads the same either way.
 """
 
 from __future__ import annotations
@@ -39,6 +45,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from memfit.accounting import tensor_storages
 from memfit.adapters.spec import FamilyAdapter
 from memfit.auto.blockpeak import BlockRun, ForwardMemory
+from memfit.engine import state
 from memfit.errors import NotAvailableError
 from memfit.offload.weights import frozen_block_bytes
 
@@ -132,6 +139,9 @@ class ModelProfile:
     # what the optimizer's step holds on top of the static bytes (which then include its state): every gradient and
     # the step's temporaries; no plan's peak is below static + this (set by the budget planner, not measured)
     optimizer_step_bytes: int = 0
+    # CUDA: frozen weights that streamed from host memory during the profile (a card that cannot hold them all);
+    # they are in ``static_bytes`` as if resident, like every plan's accounting expects
+    streamed_while_profiled_bytes: int = 0
 
     def to_json(self) -> dict[str, Any]:
         out = asdict(self)
@@ -210,6 +220,9 @@ class _Recorder:
     def _lookup(self, tensor: torch.Tensor, *, saved: bool) -> int | None:
         """The record of ``tensor``'s storage, made on first sight (by a save, or as an input: UNSAVED)."""
         if tensor.layout != torch.strided or tensor.device.type == "meta":
+            return None
+        base = tensor if type(tensor) is nn.Parameter else tensor._base
+        if type(base) is nn.Parameter:  # a weight (a streamed one's storage is its upload)
             return None
         storage = tensor.untyped_storage()
         ptr = storage.data_ptr()
@@ -361,7 +374,8 @@ def profile_model(
     excluded = {s.data_ptr() for p in (*model.parameters(), *model.buffers()) for s in tensor_storages(p)}
     rec = _Recorder(excluded, len(blocks))
     regions = [(adapter.ffn_chains(block), adapter.attention_modules(block)) for _, _, block in blocks]
-    static = torch.cuda.memory_allocated(device) if cuda else 0
+    streamed = streamed_allocation(model) if cuda else 0
+    static = torch.cuda.memory_allocated(device) + streamed if cuda else 0
     memory = ForwardMemory(device, len(blocks), attention=[a for _, a in regions]) if cuda else None
     handles = _profile_hooks(rec, blocks, regions, memory)
     try:
@@ -454,7 +468,17 @@ def profile_model(
         outside_trainable_bytes=max(
             0, _trainable_bytes(model.parameters()) - sum(p.trainable_bytes for p in profiles)
         ),
+        streamed_while_profiled_bytes=streamed,
     )
+
+
+_ALLOCATION_GRANULE = 512  # bytes: the CUDA caching allocator rounds every allocation up to this
+
+
+def streamed_allocation(model: nn.Module) -> int:
+    """What the weights streaming from host memory now would allocate on the device if they were resident."""
+    sizes = (p.numel() * p.element_size() for p in model.parameters() if state.is_streamed(p))
+    return sum(-(-n // _ALLOCATION_GRANULE) * _ALLOCATION_GRANULE for n in sizes)
 
 
 def _streamable_bytes(block: nn.Module) -> int:

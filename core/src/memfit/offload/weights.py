@@ -44,11 +44,12 @@ while a block that stops streaming in a re-plan comes back to ``device``, where 
 from __future__ import annotations
 
 import collections
+import contextlib
 import itertools
 import math
 import warnings
 import weakref
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -194,6 +195,9 @@ class _Block:
     payload: int  # the weights' own bytes
     host: torch.Tensor | None = None
     handles: list[Any] = field(default_factory=list)  # its hooks while it streams
+    nested: int = (
+        0  # calls of the block made while it runs (a profiler measuring it alone): they share its upload
+    )
 
 
 @dataclass(eq=False)
@@ -291,6 +295,7 @@ class WeightStreamer:
         self._alive: list[weakref.ref] = []  # storages of uploads (dead ones pruned as uploads are issued)
         self._forward_uploads: list[tuple[_Block, weakref.ref]] = []  # this forward's, checked as it returns
         self._training = False
+        self._prefetch = True  # off while ``auto`` profiles (:meth:`profiling`)
         self._warned_held = False
         self._h2d: Any = None
         self.installed = False
@@ -462,6 +467,19 @@ class WeightStreamer:
 
     # -- step boundaries (the installation forwards the model's) ---------------------------------------------------
 
+    @contextlib.contextmanager
+    def profiling(self) -> Iterator[None]:
+        """While ``auto`` profiles the model with these weights streaming (a card that cannot hold them all): the
+        uploads waiting are dropped and none is made ahead of need, so the only streamed weights on the device are
+        those of the block running (the profile adds them back to its static bytes)."""
+        for block in list(self._pending):
+            self._settle(self._pending.pop(block))
+        self._prefetch = False
+        try:
+            yield
+        finally:
+            self._prefetch = True
+
     def begin_forward(self) -> None:
         """The model's forward starts: drop stale uploads, upload the first streamed blocks."""
         self._training = torch.is_grad_enabled()
@@ -503,6 +521,9 @@ class WeightStreamer:
 
     def _pre(self, module: nn.Module, args: tuple) -> None:
         block = self._by_module[module]
+        if block in self._active:  # called again from inside its own call: its weights are in place already
+            block.nested += 1
+            return
         recomputing = state.recomputing()
         upload = self._pending.pop(block, None)
         if upload is None:
@@ -516,13 +537,16 @@ class WeightStreamer:
         if not recomputing and self._training:
             self._forward_uploads.append((block, upload.storage))
         step = -1 if recomputing else 1
-        for k in range(1, self.ahead + 1):
+        for k in range(1, self.ahead + 1 if self._prefetch else 1):
             position = block.position + step * k
             if 0 <= position < len(self.blocks):
                 self._ensure(self.blocks[position])
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
         block = self._by_module[module]
+        if block.nested:
+            block.nested -= 1
+            return
         for w in block.weights:
             w.param.data = w.placeholder
         self._active.pop(block, None)
