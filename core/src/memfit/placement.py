@@ -82,8 +82,8 @@ class Placement:
         Args:
             model: the model.
             device: where it trains.
-            profiles: ``auto`` plans it (its profiling forward needs every weight on the device: the error says
-                how to stream weights instead).
+            profiles: ``auto`` plans it and chose to profile it with every weight on the device (the error says
+                when it streams instead).
 
         Raises:
             DeviceMemoryError: the device ran out of memory; what had moved is back where it was.
@@ -98,11 +98,10 @@ class Placement:
             where = f"do not fit on {device} ({format_bytes(free)} free)"
             if profiles:
                 fix = (
-                    "gradient_checkpointing_backend='auto' profiles the model with every weight on the device, "
-                    "so it needs a device that holds the weights. Use a fixed backend with weights streamed "
-                    "from host memory instead, e.g. {'gradient_checkpointing_backend': 'torch', "
-                    "'gradient_checkpointing_stream_blocks': '<the bytes that do not fit, and more for the "
-                    "activations>'}, or train on a larger device."
+                    "gradient_checkpointing_backend='auto' profiles the model with every weight on the device "
+                    "where they fit in half of what the process can hold, and streams some from host memory "
+                    "otherwise, unless gradient_checkpointing_stream_blocks is 0. Unset "
+                    "gradient_checkpointing_stream_blocks, free memory on the device, or use a larger one."
                 )
             else:
                 fix = (

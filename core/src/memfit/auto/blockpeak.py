@@ -10,6 +10,11 @@ probability gradients are as large as the probabilities), and summing guesses fo
 what the block adds while its backward runs. One run per *kind* of block (class, parameter count, input
 shapes and which inputs require gradients): a model has two or three kinds.
 
+Streamed blocks.  A block whose weights stream from host memory gets them uploaded by its own forward
+pre-hook (``auto`` profiling on a card that cannot hold every weight). The run is measured from a pre-hook
+of its own, registered after that one: the upload is then part of the starting point, as a block's inputs
+are, and the time excludes the wait for it.
+
 Side effects.  None on the model: inputs are detached (and cloned where they need gradients), the block's
 weight gradients are returned by ``torch.autograd.grad`` (never accumulated into ``.grad``), and the RNG is
 forked (dropout draws nothing from the training stream).
@@ -98,18 +103,26 @@ def _run_block(
     wrt += [p for p in block.parameters() if p.requires_grad]
     call_args, call_kwargs = tree_unflatten(used, spec)
     phase = _AttentionPhase(device, attention)
-    before = torch.cuda.memory_allocated(device)
-    torch.cuda.reset_peak_memory_stats(device)
     marks = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    start: dict[str, int] = {}
+
+    def started(*_: Any) -> None:
+        # from the block's own pre-hooks on: a streamed block's weights are in place by now (see "Streamed blocks")
+        start["before"] = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        marks[0].record()
+
+    hook = block.register_forward_pre_hook(started)
     try:
         with (
             torch.enable_grad(),
             torch.random.fork_rng(devices=[device]),
             torch.autograd.graph.saved_tensors_hooks(phase.pack, phase.unpack),
         ):
-            marks[0].record()
             out = block(*call_args, **call_kwargs)
             marks[1].record()
+            hook.remove()
+            before = start["before"]
             outs = [t for t in tree_flatten(out)[0] if isinstance(t, torch.Tensor) and t.requires_grad]
             forward_peak = torch.cuda.max_memory_allocated(device)
             backward_peak = attention_peak = 0
@@ -125,6 +138,7 @@ def _run_block(
                 attention_peak = late if phase.peak_before is not None else 0
                 del root
     finally:
+        hook.remove()
         phase.remove()
     times = (0.0, 0.0)
     if timed and backward_peak:

@@ -374,8 +374,8 @@ def profile_model(
     excluded = {s.data_ptr() for p in (*model.parameters(), *model.buffers()) for s in tensor_storages(p)}
     rec = _Recorder(excluded, len(blocks))
     regions = [(adapter.ffn_chains(block), adapter.attention_modules(block)) for _, _, block in blocks]
+    allocated = torch.cuda.memory_allocated(device) if cuda else 0
     streamed = streamed_allocation(model) if cuda else 0
-    static = torch.cuda.memory_allocated(device) + streamed if cuda else 0
     memory = ForwardMemory(device, len(blocks), attention=[a for _, a in regions]) if cuda else None
     handles = _profile_hooks(rec, blocks, regions, memory)
     try:
@@ -390,7 +390,7 @@ def profile_model(
         rec.counter = None
         for h in handles:
             h.remove()
-    workspace = memory.outside_workspace(static) if memory is not None else 0
+    workspace = memory.outside_workspace(allocated) if memory is not None else 0
     runs = memory.block_runs() if memory is not None else [None] * len(blocks)
 
     profiles = []
@@ -451,7 +451,7 @@ def profile_model(
     return ModelProfile(
         blocks=tuple(profiles),
         device=str(device),
-        static_bytes=static,
+        static_bytes=allocated + streamed,
         outside_bytes=outside,
         workspace_bytes=workspace,
         flops_per_second=rate,
@@ -536,9 +536,11 @@ def _profile_hooks(rec: _Recorder, blocks: list, regions: list, memory: ForwardM
         )
         handles.append(block.register_forward_hook(lambda m, a, o, b=b: rec.leave_block(b), always_call=True))
         if memory is not None:
+            # first among the block's pre-hooks: a streamed block's upload (its own pre-hook) is the block's, not
+            # working memory outside the blocks
             handles.append(
                 block.register_forward_pre_hook(
-                    lambda m, a, k, b=b: memory.enter(b, m, a, k), with_kwargs=True
+                    lambda m, a, k, b=b: memory.enter(b, m, a, k), with_kwargs=True, prepend=True
                 )
             )
             handles.append(
