@@ -193,9 +193,10 @@ class Controller:
         return Placement.move(self.model, device)
 
     def _release_weights(self) -> None:
-        """Streamed weights back where they were, then what ``apply`` moved to the device."""
+        """Streamed weights back where they were (a weight ``apply`` moved to the device and a later plan streamed:
+        straight back to the host), then the rest of what ``apply`` moved."""
         if self.streamer is not None:
-            self.streamer.remove()
+            self.streamer.remove(homes=self.placement.homes() if self.placement is not None else None)
             self.streamer = None
         if self.placement is not None:
             self.placement.undo()

@@ -133,6 +133,10 @@ class Placement:
                 module._buffers[name] = buf.to(self.device)
                 self.buffers.append((module, name, buf.device))
 
+    def homes(self) -> dict[int, torch.device]:
+        """By parameter id, where each parameter :meth:`move` moved was before."""
+        return {id(p): home for p, home in self.parameters}
+
     def undo(self) -> None:
         """Every tensor :meth:`move` moved back on its home device, as it is now, and where they all came from one
         device, the tensors added on the device since (see "Undo"). Idempotent."""

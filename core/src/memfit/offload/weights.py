@@ -359,9 +359,11 @@ class WeightStreamer:
             module.register_load_state_dict_pre_hook(Attached(self._refuse_load)),
         ]
 
-    def _restore(self, block: _Block, *, home: bool = False) -> None:
-        """``block``'s weights back on the device (``home``: where each was when it began streaming) from their
-        host master (kept), its hooks off."""
+    def _restore(
+        self, block: _Block, *, home: bool = False, homes: Mapping[int, torch.device] | None = None
+    ) -> None:
+        """``block``'s weights back on the device (``home``: where each was when it began streaming, or where
+        ``homes`` says by parameter id) from their host master (kept), its hooks off."""
         for uploads in (self._pending, self._active):
             upload = uploads.pop(block, None)
             if upload is not None:
@@ -372,7 +374,7 @@ class WeightStreamer:
         state.mark_streamed([w.param for w in block.weights], streamed=False)
         for w in block.weights:
             assert w.master is not None
-            device = w.home if home else self.device
+            device = (homes or {}).get(id(w.param), w.home) if home else self.device
             restored = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=device)
             w.param.data = restored.copy_(w.master)
 
@@ -402,16 +404,22 @@ class WeightStreamer:
                 f"(a smaller {STREAM_KEY}), or free host RAM (fewer dataloader workers, smaller caches)."
             )
 
-    def remove(self) -> None:
+    def remove(self, *, homes: Mapping[int, torch.device] | None = None) -> None:
         """Put every streamed weight back where it was when it began streaming (same values, same Parameter
-        objects); free the masters."""
+        objects); free the masters.
+
+        Args:
+            homes: by parameter id, where a weight goes instead (where it was before something else moved it to
+                the device: ``memfit.placement``), so that it never comes back to the device on its way there.
+        """
         for block in self.blocks:
             if self.installed:
-                self._restore(block, home=True)
+                self._restore(block, home=True, homes=homes)
             else:  # suspended: on the device, where the model trains; home may be elsewhere
                 for w in block.weights:
-                    if w.param.device != w.home:
-                        w.param.data = w.param.data.to(w.home)
+                    home = (homes or {}).get(id(w.param), w.home)
+                    if w.param.device != home:
+                        w.param.data = w.param.data.to(home)
             self._release(block)
         self.installed = False
 
