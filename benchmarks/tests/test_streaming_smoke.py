@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 
 import pytest
+import torch
 
 pytest.importorskip("peft")
 pytest.importorskip("memfit_flux")
@@ -62,3 +63,33 @@ def test_bad_blocks_are_a_usage_error(capsys):
     with pytest.raises(SystemExit):
         streaming.main(["--blocks", "0,lots", "--out", "/tmp/unused"])
     assert "--blocks" in capsys.readouterr().err
+
+
+def test_a_card_s_size_needs_cuda(capsys):
+    from memfit_benchmarks import streaming
+
+    with pytest.raises(SystemExit):
+        streaming.main(["--device", "cpu", "--card-budgets", "16GiB", "--out", "/tmp/unused"])
+    assert "--card-budgets" in capsys.readouterr().err
+
+
+def test_a_model_that_does_not_fit_where_it_is_placed_is_an_out_of_memory_row(monkeypatch):
+    import memfit
+    import memfit_flux
+    from memfit.placement import Placement
+    from memfit_benchmarks.modes import Mode
+    from memfit_benchmarks.runner import measure_mode
+
+    def out_of_memory(model, device, *, profiles=False):
+        raise memfit.DeviceMemoryError(f"the rest does not fit on {device}")
+
+    monkeypatch.setattr(Placement, "move", staticmethod(out_of_memory))
+    preset = memfit_flux.ADAPTER.presets["tiny"]
+    model = preset.build(dtype=torch.float32, device="cpu")
+    batch = preset.inputs(model, tokens=16)
+    mode = Mode("torch on a small card", {"gradient_checkpointing": True}, options={"device": "cpu"})
+    row = measure_mode(
+        model, batch, memfit_flux.ADAPTER.loss, mode, adapter=memfit_flux.ADAPTER, warmup=0, steps=1
+    )
+    assert row["oom"] and row["oom_where"] == "placing the model" and "does not fit on cpu" in row["error"]
+    assert not any(m._forward_pre_hooks for m in model.modules())

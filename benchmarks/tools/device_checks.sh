@@ -15,7 +15,9 @@
 #   fit-default  the same with the default SDPA dispatch (crashed rungs become rows, no traceback)
 #   fit-job      memfit fit --resolution 1024x1024 --lora-rank 16 --lora-targets attn --budget 24GiB
 #   streaming    weight streaming's GPU tests and its Flux benchmark (streaming.{json,md}; STREAM_ARGS adds options,
-#                e.g. STREAM_ARGS="--blocks 0,19,27 --budgets 16GiB,12GiB --warmup 4")
+#                e.g. STREAM_ARGS="--blocks 0,19,27 --budgets 16GiB,12GiB --warmup 4"; --card-budgets 16GiB adds
+#                auto on a 16 GiB card with the model starting on the host: ~40-60 s a round more, estimated from
+#                moving 22 GiB to the host and back and pinning ~14 GiB at ~2 GB/s)
 # Each part's exit status is printed; the script exits non-zero if any part failed.
 set -uo pipefail
 START=$(date +%s)

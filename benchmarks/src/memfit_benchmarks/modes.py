@@ -9,7 +9,7 @@ Example:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
@@ -39,11 +39,13 @@ class Mode:
         name: the row's label in results and tables.
         config: the memfit configuration (``None``: memfit is not applied).
         peer: the peer baseline this row runs instead of memfit (``None`` for memfit rows).
+        options: keyword arguments of ``memfit.apply`` besides the adapter (e.g. ``device``).
     """
 
     name: str
     config: dict[str, Any] | None = None
     peer: Peer | None = None
+    options: dict[str, Any] = field(default_factory=dict)
 
 
 def _cfg(backend: str | None = None, **extra: Any) -> dict[str, Any]:

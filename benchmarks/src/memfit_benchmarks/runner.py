@@ -105,12 +105,13 @@ def measure_mode(
     optimizer = None
     oom = False
     host_error: str | None = None
+    device_error: str | None = None
     failure: str | None = None
     try:
         if mode.peer is not None:
             installation = peers.install(mode.peer, model, adapter)
         elif mode.config:
-            handle = memfit.apply(model, mode.config, adapter=adapter)
+            handle = memfit.apply(model, mode.config, adapter=adapter, **mode.options)
         step_context = installation.step_context if installation is not None else contextlib.nullcontext
         optimizer = optimizer_factory() if optimizer_factory is not None else None
         leaf_inputs = grad_leaves(inputs)
@@ -215,6 +216,8 @@ def measure_mode(
         memfit.HostMemoryError
     ) as exc:  # the offload pool ran out of host RAM: this mode does not fit either
         oom, host_error = True, str(exc)
+    except memfit.DeviceMemoryError as exc:  # apply(..., device=): what stays on the card does not fit it
+        oom, device_error = True, str(exc)
     except Exception as exc:
         if mode.peer is None:
             raise  # memfit's own failure is a bug to see, not a row
@@ -245,6 +248,8 @@ def measure_mode(
         row[FAILED] = failure
     if host_error is not None:
         row.update(oom_where="host", error=host_error)
+    if device_error is not None:
+        row.update(oom_where="placing the model", error=device_error)
     return row
 
 

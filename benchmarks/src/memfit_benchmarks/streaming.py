@@ -10,7 +10,10 @@ inputs at ``--tokens`` (default: the preset's), flash SDPA (cuDNN SDPA disabled)
 row: ``--backend`` (default ``unsloth``) with ``gradient_checkpointing_stream_blocks`` set to that entry (``0``:
 the unconstrained row every other row is compared with); per entry of ``--budgets`` one row of ``auto`` at that
 budget, which chooses what streams itself (it is measured after ``--warmup`` steps: use at least 4, so that its
-closed loop has settled; a row is "within budget" when its peak allocated over the timed steps is). Each row reports the median step, the peak allocated, the
+closed loop has settled; a row is "within budget" when its peak allocated over the timed steps is); per entry of
+``--card-budgets`` one row of ``auto`` on a card of that size: the process limited to it
+(``torch.cuda.set_per_process_memory_fraction``), the model moved to the CPU first and given to
+``memfit.apply(..., device=)``, as a trainer whose card cannot hold the weights loads it. Each row reports the median step, the peak allocated, the
 frozen bytes streaming took off the device, the bytes uploaded per step, the exposed upload wait (compute waiting
 for a copy) and the upload stream's copy time per step. Writes ``streaming.json`` and ``streaming.md`` to ``--out``.
 
@@ -23,8 +26,10 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import json
 from collections import Counter
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -88,6 +93,28 @@ def auto_mode(budget: str, optimizer: str = "adamw") -> Mode:
             "gradient_checkpointing_optimizer_state": optimizer,
         },
     )
+
+
+def card_mode(budget: str, optimizer: str = "adamw") -> Mode:
+    """The row of ``auto`` at ``budget`` on a card of that size, the model starting on the host."""
+    auto = auto_mode(budget, optimizer)
+    return Mode(f"{auto.name} on a {budget} card", auto.config, options={"device": "cuda"})
+
+
+@contextlib.contextmanager
+def card_of(model: torch.nn.Module, nbytes: int, device: torch.device) -> Iterator[None]:
+    """The model on the host and this process limited to ``nbytes`` of ``device`` (what the inputs hold
+    included), as on a card of that size; afterwards the model back on ``device``, the limit lifted."""
+    model.to("cpu")
+    gc.collect()
+    torch.cuda.empty_cache()
+    total = torch.cuda.get_device_properties(device).total_memory
+    torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), device)
+    try:
+        yield
+    finally:
+        torch.cuda.set_per_process_memory_fraction(1.0, device)
+        model.to(device)
 
 
 def weight_row(handle: memfit.MemfitHandle, steps: int) -> dict[str, Any]:
@@ -224,6 +251,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         auto_mode(b, args.optimizer) for b in args.budgets
     ]
     budgets = {auto_mode(b).name: parse_bytes(b) for b in args.budgets}
+    cards = {card_mode(b).name: parse_bytes(b) for b in args.card_budgets}
+    modes += [card_mode(b, args.optimizer) for b in args.card_budgets]
+    budgets |= cards
     optimizer_factory = None
     if (
         args.optimizer == "adamw"
@@ -236,7 +266,21 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     def measure(mode: Mode) -> dict[str, Any]:
         row = weight_row(None, args.steps) if mode.name == NO_CHECKPOINTING else {}
-        row |= measure_mode(
+        card = card_of(model, cards[mode.name], device) if mode.name in cards else contextlib.nullcontext()
+        with card:
+            row |= measure_one(mode)
+        if mode.name in cards:
+            row["card_bytes"] = cards[mode.name]
+        if mode.name in budgets:
+            row["budget_bytes"] = budgets[mode.name]
+        summary = (
+            "OOM" if not measured(row) else f"{row['step_s']:.3f} s, peak {_gib(row['peak_allocated'])} GiB"
+        )
+        print(f"[streaming] {mode.name}: {summary}", flush=True)
+        return row
+
+    def measure_one(mode: Mode) -> dict[str, Any]:
+        return measure_mode(
             model,
             batch,
             adapter.loss,
@@ -248,13 +292,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             settle=args.settle if mode.name in budgets else 0,
             optimizer_factory=optimizer_factory,
         )
-        if mode.name in budgets:
-            row["budget_bytes"] = budgets[mode.name]
-        summary = (
-            "OOM" if not measured(row) else f"{row['step_s']:.3f} s, peak {_gib(row['peak_allocated'])} GiB"
-        )
-        print(f"[streaming] {mode.name}: {summary}", flush=True)
-        return row
 
     sdpa = contextlib.nullcontext()
     if cuda:
@@ -310,6 +347,12 @@ def main(argv: list[str] | None = None) -> Path | None:
         default="",
         help="comma-separated budgets for rows of auto (e.g. 16GiB,12GiB; default none)",
     )
+    parser.add_argument(
+        "--card-budgets",
+        default="",
+        help="comma-separated budgets for rows of auto on a card of that size, the model starting on the host "
+        "(CUDA; default none)",
+    )
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
@@ -340,11 +383,16 @@ def main(argv: list[str] | None = None) -> Path | None:
         parser.error(f"--blocks: {exc}")
     try:
         args.budgets = [b.strip() for b in args.budgets.split(",") if b.strip()]
-        for b in args.budgets:
+        args.card_budgets = [b.strip() for b in args.card_budgets.split(",") if b.strip()]
+        for b in [*args.budgets, *args.card_budgets]:
             if parse_bytes(b) <= 0:
                 raise ValueError(f"{b!r} is not a positive size")
     except ValueError as exc:
-        parser.error(f"--budgets: {exc}")
+        parser.error(f"--budgets / --card-budgets: {exc}")
+    if args.card_budgets and torch.device(args.device).type != "cuda":
+        parser.error(
+            "--card-budgets: a card's size limits a CUDA process; give --device cuda or leave it out"
+        )
     if args.steps < 1 or args.rounds < 1 or args.warmup < 0:
         parser.error("--steps and --rounds must be at least 1, --warmup at least 0")
     if args.family not in memfit.available_adapters():
@@ -353,6 +401,7 @@ def main(argv: list[str] | None = None) -> Path | None:
         rows = [mode_for(args.backend, t).name for t in args.blocks] + [
             auto_mode(b).name for b in args.budgets
         ]
+        rows += [card_mode(b).name for b in args.card_budgets]
         print(f"would measure {args.family} {args.preset}: {rows}, {args.rounds} round(s)", flush=True)
         return None
     if args.device.startswith("cuda") and not torch.cuda.is_available():
