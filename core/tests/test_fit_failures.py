@@ -219,9 +219,9 @@ def test_a_failed_step_frees_its_activations_before_memfit_is_removed(monkeypatc
     seen_at_remove = []
     real_remove = weights.WeightStreamer.remove
 
-    def remove(self):
+    def remove(self, **kw):
         seen_at_remove.append(alive[0]() is None)
-        real_remove(self)
+        real_remove(self, **kw)
 
     monkeypatch.setattr(weights.WeightStreamer, "remove", remove)
     model.blocks[-1].register_forward_pre_hook(lambda m, a: Failing()(a[0]))
