@@ -142,9 +142,8 @@ class Controller:
         self.model = model
         self.device = device
         self.placement: Placement | None = None
-        self.profiles_streaming = (
-            False  # auto profiles with weights streaming (the card cannot hold them all)
-        )
+        # auto profiles with weights streaming (the card cannot hold them all)
+        self.profiles_streaming = False
         self.adapter = adapter
         self.planner = planner
         self.session = session
@@ -186,9 +185,8 @@ class Controller:
         if profiling is None:
             return Placement.move(self.model, device, profiles=self.planner.adaptive)
         self.installation.remove()
-        self.installation = self._install(
-            profiling
-        )  # its blocks' weights go to host memory from where they are
+        # its blocks' weights go to host memory from where they are, before anything else moves
+        self.installation = self._install(profiling)
         self.profiles_streaming = True
         return Placement.move(self.model, device)
 
@@ -267,12 +265,9 @@ class Controller:
         if profiling and not self.profiles_streaming:
             self.streamer.suspend()  # profiling runs the model with its weights in place
         plan = None
+        streaming = self.streamer.profiling() if profiling and self.profiles_streaming else None
         try:
-            with (
-                self.streamer.profiling()
-                if profiling and self.profiles_streaming
-                else contextlib.nullcontext()
-            ):
+            with streaming or contextlib.nullcontext():
                 plan = self.planner.plan_for(signature, args, kwargs)
         finally:  # a planning error (BudgetError) leaves the previous plan installed, never a half-removed one
             self.installation = self._install(plan if plan is not None else current)

@@ -195,9 +195,8 @@ class _Block:
     payload: int  # the weights' own bytes
     host: torch.Tensor | None = None
     handles: list[Any] = field(default_factory=list)  # its hooks while it streams
-    nested: int = (
-        0  # calls of the block made while it runs (a profiler measuring it alone): they share its upload
-    )
+    # calls of the block made while it runs (a profiler measuring it alone): they share its upload
+    nested: int = 0
 
 
 @dataclass(eq=False)
