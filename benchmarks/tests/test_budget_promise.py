@@ -178,7 +178,11 @@ def test_budget_promise_runs_on_cpu(tmp_path):
     assert floor["is_floor"] and floor["budget_bytes"] == config["floor_bytes"] and floor["auto"] == "ok"
     by = {r["mode"]: r for r in floor["rows"]}
     assert list(by) == ["auto", "none", "torch"] and len(by["auto"]["step_s_rounds"]) == 2
-    assert by["auto"]["plan_counts"] and floor["x_fixed_paired"]
+    assert by["auto"]["plan_counts"]
+    # which fixed modes run round 2 depends on round 1's CPU timings (a mode 1.15x behind the fastest is dropped):
+    # the comparison is paired exactly when the fastest fixed mode ran both rounds
+    best = by[floor["best_fixed"]]
+    assert floor["x_fixed_paired"] == (len(best.get("step_s_rounds") or [best]) == 2)
     text = (tmp_path / "budget-promise.md").read_text()
     assert text.startswith("# auto's budget on a card of that size\n\n| target | config | budget |")
     assert "| flux | attn | 1.00 KiB | BudgetError (below the floor) |" in text
