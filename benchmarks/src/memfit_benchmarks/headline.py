@@ -6,7 +6,9 @@
 
 Every cell is a memfit mode's step time over its peer's (the paired median over rounds where both ran in the
 same rounds) and its peak over the peer's, read from the results files under ``--results``; a cell no file
-measures says so ("not measured yet"). Only entries that measured a peer count, and only one file may measure
+measures says so ("not measured yet"). A ratio over its limit is bold where every round is over it, and a tie
+(with the rounds' range) where some round is not: the limit is the same, the tie shows a failure inside the
+run's own noise. Only entries that measured a peer count, and only one file may measure
 a given (sweep, config, shape): two such files are an error naming both (delete the superseded one).
 """
 
@@ -28,6 +30,7 @@ from memfit_benchmarks.report import (
     render_markdown,
 )
 from memfit_benchmarks.results import entries, load, results_files
+from memfit_benchmarks.rounds import inside_spread
 from memfit_benchmarks.shapes import SHAPES
 
 BENCHMARKS = Path(__file__).resolve().parents[2]  # benchmarks/ in the source tree
@@ -99,7 +102,10 @@ def collect(root: Path) -> tuple[dict[tuple[str, str, str], Measured], dict[str,
 
 
 def _cell(entry: dict[str, Any] | None, mode: str, peer: str) -> str:
-    """``step ratio / peak ratio`` of ``mode`` to its peer in ``entry``; bold when the step is over its limit."""
+    """``step ratio / peak ratio`` of ``mode`` to its peer in ``entry``. Over its limit: bold, unless some round's
+    ratio is at or under the limit (``rounds.inside_spread``), which the cell shows as a tie with the rounds'
+    range: the check fails either way, the tie is inside the run's own spread. A peer that cannot run on the
+    model (and no other peer measured for ``mode``) is said so."""
     if entry is None:
         return NOT_YET
     no_peer = entry.get("no_peer") or {}
@@ -110,6 +116,8 @@ def _cell(entry: dict[str, Any] | None, mode: str, peer: str) -> str:
     if mode in skipped:
         return f"not run ({skipped[mode]})"
     row = rows.get(mode)
+    if peer in skipped and (row is None or (measured(row) and not row.get("vs_peer"))):
+        return f"no {peer} ({skipped[peer]})"
     if row is None:
         return NOT_YET
     if not measured(row):
@@ -122,9 +130,14 @@ def _cell(entry: dict[str, Any] | None, mode: str, peer: str) -> str:
         return f"{row['vs_peer']} failed"
     step = f"{row['x_peer']:.3f}"
     limit = peer_limit(mode, entry.get("tokens"))
-    if limit is not None and row["x_peer"] > limit:
+    rounds = row.get("x_peer_rounds")
+    over = limit is not None and row["x_peer"] > limit
+    tie = over and inside_spread(rounds, limit)
+    if over and not tie:
         step = f"**{step}**"
     text = f"{step} / {row['peak_x_peer']:.2f}" if row.get("peak_x_peer") is not None else step
+    if tie:
+        text += f" (tie: rounds {min(rounds):.3f}–{max(rounds):.3f})"
     if not row.get("x_peer_paired"):
         text += " (unpaired)"
     if row["vs_peer"] != peer:
@@ -216,7 +229,10 @@ def headline(root: Path, base: Path) -> str:
     legend = [
         "Each cell: memfit's step time ÷ the peer's / memfit's peak ÷ the peer's, same process, same model, the "
         "step ratio paired by round (median of per-round ratios). Below 1 memfit is faster / leaner. **Bold**: "
-        f"over its limit ({limits}; every mode 1.00 at {SHORT_SEQUENCE_TOKENS} tokens or fewer). Peers: `ckpt-block` / `ckpt-ffn` = `torch.utils.checkpoint` (non-reentrant) "
+        f"over its limit ({limits}; every mode 1.00 at {SHORT_SEQUENCE_TOKENS} tokens or fewer) in every round. "
+        "*tie: rounds a–b*: over its limit too (the check fails), but at least one round's ratio is at or under "
+        "it: the difference is inside the run's own round-to-round spread a–b. "
+        "Peers: `ckpt-block` / `ckpt-ffn` = `torch.utils.checkpoint` (non-reentrant) "
         "per block / per FFN region, `diffusers-ckpt` = diffusers' `enable_gradient_checkpointing()`, "
         "`save_on_cpu` = `torch.autograd.graph.save_on_cpu(pin_memory=True)`. `offload_attention ÷ bound`: its "
         "step ÷ max(no checkpointing's step, bytes parked per step ÷ measured pinned bandwidth), limit "
