@@ -187,3 +187,20 @@ def test_the_readme_block_is_replaced_between_its_markers(tmp_path):
     readme.write_text("# no markers\n")
     with pytest.raises(ValueError, match="the README has no headline block"):
         headline.main(["--results", str(results), "--readme", str(readme)])
+
+
+def test_a_summary_of_one_sweep_leaves_the_other_out(tmp_path):
+    _synthetic_file(tmp_path, "synthetic.json", _rows({"torch": [1.0, 1.0], "ckpt-block": [1.0, 1.0]}, {}))
+    both = headline.summary(tmp_path)
+    assert (
+        "### Synthetic DiT stack" in both
+        and "### Model families" in both
+        and "<!-- synthetic.json -->" in both
+    )
+    families_only = headline.summary(tmp_path, suite="families")
+    assert families_only.startswith("# memfit against its peers: model families\n")
+    assert "### Model families" in families_only and "Synthetic" not in families_only
+    assert "synthetic.json" not in families_only  # neither its report nor its source line
+    out = tmp_path / "families.md"
+    assert headline.main(["--results", str(tmp_path), "--suite", "families", "--summary", str(out)]) == 0
+    assert out.read_text() == families_only

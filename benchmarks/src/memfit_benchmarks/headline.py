@@ -3,6 +3,7 @@
     python -m memfit_benchmarks.headline                    # rewrite the marked block of benchmarks/README.md
     python -m memfit_benchmarks.headline --check            # exit 1 if the README's block is not what the JSON says
     python -m memfit_benchmarks.headline --results DIR --summary DIR/summary.md   # a run's tables + its reports
+    python -m memfit_benchmarks.headline --results DIR --suite families --summary DIR/families.md   # one sweep's
 
 Every cell is a memfit mode's step time over its peer's (the paired median over rounds where both ran in the
 same rounds) and its peak over the peer's, read from the results files under ``--results``; a cell no file
@@ -39,6 +40,7 @@ BEGIN, END = (
     "<!-- headline:end -->",
 )
 NOT_YET = "not measured yet"
+SUITE_TITLES = {"synthetic": "the synthetic stack", "families": "model families"}
 HEADLINE_CONFIGS = {"lora-all": "all linears", "lora-attn": "attention only"}
 # (memfit mode, the peer named in the column's header) per table; a row compared with another peer says which
 SYNTHETIC_COLUMNS = [
@@ -222,9 +224,13 @@ def _sources(found: dict[tuple[str, str, str], Measured], base: Path) -> list[st
     return lines
 
 
-def headline(root: Path, base: Path) -> str:
-    """The headline block's markdown for the results under ``root`` (file paths shown relative to ``base``)."""
+def headline(root: Path, base: Path, *, suite: str | None = None) -> str:
+    """The headline block's markdown for the results under ``root`` (file paths shown relative to ``base``):
+    both tables, or ``suite``'s (``synthetic`` or ``families``) alone."""
     found, families = collect(root)
+    if suite is not None:
+        found = {key: m for key, m in found.items() if m.payload.get("suite") == suite}
+        families = families if suite == "families" else {}
     limits = ", ".join(f"`{mode}` {limit:.2f}" for mode, limit in PEER_LIMITS.items())
     legend = [
         "Each cell: memfit's step time ÷ the peer's / memfit's peak ÷ the peer's, same process, same model, the "
@@ -238,20 +244,18 @@ def headline(root: Path, base: Path) -> str:
         "step ÷ max(no checkpointing's step, bytes parked per step ÷ measured pinned bandwidth), limit "
         f"{ATTENTION_OFFLOAD_SLACK:.2f}.",
     ]
-    lines = [
-        "### Synthetic DiT stack (bf16, flash SDPA, batch 1)",
-        "",
-        *synthetic_table(found),
-        "",
-        f"### Model families at their published size (bf16, batch 1, {HEADLINE_CONFIGS['lora-all']} / "
-        f"{HEADLINE_CONFIGS['lora-attn']} LoRA r16)",
-        "",
-        *family_table(found, families),
-        "",
-        *legend,
-        "",
-        *_sources(found, base),
-    ]
+    lines = []
+    if suite in (None, "synthetic"):
+        lines += ["### Synthetic DiT stack (bf16, flash SDPA, batch 1)", "", *synthetic_table(found), ""]
+    if suite in (None, "families"):
+        lines += [
+            f"### Model families at their published size (bf16, batch 1, {HEADLINE_CONFIGS['lora-all']} / "
+            f"{HEADLINE_CONFIGS['lora-attn']} LoRA r16)",
+            "",
+            *family_table(found, families),
+            "",
+        ]
+    lines += [*legend, "", *_sources(found, base)]
     return "\n".join(lines) + "\n"
 
 
@@ -267,12 +271,14 @@ def replace_block(text: str, block: str) -> str:
     return text[: start + len(BEGIN)] + "\n" + block + text[end:]
 
 
-def summary(root: Path) -> str:
-    """A run's headline tables, then the full report of each results file under ``root``."""
-    parts = ["# memfit against its peers\n", headline(root, root)]
+def summary(root: Path, *, suite: str | None = None) -> str:
+    """A run's headline tables, then the full report of each results file under ``root`` (``suite``'s alone, when
+    given)."""
+    title = "# memfit against its peers" + ("" if suite is None else f": {SUITE_TITLES[suite]}")
+    parts = [f"{title}\n", headline(root, root, suite=suite)]
     for path in results_files(root):
         payload = load(path)
-        if payload.get("suite") in ("synthetic", "families"):
+        if payload.get("suite") in ((suite,) if suite else SUITE_TITLES):
             parts.append(f"\n---\n\n<!-- {path.name} -->\n" + render_markdown(payload))
     return "\n".join(parts)
 
@@ -285,11 +291,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path, default=BENCHMARKS / "README.md")
     parser.add_argument("--check", action="store_true", help="compare with the README instead of writing it")
     parser.add_argument("--summary", type=Path, default=None, help="write a run's summary here instead")
+    parser.add_argument(
+        "--suite",
+        choices=tuple(SUITE_TITLES),
+        default=None,
+        help="with --summary: that sweep's tables and reports only",
+    )
     args = parser.parse_args(argv)
     if args.summary is not None:
-        text = summary(args.results)
+        text = summary(args.results, suite=args.suite)
         args.summary.write_text(text)
-        print(headline(args.results, args.results), flush=True)
+        print(headline(args.results, args.results, suite=args.suite), flush=True)
         return 0
     current = args.readme.read_text()
     wanted = replace_block(current, headline(args.results, args.readme.parent))
