@@ -3,6 +3,7 @@ the device tool's limits; the families sweep's new options (tokens per family, a
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import subprocess
@@ -32,32 +33,62 @@ def _dry_run(tmp_path: Path, **env: str) -> subprocess.CompletedProcess:
     return subprocess.run(["bash", str(JOB)], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_the_sweeps_dry_run_checks_every_command(tmp_path):
+def _plans(done: subprocess.CompletedProcess) -> list[str]:
+    return [line for line in done.stdout.splitlines() if line.startswith("would measure")]
+
+
+def test_the_budget_part_dry_run_checks_its_command(tmp_path):
     done = _dry_run(tmp_path)
     assert done.returncode == 0, done.stdout + done.stderr
-    budget, family = [line for line in done.stdout.splitlines() if line.startswith("would measure")]
+    (budget,) = _plans(done)
     assert "['synthetic-16384', 'flux'] (full): configs ['full', 'attn', 'all']" in budget
     assert "['16.00 GiB', '24.00 GiB', '32.00 GiB', '48.00 GiB', 'floor']" in budget
     assert "fixed ['none', 'torch-ffn', 'torch', 'unsloth-ffn', 'unsloth'] in 3 rounds" in budget
-    for name in families.default_families():
-        assert f"'{name}'" in family
-    assert "'wan': 4680" in family and "'ltxvideo2': 3072" in family and "'flux': 4096" in family
-    assert "modes ['torch', 'diffusers-ckpt']" in family and "3 rounds of 1 warm-up + 1 timed steps" in family
-    assert "at most 45 s per family" in family and "without any of the peers is not measured" in family
     files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
-    assert files == ["budget.log", "env.txt", "families-summary.md", "families.log"]
-    assert len(files) + 3 <= 8  # + budget-promise.json/.md and families.tar.gz on the GPU: the tool returns 8
+    assert files == ["budget.log", "env.txt"]  # + budget-promise.json/.md on the GPU
 
 
-def test_one_part_and_an_unknown_part(tmp_path):
-    done = _dry_run(tmp_path, PARTS="families")
-    assert (
-        done.returncode == 0
-        and "budget_promise" not in done.stdout
-        and "would measure ['chroma'" in done.stdout
+def test_the_family_parts_cover_every_family_and_every_column(tmp_path):
+    done = _dry_run(tmp_path, PARTS="families-image families-video families-rest")
+    assert done.returncode == 0, done.stdout + done.stderr
+    plans = _plans(done)
+    every_column = "modes ['torch-ffn', 'ckpt-ffn', 'unsloth-ffn', 'torch', 'diffusers-ckpt', 'unsloth']"
+    timing = "3 rounds of 1 warm-up + 1 timed steps and at least 2 s of them"
+    by_families = {plan.split(" (full)")[0].removeprefix("would measure "): plan for plan in plans}
+    assert set(by_families) == {
+        "['flux', 'krea2']",
+        "['wan', 'ltxvideo2']",
+        "['mageflow', 'z-image']",
+        "['chroma']",
+    }
+    measured = {name for names in by_families for name in ast.literal_eval(names)}
+    assert measured == set(families.default_families())
+    for names, plan in by_families.items():
+        assert "configs ['lora-all', 'lora-attn']" in plan and timing in plan
+        assert "at most 300 s per family" in plan and "without any of the peers is not measured" in plan
+        if names != "['chroma']":
+            assert every_column in plan
+    # Chroma has no diffusers peer: its FFN modes only, diffusers-ckpt listed so that its cells say why
+    assert "modes ['torch-ffn', 'ckpt-ffn', 'unsloth-ffn', 'diffusers-ckpt']" in by_families["['chroma']"]
+    video = by_families["['wan', 'ltxvideo2']"]
+    assert "'wan': 4680" in video and "'ltxvideo2': 3072" in video
+    assert "'flux': 4096" in by_families["['flux', 'krea2']"]
+    files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
+    parts = ("families-image", "families-rest", "families-video")
+    assert files == ["env.txt", *sorted(f"{part}{end}" for part in parts for end in ("-summary.md", ".log"))]
+    # on the GPU each part adds <part>.tar.gz: env.txt + two parts' three files fit the device tool's 8 files
+    assert 1 + 2 * 3 <= 8
+    rest_log = (tmp_path / "families-rest.log").read_text()
+    assert "['mageflow', 'z-image']" in rest_log and "['chroma']" in rest_log  # both of its sweeps logged
+
+
+def test_the_parts_settings_and_an_unknown_part(tmp_path):
+    done = _dry_run(
+        tmp_path, PARTS="families-image bogus", FAMILY_MIN_S="0", FAMILY_MODES="torch,diffusers-ckpt"
     )
-    done = _dry_run(tmp_path, PARTS="budgets")
-    assert done.returncode == 1 and "unknown part budgets" in done.stderr
+    (plan,) = _plans(done)  # that part alone
+    assert "1 timed steps, modes ['torch', 'diffusers-ckpt']" in plan and "at least" not in plan
+    assert done.returncode == 1 and "unknown part bogus (choose from: budget families-image" in done.stderr
 
 
 def test_tokens_per_family_and_their_errors():

@@ -241,3 +241,59 @@ def test_host_ram_exhaustion_is_an_oom_row_not_a_crash(monkeypatch):
     )
     assert row["oom"] and row["oom_where"] == "host" and "host RAM" in row["error"]
     assert "| offload_attention | OOM (host RAM) |" in "\n".join(row_table([row]))
+
+
+# device_sweeps.sh's families parts
+FAMILY_MODES = "torch,diffusers-ckpt,torch-ffn,ckpt-ffn,unsloth,unsloth-ffn"
+
+
+def _family_run(tmp_path, *extra: str) -> dict:
+    from memfit_benchmarks import families
+
+    options = "--family flux --preset tiny --device cpu --configs lora-all,lora-attn --rounds 2 --warmup 0"
+    (path,) = families.main(
+        [*options.split(), "--steps", "1", "--modes", FAMILY_MODES, "--require-peer", "--no-render"]
+        + ["--out", str(tmp_path), *extra]
+    )
+    return json.loads(path.read_text())
+
+
+def test_the_family_parts_modes_fill_every_headline_column_but_offload_off_cuda(tmp_path):
+    from memfit_benchmarks import headline
+
+    data = _family_run(tmp_path, "--min-seconds", "0.2")
+    for entry in data["results"]:
+        assert entry["min_seconds"] == 0.2
+        by = {r["mode"]: r for r in entry["rows"]}
+        assert by["torch"]["vs_peer"] == "diffusers-ckpt" and by["torch-ffn"]["vs_peer"] == "ckpt-ffn"
+        for row in by.values():  # timed until 0.2 s (a tiny step takes a few ms), each round's count kept
+            assert len(row["timed_steps_rounds"]) == 2 and row["timed_steps_rounds"][0] == row["timed_steps"]
+            assert sum(row["step_times_s"]) >= 0.2 and len(row["step_times_s"]) == row["timed_steps"]
+        assert entry["skipped"] == {"unsloth": "offload needs CUDA", "unsloth-ffn": "offload needs CUDA"}
+    found, present = headline.collect(tmp_path)
+    row = next(line for line in headline.family_table(found, present) if line.startswith("| flux | 64 |"))
+    torch_cell, ffn_cell, unsloth_cell, unsloth_ffn_cell = [c.strip() for c in row.strip("|").split("|")][3:]
+    assert torch_cell[0].isdigit() and ffn_cell[0].isdigit()
+    assert unsloth_cell == unsloth_ffn_cell == "not run (offload needs CUDA)"
+
+
+def test_a_family_without_an_ffn_boundary_skips_the_ffn_modes_and_says_why(tmp_path, monkeypatch):
+    import dataclasses
+
+    import memfit
+    from memfit_benchmarks import families, headline
+
+    flux = memfit.get_adapter("flux")
+    no_ffn = dataclasses.replace(
+        flux, blocks={name: dataclasses.replace(spec, ffn=()) for name, spec in flux.blocks.items()}
+    )
+    assert not no_ffn.has_ffn
+    monkeypatch.setattr(families.memfit, "get_adapter", lambda name: no_ffn)
+    data = _family_run(tmp_path)
+    for entry in data["results"]:
+        assert [r["mode"] for r in entry["rows"]] == ["torch", "diffusers-ckpt"]
+        for mode in ("torch-ffn", "ckpt-ffn", "unsloth-ffn"):
+            assert entry["skipped"][mode] == "no FFN boundary declared"
+    found, present = headline.collect(tmp_path)
+    row = next(line for line in headline.family_table(found, present) if line.startswith("| flux | 64 |"))
+    assert [c.strip() for c in row.strip("|").split("|")][4] == "not run (no FFN boundary declared)"

@@ -87,7 +87,7 @@ def test_cells_are_the_paired_ratios_to_the_peer(tmp_path):
     rows = _rows(
         {
             "none": [0.8, 0.8, 0.8],
-            "torch-ffn": [1.00, 1.10, 1.00],
+            "torch-ffn": [1.00, 1.10, 1.05],
             "ckpt-ffn": [0.95, 1.00, 1.00],
             "torch": [0.95, 1.00, 1.10],
             "ckpt-block": [1.00, 1.00, 1.00],
@@ -100,7 +100,7 @@ def test_cells_are_the_paired_ratios_to_the_peer(tmp_path):
     text = headline.headline(tmp_path, tmp_path)
     cells = _line(text, "| 3072w x15, 4096 tok | all linears")
     # torch ÷ ckpt-block per round 0.95, 1.00, 1.10: median 1.000, within 1.00; torch-ffn ÷ ckpt-ffn 1.053, 1.10,
-    # 1.00: median 1.053, over its 1.00, so bold; unsloth ÷ ckpt-block 1.01 within its 1.01
+    # 1.05: median 1.053, over its 1.00 in every round, so bold; unsloth ÷ ckpt-block 1.01 within its 1.01
     assert cells[2:] == [
         "1.000 / 1.00",
         "**1.053** / 0.90",
@@ -114,6 +114,53 @@ def test_cells_are_the_paired_ratios_to_the_peer(tmp_path):
         "`synthetic.json`: GPU, torch 2.x, diffusers 0.x, flash, 3 rounds, 2026-01-01, pinned D2H 50.0 GB/s"
         in text
     )
+
+
+def test_a_ratio_over_its_limit_with_a_round_under_it_is_a_tie_not_bold(tmp_path):
+    rows = _rows(
+        {
+            "torch": [
+                1.02,
+                0.99,
+                1.01,
+            ],  # ÷ ckpt-block 1.02, 0.99, 1.01: median 1.010 over 1.00, one round under
+            "ckpt-block": [1.00, 1.00, 1.00],
+            "unsloth": [1.02, 1.03, 1.015],  # 1.02, 1.03, 1.015: every round over its 1.01
+        },
+        {},
+    )
+    _synthetic_file(tmp_path, "synthetic.json", rows)
+    text = headline.headline(tmp_path, tmp_path)
+    cells = _line(text, "| 3072w x15, 4096 tok | all linears")
+    assert cells[2] == "1.010 (tie: rounds 0.990–1.020)" and cells[4] == "**1.020**"
+    assert "*tie: rounds a–b*: over its limit too (the check fails)" in text
+
+
+def test_a_peer_that_cannot_run_is_named_in_its_columns(tmp_path):
+    payload = {
+        "suite": "families",
+        "family": "chroma",
+        "preset": "full",
+        "tokens": 4096,
+        "configs": ["lora-all"],
+        "results": [
+            {
+                "config": "lora-all",
+                "tokens": 4096,
+                "rows": _rows({"torch-ffn": [1.0, 1.0, 1.0], "ckpt-ffn": [1.0, 1.0, 1.0]}, {}),
+                "skipped": {"diffusers-ckpt": "its branch calls blocks differently"},
+            }
+        ],
+    }
+    (tmp_path / "family-chroma-full.json").write_text(json.dumps(payload))
+    cells = _line(headline.headline(tmp_path, tmp_path), "| chroma | 4096 | all linears")
+    # torch and unsloth were not run: their peer cannot run on this model, which the cell says
+    assert cells[3:] == [
+        "no diffusers-ckpt (its branch calls blocks differently)",
+        "1.000",
+        "no diffusers-ckpt (its branch calls blocks differently)",
+        headline.NOT_YET,
+    ]
 
 
 def test_two_current_files_for_one_entry_are_an_error(tmp_path):
@@ -140,3 +187,20 @@ def test_the_readme_block_is_replaced_between_its_markers(tmp_path):
     readme.write_text("# no markers\n")
     with pytest.raises(ValueError, match="the README has no headline block"):
         headline.main(["--results", str(results), "--readme", str(readme)])
+
+
+def test_a_summary_of_one_sweep_leaves_the_other_out(tmp_path):
+    _synthetic_file(tmp_path, "synthetic.json", _rows({"torch": [1.0, 1.0], "ckpt-block": [1.0, 1.0]}, {}))
+    both = headline.summary(tmp_path)
+    assert (
+        "### Synthetic DiT stack" in both
+        and "### Model families" in both
+        and "<!-- synthetic.json -->" in both
+    )
+    families_only = headline.summary(tmp_path, suite="families")
+    assert families_only.startswith("# memfit against its peers: model families\n")
+    assert "### Model families" in families_only and "Synthetic" not in families_only
+    assert "synthetic.json" not in families_only  # neither its report nor its source line
+    out = tmp_path / "families.md"
+    assert headline.main(["--results", str(tmp_path), "--suite", "families", "--summary", str(out)]) == 0
+    assert out.read_text() == families_only

@@ -32,6 +32,28 @@ def _flux():
     return model, batch, adapter
 
 
+def _family(name):
+    pytest.importorskip(f"memfit_{name.replace('-', '_')}")
+    adapter = memfit.get_adapter(name)
+    preset = adapter.presets["tiny"]
+    model = preset.build(dtype=torch.float32, device="cpu")
+    batch = preset.inputs(
+        model, tokens=preset.default_tokens, batch=1, generator=torch.Generator().manual_seed(0)
+    )
+    prepare(model, batch, TrainingConfig.LORA_ALL, adapter, dtype=torch.float32)
+    return model, batch, adapter
+
+
+def _instance_state(model):
+    """Every module's instance attributes (by identity) and the model's config: what a peer must leave as found."""
+    config = getattr(model, "config", None)
+    return (
+        {name: {k: id(v) for k, v in m.__dict__.items()} for name, m in model.named_modules()},
+        dict(config) if isinstance(config, dict) else None,
+        dict(vars(config)) if config is not None and hasattr(config, "__dict__") else None,
+    )
+
+
 def _step(model, batch, adapter, context=None):
     """Output, trainable gradients and saved-for-backward bytes of one forward+backward."""
     model.zero_grad(set_to_none=True)
@@ -43,7 +65,7 @@ def _step(model, batch, adapter, context=None):
         loss = adapter.loss(out)
     loss.backward()
     out = out.sample if hasattr(out, "sample") else out
-    out = out[0] if isinstance(out, tuple) else out
+    out = out[0] if isinstance(out, (tuple, list)) else out
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     return out.detach(), grads, meter.total_bytes
 
@@ -107,6 +129,42 @@ def test_diffusers_checkpointing_changes_no_gradient_and_is_undone():
         for n, m in model.named_modules()
         if hasattr(m, "gradient_checkpointing")
     }
+
+
+@pytest.mark.parametrize("name", ["chroma", "flux", "krea2", "ltxvideo2", "mageflow", "wan", "z-image"])
+def test_the_ffn_peer_and_diffusers_checkpointing_on_every_family(name):
+    """The FFN peer checkpoints every declared FFN region once per step and changes nothing computed; diffusers'
+    checkpointing, where it runs, leaves the model exactly as it found it (the model's own switches included), so
+    the rows measured after it are not checkpointed by the model too."""
+    model, batch, adapter = _family(name)
+    out, grads, saved = _step(model, batch, adapter)
+
+    def ffn_peer():
+        installation = peers.install(Peer.CHECKPOINT_FFN, model, adapter)
+        try:
+            with torch.random.fork_rng():
+                stepped = _step(model, batch, adapter, installation.step_context)
+            return stepped, installation.checkpointed_calls(), len(installation.chains)
+        finally:
+            installation.remove()
+
+    (peer_out, peer_grads, peer_saved), calls, chains = ffn_peer()
+    assert calls == chains > 0
+    assert torch.equal(out, peer_out) and grads.keys() == peer_grads.keys() and grads
+    for grad_name, grad in grads.items():
+        assert torch.equal(grad, peer_grads[grad_name]), grad_name
+    assert peer_saved < saved
+    if peers.unsupported(Peer.DIFFUSERS, model, adapter) is not None:
+        return
+    before = _instance_state(model)
+    installation = peers.install(Peer.DIFFUSERS, model, adapter)
+    try:
+        _, _, checkpointed_saved = _step(model, batch, adapter)
+    finally:
+        installation.remove()
+    assert checkpointed_saved < saved
+    assert _instance_state(model) == before
+    assert ffn_peer()[1] == calls  # not nested inside the model's own block checkpoints
 
 
 def test_save_on_cpu_changes_no_gradient():

@@ -91,3 +91,32 @@ def test_longer_sequences_give_unsloth_its_own_limit():
     assert _lines(
         md, "- INFO offload_attention / save_on_cpu step time: 0.500×"
     )  # no target beyond short sequences
+
+
+def test_a_failure_inside_the_rounds_spread_says_so_and_still_fails():
+    entry = _entry(1024)
+    by = {r["mode"]: r for r in entry["rows"]}
+    by["unsloth"]["step_s_rounds"] = [0.0815, 0.0905, 0.0865]  # ÷ ckpt-block 1.006, 0.995, 1.006
+    by["unsloth"]["step_s"] = 0.0865
+    add_ratios(entry["rows"])
+    md = render_markdown({**_payload(1024), "results": [entry]})
+    (line,) = _lines(md, "- FAIL unsloth ≤ 1.00× ckpt-block step time: 1.006×")
+    assert line.endswith("; a tie within this run's spread (rounds 0.995–1.006 straddle 1.00)")
+    (torch,) = _lines(md, "- PASS torch ≤ 1.00× ckpt-block")
+    assert "tie" not in torch
+
+
+def test_the_report_says_how_many_timed_steps_a_minimum_duration_took():
+    entry = _entry(1024)
+    for n, row in enumerate(entry["rows"]):
+        row["timed_steps_rounds"] = [12 + n, 20, 30]
+    entry.update(steps=6, warmup=2, min_seconds=1.0)
+    md = render_markdown({**_payload(1024), "results": [entry]})
+    assert (
+        "Median of the timed steps after 2 warm-up steps: at least 6 and at least 1 s of them; 12–30 taken."
+        in md
+    )
+    entry["min_seconds"] = 0
+    assert "Median of 6 timed steps after 2 warm-up steps." in render_markdown(
+        {**_payload(1024), "results": [entry]}
+    )

@@ -7,8 +7,9 @@
 Per shape, one model (random weights, seed 0); per training config (``--configs``: ``lora-all``, ``lora-attn``,
 ``frozen``, ``full``; ``memfit_benchmarks.training``) every mode of ``--modes`` (memfit's and the peers',
 ``memfit_benchmarks.modes``) measured ``--rounds`` times round-robin (``memfit_benchmarks.rounds``): each row
-reports its median round and its ratio to its peer, paired round by round. ``--modes``, ``--steps`` and
-``--warmup`` take one value per shape (``8/3/2/2``) where shapes differ in cost. Offload modes need CUDA; the
+reports its median round and its ratio to its peer, paired round by round. ``--modes``, ``--steps``,
+``--min-seconds`` (keep timing until the timed steps add up to that long: short steps are noisy) and ``--warmup``
+take one value per shape (``8/3/2/2``) where shapes differ in cost. Offload modes need CUDA; the
 peers that do not apply (diffusers' checkpointing on this stack) are listed as skipped. Writes
 ``<name>.json`` (default ``synthetic``; rewritten after every entry, ``complete`` true at the end), then its
 markdown and plot (``memfit_benchmarks.render``) unless ``--no-render``.
@@ -29,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from memfit_benchmarks import peers
 from memfit_benchmarks.environment import environment
 from memfit_benchmarks.modes import Mode, is_offload, select_modes
-from memfit_benchmarks.options import add_sweep_options, deadline, per_shape_values, step_count
+from memfit_benchmarks.options import add_sweep_options, deadline, per_shape_values, seconds, step_count
 from memfit_benchmarks.results import write_json
 from memfit_benchmarks.runner import measure_modes
 from memfit_benchmarks.shapes import SHAPES, TINY_SHAPE
@@ -95,15 +96,18 @@ def main(argv: list[str] | None = None) -> list[Path]:
     modes = per_shape_values(parser, "modes", args.modes, n, select_modes)
     steps = per_shape_values(parser, "steps", args.steps, n, step_count)
     warmup = per_shape_values(parser, "warmup", args.warmup, n, step_count)
+    min_seconds = per_shape_values(parser, "min-seconds", args.min_seconds, n, seconds)
     if any(s < 1 for s in steps):
         parser.error("--steps: at least one timed step per measurement")
     if args.dry_run:
-        for (label, *_), shape_modes, shape_steps, shape_warmup in zip(
-            shapes, modes, steps, warmup, strict=True
+        for (label, *_), shape_modes, shape_steps, shape_warmup, shape_seconds in zip(
+            shapes, modes, steps, warmup, min_seconds, strict=True
         ):
             print(
                 f"would measure {label}: configs {[c.value for c in args.configs]}, {args.rounds} rounds of "
-                f"{shape_warmup} warm-up + {shape_steps} timed steps, modes {[m.name for m in shape_modes]}",
+                f"{shape_warmup} warm-up + {shape_steps} timed steps"
+                + (f" and at least {shape_seconds:g} s of them" if shape_seconds else "")
+                + f", modes {[m.name for m in shape_modes]}",
                 flush=True,
             )
         return []
@@ -123,8 +127,8 @@ def main(argv: list[str] | None = None) -> list[Path]:
         "results": [],
     }
     path = Path(args.out) / f"{args.name}.json"
-    for (label, width, depth, tokens), shape_modes, shape_steps, shape_warmup in zip(
-        shapes, modes, steps, warmup, strict=True
+    for (label, width, depth, tokens), shape_modes, shape_steps, shape_warmup, shape_seconds in zip(
+        shapes, modes, steps, warmup, min_seconds, strict=True
     ):
         shape = {"label": label, "shape": label, "width": width, "depth": depth, "tokens": tokens}
         if stop():
@@ -149,6 +153,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
                     rounds=args.rounds,
                     warmup=shape_warmup,
                     steps=shape_steps,
+                    min_seconds=shape_seconds,
                     optimizer_factory=training.optimizer_factory,
                     tag=f"[{config.value}] [{label}]",
                     stop=stop,
@@ -159,6 +164,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
                     **shape,
                     **training.info(),
                     "steps": shape_steps,
+                    "min_seconds": shape_seconds,
                     "warmup": shape_warmup,
                     "rows": rows,
                     "skipped": skipped,

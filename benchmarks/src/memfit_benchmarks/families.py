@@ -18,7 +18,10 @@ the others are listed under ``skipped``. A mode that runs out of memory is an ``
 ``family-<name>-<preset>.json`` per family to ``--out`` (rewritten after each config), then renders markdown
 and a plot unless ``--no-render``.
 
-``--tokens`` takes one count for every family or ``name=N`` pairs (the others keep their preset's default);
+``--steps N --min-seconds S``: each measurement times at least N steps and keeps timing until they add up to S
+seconds (with one timed step per measurement, the paired ratios of a full-size family spread by ~1% between
+rounds). ``--tokens`` takes one
+count for every family or ``name=N`` pairs (the others keep their preset's default);
 ``--family-seconds S`` stops starting measurements of a family S seconds after its model was built (on top
 of ``--stop-at``), so one slow family cannot take the others' time; ``--require-peer`` measures nothing for a
 family on which none of the requested peers can run (its entries say why): memfit's rows would have nothing
@@ -44,7 +47,7 @@ from memfit import FamilyAdapter
 from memfit_benchmarks import peers
 from memfit_benchmarks.environment import environment
 from memfit_benchmarks.modes import Mode, is_offload, select_modes
-from memfit_benchmarks.options import add_sweep_options, step_count
+from memfit_benchmarks.options import add_sweep_options, seconds, step_count
 from memfit_benchmarks.results import write_json
 from memfit_benchmarks.runner import measure_modes
 from memfit_benchmarks.training import TrainingConfig, prepare
@@ -169,6 +172,7 @@ def run_family(
                 "label": payload["preset_description"] or args.preset,
                 "tokens": tokens,
                 "steps": args.steps,
+                "min_seconds": args.min_seconds,
                 "warmup": args.warmup,
                 "skipped": skipped,
                 "rows": [],
@@ -194,6 +198,7 @@ def run_family(
                         rounds=args.rounds,
                         warmup=args.warmup,
                         steps=args.steps,
+                        min_seconds=args.min_seconds,
                         optimizer_factory=training.optimizer_factory,
                         tag=f"[{name}] [{config.value}]",
                         progress=lambda it, label=config.value: _progress(
@@ -291,6 +296,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     try:
         args.modes = select_modes(args.modes)
         args.steps, args.warmup = step_count(args.steps), step_count(args.warmup)
+        args.min_seconds = seconds(args.min_seconds)
         args.tokens = parse_tokens(args.tokens)
     except ValueError as exc:
         parser.error(str(exc))
@@ -317,8 +323,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
         }
         print(
             f"would measure {families} ({args.preset}): configs {[c.value for c in args.configs]}, {args.rounds} "
-            f"rounds of {args.warmup} warm-up + {args.steps} timed steps, modes {[m.name for m in args.modes]} "
-            f"(less those a family does not support); tokens {tokens}"
+            f"rounds of {args.warmup} warm-up + {args.steps} timed steps"
+            + (f" and at least {args.min_seconds:g} s of them" if args.min_seconds else "")
+            + f", modes {[m.name for m in args.modes]} (less those a family does not support); tokens {tokens}"
             + (f"; at most {args.family_seconds:g} s per family" if args.family_seconds else "")
             + ("; a family without any of the peers is not measured" if args.require_peer else ""),
             flush=True,

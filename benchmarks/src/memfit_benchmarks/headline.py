@@ -3,10 +3,13 @@
     python -m memfit_benchmarks.headline                    # rewrite the marked block of benchmarks/README.md
     python -m memfit_benchmarks.headline --check            # exit 1 if the README's block is not what the JSON says
     python -m memfit_benchmarks.headline --results DIR --summary DIR/summary.md   # a run's tables + its reports
+    python -m memfit_benchmarks.headline --results DIR --suite families --summary DIR/families.md   # one sweep's
 
 Every cell is a memfit mode's step time over its peer's (the paired median over rounds where both ran in the
 same rounds) and its peak over the peer's, read from the results files under ``--results``; a cell no file
-measures says so ("not measured yet"). Only entries that measured a peer count, and only one file may measure
+measures says so ("not measured yet"). A ratio over its limit is bold where every round is over it, and a tie
+(with the rounds' range) where some round is not: the limit is the same, the tie shows a failure inside the
+run's own noise. Only entries that measured a peer count, and only one file may measure
 a given (sweep, config, shape): two such files are an error naming both (delete the superseded one).
 """
 
@@ -28,6 +31,7 @@ from memfit_benchmarks.report import (
     render_markdown,
 )
 from memfit_benchmarks.results import entries, load, results_files
+from memfit_benchmarks.rounds import inside_spread
 from memfit_benchmarks.shapes import SHAPES
 
 BENCHMARKS = Path(__file__).resolve().parents[2]  # benchmarks/ in the source tree
@@ -36,6 +40,7 @@ BEGIN, END = (
     "<!-- headline:end -->",
 )
 NOT_YET = "not measured yet"
+SUITE_TITLES = {"synthetic": "the synthetic stack", "families": "model families"}
 HEADLINE_CONFIGS = {"lora-all": "all linears", "lora-attn": "attention only"}
 # (memfit mode, the peer named in the column's header) per table; a row compared with another peer says which
 SYNTHETIC_COLUMNS = [
@@ -99,7 +104,10 @@ def collect(root: Path) -> tuple[dict[tuple[str, str, str], Measured], dict[str,
 
 
 def _cell(entry: dict[str, Any] | None, mode: str, peer: str) -> str:
-    """``step ratio / peak ratio`` of ``mode`` to its peer in ``entry``; bold when the step is over its limit."""
+    """``step ratio / peak ratio`` of ``mode`` to its peer in ``entry``. Over its limit: bold, unless some round's
+    ratio is at or under the limit (``rounds.inside_spread``), which the cell shows as a tie with the rounds'
+    range: the check fails either way, the tie is inside the run's own spread. A peer that cannot run on the
+    model (and no other peer measured for ``mode``) is said so."""
     if entry is None:
         return NOT_YET
     no_peer = entry.get("no_peer") or {}
@@ -110,6 +118,8 @@ def _cell(entry: dict[str, Any] | None, mode: str, peer: str) -> str:
     if mode in skipped:
         return f"not run ({skipped[mode]})"
     row = rows.get(mode)
+    if peer in skipped and (row is None or (measured(row) and not row.get("vs_peer"))):
+        return f"no {peer} ({skipped[peer]})"
     if row is None:
         return NOT_YET
     if not measured(row):
@@ -122,9 +132,14 @@ def _cell(entry: dict[str, Any] | None, mode: str, peer: str) -> str:
         return f"{row['vs_peer']} failed"
     step = f"{row['x_peer']:.3f}"
     limit = peer_limit(mode, entry.get("tokens"))
-    if limit is not None and row["x_peer"] > limit:
+    rounds = row.get("x_peer_rounds")
+    over = limit is not None and row["x_peer"] > limit
+    tie = over and inside_spread(rounds, limit)
+    if over and not tie:
         step = f"**{step}**"
     text = f"{step} / {row['peak_x_peer']:.2f}" if row.get("peak_x_peer") is not None else step
+    if tie:
+        text += f" (tie: rounds {min(rounds):.3f}–{max(rounds):.3f})"
     if not row.get("x_peer_paired"):
         text += " (unpaired)"
     if row["vs_peer"] != peer:
@@ -209,33 +224,38 @@ def _sources(found: dict[tuple[str, str, str], Measured], base: Path) -> list[st
     return lines
 
 
-def headline(root: Path, base: Path) -> str:
-    """The headline block's markdown for the results under ``root`` (file paths shown relative to ``base``)."""
+def headline(root: Path, base: Path, *, suite: str | None = None) -> str:
+    """The headline block's markdown for the results under ``root`` (file paths shown relative to ``base``):
+    both tables, or ``suite``'s (``synthetic`` or ``families``) alone."""
     found, families = collect(root)
+    if suite is not None:
+        found = {key: m for key, m in found.items() if m.payload.get("suite") == suite}
+        families = families if suite == "families" else {}
     limits = ", ".join(f"`{mode}` {limit:.2f}" for mode, limit in PEER_LIMITS.items())
     legend = [
         "Each cell: memfit's step time ÷ the peer's / memfit's peak ÷ the peer's, same process, same model, the "
         "step ratio paired by round (median of per-round ratios). Below 1 memfit is faster / leaner. **Bold**: "
-        f"over its limit ({limits}; every mode 1.00 at {SHORT_SEQUENCE_TOKENS} tokens or fewer). Peers: `ckpt-block` / `ckpt-ffn` = `torch.utils.checkpoint` (non-reentrant) "
+        f"over its limit ({limits}; every mode 1.00 at {SHORT_SEQUENCE_TOKENS} tokens or fewer) in every round. "
+        "*tie: rounds a–b*: over its limit too (the check fails), but at least one round's ratio is at or under "
+        "it: the difference is inside the run's own round-to-round spread a–b. "
+        "Peers: `ckpt-block` / `ckpt-ffn` = `torch.utils.checkpoint` (non-reentrant) "
         "per block / per FFN region, `diffusers-ckpt` = diffusers' `enable_gradient_checkpointing()`, "
         "`save_on_cpu` = `torch.autograd.graph.save_on_cpu(pin_memory=True)`. `offload_attention ÷ bound`: its "
         "step ÷ max(no checkpointing's step, bytes parked per step ÷ measured pinned bandwidth), limit "
         f"{ATTENTION_OFFLOAD_SLACK:.2f}.",
     ]
-    lines = [
-        "### Synthetic DiT stack (bf16, flash SDPA, batch 1)",
-        "",
-        *synthetic_table(found),
-        "",
-        f"### Model families at their published size (bf16, batch 1, {HEADLINE_CONFIGS['lora-all']} / "
-        f"{HEADLINE_CONFIGS['lora-attn']} LoRA r16)",
-        "",
-        *family_table(found, families),
-        "",
-        *legend,
-        "",
-        *_sources(found, base),
-    ]
+    lines = []
+    if suite in (None, "synthetic"):
+        lines += ["### Synthetic DiT stack (bf16, flash SDPA, batch 1)", "", *synthetic_table(found), ""]
+    if suite in (None, "families"):
+        lines += [
+            f"### Model families at their published size (bf16, batch 1, {HEADLINE_CONFIGS['lora-all']} / "
+            f"{HEADLINE_CONFIGS['lora-attn']} LoRA r16)",
+            "",
+            *family_table(found, families),
+            "",
+        ]
+    lines += [*legend, "", *_sources(found, base)]
     return "\n".join(lines) + "\n"
 
 
@@ -251,12 +271,14 @@ def replace_block(text: str, block: str) -> str:
     return text[: start + len(BEGIN)] + "\n" + block + text[end:]
 
 
-def summary(root: Path) -> str:
-    """A run's headline tables, then the full report of each results file under ``root``."""
-    parts = ["# memfit against its peers\n", headline(root, root)]
+def summary(root: Path, *, suite: str | None = None) -> str:
+    """A run's headline tables, then the full report of each results file under ``root`` (``suite``'s alone, when
+    given)."""
+    title = "# memfit against its peers" + ("" if suite is None else f": {SUITE_TITLES[suite]}")
+    parts = [f"{title}\n", headline(root, root, suite=suite)]
     for path in results_files(root):
         payload = load(path)
-        if payload.get("suite") in ("synthetic", "families"):
+        if payload.get("suite") in ((suite,) if suite else SUITE_TITLES):
             parts.append(f"\n---\n\n<!-- {path.name} -->\n" + render_markdown(payload))
     return "\n".join(parts)
 
@@ -269,11 +291,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--readme", type=Path, default=BENCHMARKS / "README.md")
     parser.add_argument("--check", action="store_true", help="compare with the README instead of writing it")
     parser.add_argument("--summary", type=Path, default=None, help="write a run's summary here instead")
+    parser.add_argument(
+        "--suite",
+        choices=tuple(SUITE_TITLES),
+        default=None,
+        help="with --summary: that sweep's tables and reports only",
+    )
     args = parser.parse_args(argv)
     if args.summary is not None:
-        text = summary(args.results)
+        text = summary(args.results, suite=args.suite)
         args.summary.write_text(text)
-        print(headline(args.results, args.results), flush=True)
+        print(headline(args.results, args.results, suite=args.suite), flush=True)
         return 0
     current = args.readme.read_text()
     wanted = replace_block(current, headline(args.results, args.readme.parent))

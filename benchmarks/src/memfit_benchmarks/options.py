@@ -7,6 +7,7 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+from memfit_benchmarks.runner import MAX_STEPS_FACTOR
 from memfit_benchmarks.training import TrainingConfig, parse_configs
 
 T = TypeVar("T")
@@ -29,10 +30,11 @@ def _configs(text: str) -> list[TrainingConfig]:
 def add_sweep_options(
     parser: argparse.ArgumentParser, *, default_config: str, default_modes: str, per_shape: bool
 ) -> None:
-    """``--configs``, ``--modes``, ``--rounds``, ``--steps``, ``--warmup``, ``--dry-run`` and ``--stop-at``.
+    """``--configs``, ``--modes``, ``--rounds``, ``--steps``, ``--min-seconds``, ``--warmup``, ``--dry-run`` and
+    ``--stop-at``.
 
-    With ``per_shape``, ``--modes``, ``--steps`` and ``--warmup`` take one value per shape separated by ``/``
-    (``--steps 8/3/2/2``), or one value for every shape (:func:`per_shape_values` parses them).
+    With ``per_shape``, ``--modes``, ``--steps``, ``--min-seconds`` and ``--warmup`` take one value per shape
+    separated by ``/`` (``--steps 8/3/2/2``), or one value for every shape (:func:`per_shape_values` parses them).
     """
     each = " (one per shape, separated by '/', or one for all)" if per_shape else ""
     parser.add_argument(
@@ -56,7 +58,13 @@ def add_sweep_options(
         help="measure every mode this many times, round-robin; a row reports the median round's step (each "
         "round's in step_s_rounds) and ratios are paired round by round",
     )
-    parser.add_argument("--steps", default="5", help="timed steps per measurement" + each)
+    parser.add_argument("--steps", default="5", help="timed steps per measurement, at least" + each)
+    parser.add_argument(
+        "--min-seconds",
+        default="0",
+        help="a measurement keeps taking timed steps until they add up to this many seconds too (at most "
+        f"{MAX_STEPS_FACTOR}x --steps steps; each row records its count in timed_steps)" + each,
+    )
     parser.add_argument("--warmup", default="2", help="warm-up steps per measurement" + each)
     parser.add_argument(
         "--dry-run",
@@ -93,6 +101,14 @@ def step_count(text: str) -> int:
     value = int(text)
     if value < 0:
         raise ValueError("steps cannot be negative")
+    return value
+
+
+def seconds(text: str) -> float:
+    """A non-negative number of seconds (``--min-seconds``)."""
+    value = float(text)
+    if not value >= 0:  # also refuses nan
+        raise ValueError("seconds cannot be negative")
     return value
 
 

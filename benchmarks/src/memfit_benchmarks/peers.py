@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from memfit import FamilyAdapter
+from memfit.engine.install import ModelSnapshot
 from memfit_benchmarks.modes import Peer
 
 _MISSING = object()
@@ -147,21 +148,11 @@ class PeerInstallation:
 
 
 def _diffusers_checkpointing(model: nn.Module) -> PeerInstallation:
-    flagged = [m for m in model.modules() if hasattr(m, "gradient_checkpointing")]
-    before = [
-        (m.gradient_checkpointing, m.__dict__.get("_gradient_checkpointing_func", _MISSING)) for m in flagged
-    ]
+    # The model's enable method may set switches of its own besides diffusers' flags (Mage-Flow's `checkpoint`
+    # attribute and config key): whatever it changes is put back, or every later row would run checkpointed too.
+    snapshot = ModelSnapshot.take(model)
     model.enable_gradient_checkpointing()
-
-    def undo() -> None:
-        for module, (flag, func) in zip(flagged, before, strict=True):
-            module.gradient_checkpointing = flag
-            if func is _MISSING:
-                module.__dict__.pop("_gradient_checkpointing_func", None)
-            else:
-                module._gradient_checkpointing_func = func
-
-    return PeerInstallation(undo=undo)
+    return PeerInstallation(undo=snapshot.changes().restore)
 
 
 def install(peer: Peer, model: nn.Module, adapter: FamilyAdapter | None) -> PeerInstallation:

@@ -31,8 +31,8 @@ def stopped(row: Row) -> bool:
 
 def merge_rounds(rows: list[Row]) -> Row:
     """One mode's rows from several rounds as one row: the median step time (each round's kept in
-    ``step_s_rounds``), the largest peaks; the rest from the first round. A mode out of memory in any round is
-    that round's ``oom`` row."""
+    ``step_s_rounds``, and its count of timed steps in ``timed_steps_rounds``), the largest peaks; the rest from
+    the first round. A mode out of memory in any round is that round's ``oom`` row."""
     if not rows:
         raise ValueError("merge_rounds needs at least one measured round")
     oom = next((r for r in rows if stopped(r)), None)
@@ -43,6 +43,8 @@ def merge_rounds(rows: list[Row]) -> Row:
     merged = dict(rows[0])
     merged["step_s_rounds"] = [r["step_s"] for r in rows]
     merged["step_s"] = statistics.median(merged["step_s_rounds"])
+    if any("timed_steps" in r for r in rows):
+        merged["timed_steps_rounds"] = [r.get("timed_steps") for r in rows]
     for key in ("peak_allocated", "peak_reserved", "peak_allocated_before_optimizer"):
         values = [r[key] for r in rows if r.get(key) is not None]
         if values:
@@ -94,6 +96,17 @@ def per_round_ratios(row: Row, ref: Row) -> list[float] | None:
     if common < 2:
         return None
     return [s / r for s, r in zip(steps[:common], ref_steps[:common], strict=True)]
+
+
+def inside_spread(ratios: list[float] | None, limit: float) -> bool:
+    """Whether ``limit`` lies inside the per-round ratios' range: some round at or under it, some over. A verdict
+    of the paired median against ``limit`` is then a tie within the run's own round-to-round noise.
+
+    Example:
+        >>> inside_spread([1.335, 0.983, 1.113], 1.00), inside_spread([1.011, 1.001, 1.006], 1.00)
+        (True, False)
+    """
+    return bool(ratios) and min(ratios) <= limit < max(ratios)
 
 
 def paired_ratio(row: Row, ref: Row) -> float | None:

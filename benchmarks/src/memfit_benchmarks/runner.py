@@ -35,6 +35,9 @@ from memfit_benchmarks.rounds import (
 )
 from memfit_benchmarks.training import grad_leaves
 
+# ``min_seconds`` never makes a measurement take more than this many times ``steps`` timed steps
+MAX_STEPS_FACTOR = 50
+
 
 def _device_of(model: nn.Module, inputs: dict[str, Any]) -> torch.device:
     for value in inputs.values():
@@ -66,6 +69,22 @@ def _grad_bytes(model: nn.Module, leaves: list[torch.Tensor]) -> int:
     return sum(t.grad.numel() * t.grad.element_size() for t in tensors)
 
 
+def more_timed_steps(times: list[float], *, steps: int, min_seconds: float) -> bool:
+    """Whether a measurement takes another timed step after the ones timed so far (``times``, in seconds): while it
+    has fewer than ``steps``, or fewer than ``min_seconds`` of them in all and fewer than ``MAX_STEPS_FACTOR`` ×
+    ``steps`` steps.
+
+    Example:
+        >>> more_timed_steps([0.03] * 6, steps=6, min_seconds=1.0)
+        True
+        >>> more_timed_steps([0.3] * 4, steps=2, min_seconds=1.0)
+        False
+    """
+    if len(times) < steps:
+        return True
+    return sum(times) < min_seconds and len(times) < MAX_STEPS_FACTOR * steps
+
+
 def measure_mode(
     model: nn.Module,
     inputs: dict[str, Any],
@@ -75,6 +94,7 @@ def measure_mode(
     adapter: FamilyAdapter | None,
     warmup: int = 2,
     steps: int = 5,
+    min_seconds: float = 0.0,
     optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None,
     inspect: Callable[[Any], dict[str, Any]] | None = None,
     settle: int = 0,
@@ -88,6 +108,9 @@ def measure_mode(
     ``time.perf_counter`` and the peaks are ``None`` (CPU smoke runs). ``peak_floor_bytes`` (CUDA) = allocated
     bytes when the last timed step began (weights, inputs, optimizer state) + ``grad_bytes``, the gradients alive
     when its backward ended: no mode's peak can be below it.
+    ``steps`` and ``min_seconds``: the timed steps go on until there are ``steps`` of them and they add up to
+    ``min_seconds`` (at most ``MAX_STEPS_FACTOR`` × ``steps``; :func:`more_timed_steps`); ``timed_steps`` says how
+    many ran, and every per-step figure is per timed step.
     ``optimizer_factory``: when given, a fresh optimizer is made for this row and its ``step()`` runs
     inside every (timed) step, after backward; it and its state are freed when the row ends.
     ``inspect``: called with the handle after the timed steps (before ``remove``); the dict it returns is merged
@@ -153,7 +176,7 @@ def measure_mode(
         times = []
         backward_peaks.clear()
         peaks: list[tuple[int, int]] = []
-        for _ in range(steps):
+        while more_timed_steps(times, steps=steps, min_seconds=min_seconds):
             if cuda:
                 if optimizer is not None:  # per step, so the activation peak read mid-step is this step's
                     torch.cuda.reset_peak_memory_stats()
@@ -169,11 +192,13 @@ def measure_mode(
                 step()
                 times.append(time.perf_counter() - t0)
         grad_bytes = _grad_bytes(model, leaf_inputs)
+        timed = len(times)
         row: dict[str, Any] = {
             "mode": mode.name,
             "config": mode.config,
             "peer": mode.peer.value if mode.peer is not None else None,
             "step_s": statistics.median(times),
+            "timed_steps": timed,
             "peak_allocated": max(p for p, _ in peaks) if cuda else None,
             "peak_reserved": max(r for _, r in peaks) if cuda else None,
             "peak_allocated_warmup": warmup_peak,
@@ -190,22 +215,22 @@ def measure_mode(
             "step_times_s": times,  # each timed step, in order (a first step slower than the rest: warm-up left)
             "oom": False,
         }
-        if calls_before is not None and steps:
-            row["checkpointed_calls_per_step"] = (installation.checkpointed_calls() - calls_before) / steps
+        if calls_before is not None:
+            row["checkpointed_calls_per_step"] = (installation.checkpointed_calls() - calls_before) / timed
         if handle is not None:
             s = handle.stats()
-            row["frames_per_step"] = s["frames"] / steps
+            row["frames_per_step"] = s["frames"] / timed
             if "bytes_offloaded" in s:
                 row.update(
-                    bytes_offloaded_per_step=s["bytes_offloaded"] / steps,
-                    bytes_reloaded_per_step=s["bytes_reloaded"] / steps,
-                    exposed_copy_ms_per_step=s["stall_ms"] / steps,
+                    bytes_offloaded_per_step=s["bytes_offloaded"] / timed,
+                    bytes_reloaded_per_step=s["bytes_reloaded"] / timed,
+                    exposed_copy_ms_per_step=s["stall_ms"] / timed,
                     pinned_bytes_held=s["pinned_bytes_held"],
                     new_pinned_allocations_in_timed_steps=s["pinned_allocations"],
                     pool_hits=s["pool_hits"],
                     # host syncs on a buffer's copy (not in the exposed copy time, which counts GPU-side waits)
                     pool_waits_in_timed_steps=s["pool_waits"],
-                    dedup_hits_per_step=s["dedup_hits"] / steps,
+                    dedup_hits_per_step=s["dedup_hits"] / timed,
                 )
             if inspect is not None:
                 row.update(inspect(handle))
@@ -258,7 +283,9 @@ def _row_summary(row: dict[str, Any]) -> str:
     if not measured(row):
         return oom_cell(row)
     peak = row.get("peak_allocated")
-    return f"{row['step_s']:.4f} s, peak " + ("n/a" if peak is None else f"{peak / 2**30:.2f} GiB")
+    return f"{row['step_s']:.4f} s ({row.get('timed_steps', '?')} timed steps), peak " + (
+        "n/a" if peak is None else f"{peak / 2**30:.2f} GiB"
+    )
 
 
 def measure_modes(
@@ -271,6 +298,7 @@ def measure_modes(
     rounds: int = 1,
     warmup: int = 2,
     steps: int = 5,
+    min_seconds: float = 0.0,
     optimizer_factory: Callable[[], torch.optim.Optimizer] | None = None,
     tag: str = "",
     progress: Callable[[Iterable[int]], Iterable[int]] = iter,
@@ -290,6 +318,7 @@ def measure_modes(
             adapter=adapter,
             warmup=warmup,
             steps=steps,
+            min_seconds=min_seconds,
             optimizer_factory=optimizer_factory,
         )
         print(f"{tag} {mode.name}: {_row_summary(row)}", flush=True)
