@@ -55,6 +55,22 @@ def test_a_device_memfit_cannot_train_on_is_refused_before_anything_is_touched(d
         pass
 
 
+def test_a_model_apply_cannot_move_tensor_by_tensor_is_refused_when_a_device_is_given(monkeypatch):
+    from memfit import placement
+
+    model = frozen_toy()
+    model.blocks[2].ff_out.register_buffer("scale", torch.empty(3, device="meta"))
+    with pytest.raises(
+        ConfigError, match=r"blocks\.2\.ff_out\.scale is on the meta device .* Load the weights"
+    ):
+        apply(model, {**ON, KEY: 2}, device="cpu")
+    del model.blocks[2].ff_out.scale
+    monkeypatch.setattr(placement, "is_fsdp_module", lambda m: m is model.blocks[0])
+    with pytest.raises(NotAvailableError, match="sharded with FSDP2 .* Leave device out"):
+        apply(model, {**ON}, device="cpu")
+    assert not any(m._forward_pre_hooks for m in model.modules())
+
+
 def test_the_device_the_model_is_on_already_moves_nothing_and_gives_the_same_gradients(x):
     model = frozen_toy()
     params = dict(model.named_parameters())

@@ -29,7 +29,7 @@ from memfit.install import block_lists, supports_diffusers_checkpointing
 from memfit.offload.copy import CopyEngine
 from memfit.offload.pool import PinnedBucketPool
 from memfit.offload.session import OffloadSession
-from memfit.placement import target_device
+from memfit.placement import check_movable, target_device
 from memfit.plan import BlockEntry, RegionPlan
 
 # models with memfit on; weak, and holding nothing that refers back to the model (a handle would keep it alive)
@@ -73,9 +73,10 @@ def apply(
 
     Raises:
         TypeError: ``model`` is not a module, or ``adapter`` neither an adapter nor a family name.
-        ConfigError: a key or value is invalid.
+        ConfigError: a key or value is invalid, or ``device`` is given and a weight is on the meta device.
         UnsupportedBoundaryError: the family has not declared the requested scope.
-        NotAvailableError: the backend cannot run here, or ``device`` is a CUDA device this process cannot see.
+        NotAvailableError: the backend cannot run here, ``device`` is a CUDA device this process cannot see, or
+            ``device`` is given for a model sharded with FSDP2.
         DeviceMemoryError: what stays on ``device`` does not fit there (the model is left where it was).
         MemfitError: the model already has memfit applied, or cannot be checkpointed at all.
 
@@ -99,6 +100,8 @@ def apply(
             f"adapter must be a memfit FamilyAdapter or an installed family's name (e.g. 'flux'), got "
             f"{type(adapter).__name__}"
         )
+    if target is not None:
+        check_movable(model, target)
     if model in _applied:
         raise MemfitError(
             f"memfit is already applied to this {type(model).__name__}; call handle.remove() on the "

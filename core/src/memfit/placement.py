@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from memfit.distributed import is_fsdp_module
 from memfit.errors import ConfigError, DeviceMemoryError, NotAvailableError
 from memfit.units import format_bytes
 
@@ -57,6 +58,28 @@ def target_device(device: torch.device | str | int | None) -> torch.device | Non
                 f"CUDA_VISIBLE_DEVICES and the driver, or pass device='cpu'."
             )
     return target
+
+
+def check_movable(model: nn.Module, device: torch.device) -> None:
+    """``model`` can be moved to ``device`` tensor by tensor.
+
+    Raises:
+        NotAvailableError: the model is sharded with FSDP2 (each rank's shards are placed by FSDP itself).
+        ConfigError: a parameter or buffer is on the meta device (not loaded).
+    """
+    if any(is_fsdp_module(m) for m in model.modules()):
+        raise NotAvailableError(
+            f"memfit.apply(..., device='{device}') moves the model's tensors one by one, but this model is "
+            f"sharded with FSDP2 (fully_shard), which places each rank's shards itself. Leave device out: "
+            f"memfit trains an FSDP2 model where its shards are."
+        )
+    for name, t in [*model.named_parameters(), *model.named_buffers()]:
+        if t.device.type == "meta":
+            raise ConfigError(
+                f"memfit.apply(..., device='{device}'): {name} is on the meta device (its values were never "
+                f"loaded: init_empty_weights, device_map, low_cpu_mem_usage?). Load the weights first, to the CPU "
+                f"if the card cannot hold them, then apply."
+            )
 
 
 @dataclass
