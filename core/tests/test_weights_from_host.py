@@ -210,3 +210,34 @@ def test_auto_on_a_card_that_holds_the_weights_moves_them_whole(monkeypatch, x):
     with apply(model, {**AUTO, "gradient_checkpointing_memory_budget": 1 << 40}, device="cpu") as handle:
         assert not handle._controller.profiles_streaming
         assert handle._controller.installation.streamer is None
+
+
+@pytest.mark.parametrize("count", [1, 3, 7])
+def test_the_profile_of_a_peft_flux_reads_the_same_with_any_set_streaming(count):
+    peft = pytest.importorskip("peft")
+    memfit_flux = pytest.importorskip("memfit_flux")
+    adapter = memfit_flux.ADAPTER
+    preset = adapter.presets["tiny"]
+    torch.manual_seed(0)
+    model = preset.build(dtype=torch.float32, device="cpu")
+    model.requires_grad_(False)
+    model.add_adapter(peft.LoraConfig(r=4, lora_alpha=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    batch = preset.inputs(model, tokens=32, generator=torch.Generator().manual_seed(1))
+
+    def profile():
+        return profile_model(model, adapter, (), batch, min_offload_bytes=0, copy_bytes_per_second=None)
+
+    resident = profile()
+    blocks = [(f"{path}.{i}", block) for path, i, block in adapter.iter_blocks(model)]
+    streamer = WeightStreamer(model, blocks[:count])
+    streamer.install()
+    try:
+        with streamer.profiling():
+            streaming = profile()
+    finally:
+        streamer.remove()
+    assert [b.saved_bytes for b in streaming.blocks] == [b.saved_bytes for b in resident.blocks]
+    assert [b.input_bytes for b in streaming.blocks] == [b.input_bytes for b in resident.blocks]
+    assert [b.attention_bytes for b in streaming.blocks] == [b.attention_bytes for b in resident.blocks]
+    assert [b.flops for b in streaming.blocks] == [b.flops for b in resident.blocks]
+    assert streaming.outside_bytes == resident.outside_bytes
