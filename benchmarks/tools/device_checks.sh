@@ -14,6 +14,7 @@
 #   fit-flash    memfit fit --preset full --budget 24GiB --sdpa flash on a process limited to 24 GiB
 #   fit-default  the same with the default SDPA dispatch (crashed rungs become rows, no traceback)
 #   fit-job      memfit fit --resolution 1024x1024 --lora-rank 16 --lora-targets attn --budget 24GiB
+#   fit-host     memfit fit on a 16 GiB card (smaller than Flux's weights): built on the host, placed per rung
 #   streaming    weight streaming's GPU tests and its Flux benchmark (streaming.{json,md}; STREAM_ARGS adds options,
 #                e.g. STREAM_ARGS="--blocks 0,19,27 --budgets 16GiB,12GiB --warmup 4"; --card-budgets 16GiB adds
 #                auto on a 16 GiB card with the model starting on the host: ~40-60 s a round more, estimated from
@@ -46,6 +47,7 @@ for part in ${PARTS:-gpu}; do
         fit-flash) run_part fit-flash fit_test "24gib_card_with_flash" ;;
         fit-default) run_part fit-default fit_test "default_attention_dispatch" ;;
         fit-job) run_part fit-job fit_test "lora_job_at_1024px" ;;
+        fit-host) run_part fit-host fit_test "16gib_card_builds_on_the_host" ;;
         streaming) run_part streaming-tests env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest core/tests/test_gpu_weights.py \
                 -m gpu -q -p no:cacheprovider
             run_part streaming python3 -m memfit_benchmarks.streaming --out "$OUT" ${STREAM_ARGS:-} ;;

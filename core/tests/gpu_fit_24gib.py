@@ -20,6 +20,8 @@ What they check:
   ``torch.backends.cuda.enable_cudnn_sdp(False)``.
 * the job of issue "a budget is a promise": 1024x1024 px, LoRA r16 on the attention projections, 24 GiB:
   a recommendation within budget in under 3 minutes.
+* a 16 GiB card, smaller than the weights: built on the host, placed per rung, a recommendation that streams
+  weights and stays within 16 GiB.
 """
 
 from __future__ import annotations
@@ -141,3 +143,31 @@ def test_a_lora_job_at_1024px_on_a_24gib_card_in_under_three_minutes(tmp_path):
     assert data["job"]["tokens"] == 4096 and data["job"]["regime"] == "lora"
     assert_recommendation_within(data, LIMIT)
     assert seconds < 180, f"took {seconds:.0f} s"
+
+
+def test_flux_full_size_on_a_16gib_card_builds_on_the_host_and_recommends_a_config_that_fits(tmp_path):
+    """A card smaller than Flux's 22 GiB of weights: fit builds the model on the CPU, every rung places it with
+    ``memfit.apply(..., device=)``, the rungs that keep every weight on the card do not fit, and the
+    recommendation (weights streamed from host memory) is within the 16 GiB the card gives."""
+    limit = 16 * 2**30
+    proc, data, _ = fit(
+        "flux-full-16gib-from-host",
+        "--budget",
+        "16GiB",
+        "--gpu-memory",
+        "16GiB",
+        "--sdpa",
+        "flash",
+        "--lora-rank",
+        "16",
+        "--lora-targets",
+        "attn",
+        tmp_path=tmp_path,
+        timeout=1500,
+    )
+    assert_no_traceback(proc)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert data["built"]["weights_on_host"] and data["weights_on_host"]
+    assert "memfit.apply(transformer, config, device='cuda')" in proc.stdout
+    chosen = assert_recommendation_within(data, limit)
+    assert chosen["streamed_blocks"] > 0, chosen

@@ -32,3 +32,22 @@ def test_import_memfit_does_not_import_torch_distributed():
     assert [m for m in found["added"] if m.startswith("torch.distributed")] == []
     # FSDP's module class is looked up, never imported: absent before the user imports FSDP, found after.
     assert found["class_before"] and found["class_after"]
+
+
+DISCOVERY = """
+import json, sys
+from memfit.adapters.discovery import available_adapters
+names = sorted(available_adapters())
+print(json.dumps({"adapters": names, "heavy": [m for m in ("diffusers", "transformers", "peft") if m in sys.modules]}))
+"""
+
+
+def test_finding_the_installed_adapters_imports_no_model_library():
+    """``memfit fit`` and ``memfit list`` look every adapter up before validating their flags: an adapter declares
+    its model classes by name and imports diffusers when it first builds one (a flag error stays one line, with
+    none of the warnings a model library may print as it loads)."""
+    out = subprocess.run([sys.executable, "-c", DISCOVERY], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    found = json.loads(out.stdout.strip().splitlines()[-1])
+    assert "flux" in found["adapters"] and "mageflow" in found["adapters"]
+    assert found["heavy"] == []

@@ -285,6 +285,7 @@ def plan_fit(args: argparse.Namespace) -> FitPlan:
     )
     from memfit.measure import SDPA_ON_CPU
 
+    device = _device(args.device)  # before anything is imported or built (adapters may import diffusers)
     from_file: dict[str, Any] = {}
     notes: list[str] = []
     user_config = None
@@ -322,7 +323,6 @@ def plan_fit(args: argparse.Namespace) -> FitPlan:
     job = FitJob(family=adapter.name, preset=args.preset or "tiny", model_path=model_path)
     preset = inputs_preset(adapter, job)
 
-    device = _device(args.device)
     dtype = pick("dtype") or ("bfloat16" if device.type == "cuda" else "float32")
     regime, rank, targets = _regime(args, from_file)
     tokens, resolution, frames = _tokens(args, from_file, preset, adapter.name)
@@ -526,6 +526,12 @@ def _cmd_fit(args: argparse.Namespace) -> int:
             f"attention: {info['sdpa']}"
             + (f"; each measured step ends with an {info['optimizer']} step" if info.get("optimizer") else "")
         )
+        if info.get("weights_on_host"):
+            console.print(
+                "The weights would fill the card: the model is built on the CPU and every rung places it with "
+                "memfit.apply(..., device=) (the frozen weights a rung streams go straight to pinned host "
+                "memory); rungs that keep every weight on the card do not fit."
+            )
         if not on_cuda:
             console.print(
                 "No GPU: memfit ranks by the activation bytes held for backward (saved-tensor accounting); CPU "
@@ -543,6 +549,7 @@ def _cmd_fit(args: argparse.Namespace) -> int:
             sdpa=info["sdpa"],
             line=rung_line,
         )
+        report.weights_on_host = bool(info.get("weights_on_host"))
     finally:
         if isinstance(runner, ChildRunner):
             runner.close()
@@ -633,6 +640,11 @@ def _print_recommendation(report: Any, plan: FitPlan) -> None:
         )
     console.print(f"Recommended: [bold]{escape(rec.rung.name)}[/] — paste into your trainer config:")
     console.print_json(json.dumps(report.recommended_config()))
+    if report.weights_on_host:
+        console.print(
+            "Load the transformer on the CPU and let memfit place it: "
+            "memfit.apply(transformer, config, device='cuda') (moving it to the card first runs out of memory)."
+        )
     if plan.sdpa != "default":
         console.print(
             f"Measured with SDPA pinned to {plan.sdpa}: train the same way (e.g. "

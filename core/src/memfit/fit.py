@@ -151,10 +151,12 @@ class InProcessRunner:
         sdpa: str = "default",
         measure: Callable[..., StepMeasurement] = measure_step,
         optimizer: Callable[[], torch.optim.Optimizer] | None = None,
+        device: torch.device | None = None,
     ) -> None:
         self.model, self.inputs, self.loss_fn = model, inputs, loss_fn
         self.adapter, self.steps, self.sdpa, self._measure = adapter, steps, sdpa, measure
         self.optimizer = optimizer
+        self.device = device  # where the model trains when its weights start on the host
         self._lost: RungFailure | None = None
 
     @classmethod
@@ -168,6 +170,7 @@ class InProcessRunner:
             steps=steps,
             sdpa=sdpa,
             optimizer=workload.optimizer,
+            device=workload.device,
         )
 
     def measure(self, rung: Rung, on_phase: Callable[[str], None] = _noop) -> StepMeasurement | RungFailure:
@@ -192,6 +195,7 @@ class InProcessRunner:
                 on_phase=on_phase,
                 measure=self._measure,
                 optimizer=self.optimizer,
+                device=self.device,
             )
         if isinstance(outcome, RungFailure) and outcome.needs_fresh_process:
             self._lost = outcome
@@ -207,6 +211,7 @@ class FitReport:
     recommended: RungResult | None = None
     sdpa: str = "default"  # what attention ran with (see memfit.measure.sdpa_description)
     ranking: str = "step time"  # "step time" (CUDA) or "held activations" (CPU)
+    weights_on_host: bool = False  # the model was built on the CPU and placed by each rung (see memfit.job)
 
     def recommended_config(self) -> dict[str, Any]:
         if self.recommended is None:
@@ -253,6 +258,7 @@ class FitReport:
             "rows": [_row_json(r) for r in self.results],
             "recommended": self.recommended.rung.name if self.recommended else None,
             "recommended_config": self.recommended_config() if self.recommended else None,
+            "weights_on_host": self.weights_on_host,
             "crash_advice": self.crash_advice(),
         }
 

@@ -68,7 +68,7 @@ def _worker(conn: Connection, build: Callable[[], Any], steps: int, sdpa: str, s
             )
         )
         os._exit(0)
-    device = next(workload.model.parameters()).device
+    device = workload.train_device
     conn.send(
         ("ready", {**workload.info, "device_type": device.type, "sdpa": sdpa_description(sdpa, device)})
     )

@@ -85,6 +85,19 @@ class Workload:
     info: dict[str, Any] = field(default_factory=dict)
     # a fresh optimizer for one measurement, stepped inside each measured step (None: forward and backward only)
     optimizer: Callable[[], torch.optim.Optimizer] | None = None
+    # where the model trains when its weights start on the host (each measurement places it there with
+    # ``memfit.apply(..., device=)``); None: where its weights are
+    device: torch.device | None = None
+
+    @property
+    def train_device(self) -> torch.device:
+        """Where the steps run."""
+        return self.device if self.device is not None else next(self.model.parameters()).device
+
+
+# the share of what the process can hold above which the weights start on the host: a card they would (nearly)
+# fill leaves no room for a step, and building the model on it would run out of memory first
+HOST_START_SHARE = 0.9
 
 
 def family_adapter(name: str) -> FamilyAdapter:
@@ -165,7 +178,8 @@ def build_workload(job: FitJob) -> Workload:
     if device.type == "cuda":
         info.update(_prepare_cuda(device, job.gpu_memory))
     start = time.perf_counter()
-    model, adapter = _build_model(job, dtype, device)
+    on_host = device.type == "cuda" and _weights_exceed(job, dtype, device)
+    model, adapter = _build_model(job, dtype, torch.device("cpu") if on_host else device)
     info["build_seconds"] = time.perf_counter() - start
     preset = inputs_preset(adapter, job)
     if job.regime is Regime.LORA:
@@ -178,6 +192,9 @@ def build_workload(job: FitJob) -> Workload:
     tokens = job.tokens or preset.default_tokens
     generator = torch.Generator().manual_seed(job.seed)
     inputs = preset.inputs(model, tokens=tokens, batch=job.batch, generator=generator)
+    if on_host:
+        inputs = _moved(inputs, device)
+        info["weights_on_host"] = True
     if job.regime is Regime.FROZEN:
         _require_input_grad(inputs)
     params = list(model.parameters())
@@ -193,7 +210,36 @@ def build_workload(job: FitJob) -> Workload:
     ):  # its state is what a full fine-tune adds: every rung carries it, as training does
         info["optimizer"] = "AdamW"
         optimizer = functools.partial(_adamw, model)
-    return Workload(model, inputs, adapter.loss, adapter, info, optimizer)
+    return Workload(model, inputs, adapter.loss, adapter, info, optimizer, device if on_host else None)
+
+
+def _weights_exceed(job: FitJob, dtype: torch.dtype, device: torch.device) -> bool:
+    """The job's weights (counted on a model built on the meta device) exceed :data:`HOST_START_SHARE` of what
+    this process can hold on ``device``."""
+    from memfit.auto.budget_planner import device_capacity
+
+    capacity = device_capacity(device)
+    try:
+        shape_only, _ = _build_model(job, dtype, torch.device("meta"))
+    except (RuntimeError, NotImplementedError, TypeError, ValueError):
+        return False  # a builder that needs real tensors: built on the device, as a card that holds it would
+    weights = sum(p.numel() * p.element_size() for p in shape_only.parameters())
+    return capacity is not None and weights > HOST_START_SHARE * capacity
+
+
+def _moved(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
+    """``inputs`` on ``device``, each tensor a leaf again (requiring gradients where it did)."""
+
+    def move(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return x.detach().to(device).requires_grad_(x.requires_grad)
+        if isinstance(x, (list, tuple)):
+            return type(x)(move(v) for v in x)
+        if isinstance(x, dict):
+            return {k: move(v) for k, v in x.items()}
+        return x
+
+    return {k: move(v) for k, v in inputs.items()}
 
 
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:

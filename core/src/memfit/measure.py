@@ -22,7 +22,7 @@ from torch import nn
 
 from memfit.accounting import SavedBytesMeter
 from memfit.adapters.spec import FamilyAdapter
-from memfit.errors import BudgetError, MemfitError
+from memfit.errors import BudgetError, DeviceMemoryError, MemfitError
 from memfit.units import format_bytes
 
 # device memory a failed rung may leave allocated (cached small blocks, RNG state) before the next needs a fresh process
@@ -135,6 +135,7 @@ def measure_step(
     steps: int = 3,
     on_phase: Callable[[str], None] = _noop,
     optimizer: Callable[[], torch.optim.Optimizer] | None = None,
+    device: torch.device | None = None,
 ) -> StepMeasurement:
     """Run ``warmup + steps`` forward/backward steps with ``config`` applied (None: unmodified model).
 
@@ -142,12 +143,17 @@ def measure_step(
         on_phase: told ``"apply"``, ``"forward"``, ``"backward"`` and ``"optimizer"`` as each begins (for crash
             reports).
         optimizer: makes this measurement's optimizer, stepped after each backward (its state is freed with it).
+        device: where the model trains when its weights start on the host: ``memfit.apply(..., device=)``
+            places it there for this measurement (the unmodified model too) and ``remove()`` takes it back.
     """
     import memfit
 
-    device = next(model.parameters()).device
+    if device is not None and not config:
+        config = {"gradient_checkpointing": False}  # installs nothing; the placement is apply's
+    device = device if device is not None else next(model.parameters()).device
     on_phase("apply")
-    handle = memfit.apply(model, config, adapter=adapter) if config else None
+    placing = {"device": device} if device != next(model.parameters()).device else {}
+    handle = memfit.apply(model, config, adapter=adapter, **placing) if config else None
     try:
         return _timed_steps(
             model,
@@ -265,6 +271,7 @@ def measure_guarded(
     on_phase: Callable[[str], None] = _noop,
     measure: Callable[..., StepMeasurement] = measure_step,
     optimizer: Callable[[], torch.optim.Optimizer] | None = None,
+    device: torch.device | None = None,
 ) -> StepMeasurement | RungFailure:
     """:func:`measure_step`, with a failure returned as a :class:`RungFailure` instead of raised.
 
@@ -274,8 +281,10 @@ def measure_guarded(
 
     Args:
         measure: the measuring function (``measure_step``; tests pass stand-ins).
+        device: where the model trains when its weights start on the host (``measure_step``'s).
     """
-    device = next(model.parameters()).device
+    placing = {"device": device} if device is not None else {}
+    device = device if device is not None else next(model.parameters()).device
     phase: list[str | None] = [None]
 
     def track(name: str) -> None:
@@ -296,10 +305,13 @@ def measure_guarded(
             steps=steps,
             on_phase=track,
             optimizer=optimizer,
+            **placing,
         )
     except torch.OutOfMemoryError as exc:
         peak = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None
         failure = RungFailure(FailureKind.OUT_OF_MEMORY, first_line(exc), phase[0], peak)
+    except DeviceMemoryError as exc:  # the part that stays on the card does not fit it
+        failure = RungFailure(FailureKind.OUT_OF_MEMORY, first_line(exc), phase[0])
     except BudgetError as exc:
         failure = RungFailure(FailureKind.REFUSED, first_line(exc), phase[0])
     except MemfitError as exc:

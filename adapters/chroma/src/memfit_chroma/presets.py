@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import ChromaTransformer2DModel
 
 from memfit.adapters.building import near_square_grid, packed_image_ids, preset_builders
 from memfit.adapters.spec import PixelGrid
+
+if TYPE_CHECKING:  # diffusers is imported on first build: adapter discovery must stay cheap
+    from diffusers import ChromaTransformer2DModel
 
 # Small enough that the whole conformance kit runs in seconds on a laptop CPU, big enough that every
 # interval/stride combination of the kit (intervals 1-3, strides up to 6) has full and partial chunks
@@ -48,7 +50,7 @@ FULL = dict(
 FULL_TEXT_TOKENS = 512
 
 
-build_tiny, build_full = preset_builders(ChromaTransformer2DModel, TINY, FULL)
+build_tiny, build_full = preset_builders("diffusers:ChromaTransformer2DModel", TINY, FULL)
 # One packed token covers 16x16 px: the VAE downsamples 8x, the pipeline packs 2x2 latents (1024x1024 px = 4096 tokens).
 PIXELS = PixelGrid(16)
 latent_grid = near_square_grid

@@ -14,13 +14,15 @@ documentation's example size and the usual LoRA/fine-tuning resolution; the full
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import Krea2Transformer2DModel
 
 from memfit.adapters.building import near_square_grid, packed_image_ids, preset_builders
 from memfit.adapters.spec import PixelGrid
+
+if TYPE_CHECKING:  # diffusers is imported on first build: adapter discovery must stay cheap
+    from diffusers import Krea2Transformer2DModel
 
 # Pixels per packed token along each axis: VAE factor 8 x patch size 2 (diffusers Krea2Pipeline).
 VAE_SCALE_FACTOR = 8
@@ -84,7 +86,7 @@ FULL = dict(
 )
 
 
-build_tiny, build_full = preset_builders(Krea2Transformer2DModel, TINY, FULL)
+build_tiny, build_full = preset_builders("diffusers:Krea2Transformer2DModel", TINY, FULL)
 # One packed token covers 16x16 px (see the module docstring).
 PIXELS = PixelGrid(VAE_SCALE_FACTOR * PATCH_SIZE)
 latent_grid = near_square_grid

@@ -25,13 +25,15 @@ seconds at ``fps = 24``; the audio latents run at
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import LTX2VideoTransformer3DModel
 
 from memfit.adapters.building import preset_builders
 from memfit.adapters.spec import PixelGrid
+
+if TYPE_CHECKING:  # diffusers is imported on first build: adapter discovery must stay cheap
+    from diffusers import LTX2VideoTransformer3DModel
 
 FPS = 24.0
 
@@ -114,7 +116,7 @@ FULL_TEXT_TOKENS = 1024
 TINY_TEXT_TOKENS = 8
 
 
-build_tiny, build_full = preset_builders(LTX2VideoTransformer3DModel, TINY, FULL)
+build_tiny, build_full = preset_builders("diffusers:LTX2VideoTransformer3DModel", TINY, FULL)
 # LTX-2's VAE: 32x spatial, 8x temporal (first frame alone); patch 1. 768x512 px, 121 frames = 6144 tokens.
 PIXELS = PixelGrid(32, frames_per_latent=8)
 

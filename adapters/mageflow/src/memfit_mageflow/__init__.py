@@ -6,9 +6,22 @@ upstream's base class ``MageFlow`` and the trainer's wrapper ``MageFlowTransform
 way the real one is; these declarations serve the real classes of those names too.
 """
 
+from typing import Any
+
 from memfit import BlockSpec, CheckpointSwitch, FamilyAdapter, Preset
-from memfit_mageflow.model import MageFlow, MageFlowTransformer2DModel, MageFlowTransformerBlock
 from memfit_mageflow.presets import PIXELS, build_full, build_tiny, make_inputs
+
+# the model classes import diffusers: loaded on first use (adapter discovery stays cheap)
+_MODEL_CLASSES = ("MageFlow", "MageFlowTransformer2DModel", "MageFlowTransformerBlock")
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MODEL_CLASSES:
+        from memfit_mageflow import model
+
+        return getattr(model, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 ADAPTER = FamilyAdapter(
     name="mageflow",

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from memfit.adapters.building import near_square_grid, preset_builders
 from memfit.adapters.spec import PixelGrid
-from memfit_mageflow.model import MageFlow, MageFlowParams, MageFlowTransformer2DModel, lengths_to_cu_seqlens
+
+if TYPE_CHECKING:  # the model module imports diffusers: loaded on first build, never by adapter discovery
+    from memfit_mageflow.model import MageFlow
 
 TINY = dict(
     in_channels=8,
@@ -40,11 +42,13 @@ FULL = dict(
 
 def upstream(**config: Any) -> MageFlow:
     """Upstream's base class, built from the same keys (``MageFlow(MageFlowParams(**config))``)."""
+    from memfit_mageflow.model import MageFlow, MageFlowParams
+
     return MageFlow(MageFlowParams(**config))
 
 
 # the trainer's wrapper class (what trainers train), and upstream's base class
-build_tiny, build_full = preset_builders(MageFlowTransformer2DModel, TINY, FULL)
+build_tiny, build_full = preset_builders("memfit_mageflow.model:MageFlowTransformer2DModel", TINY, FULL)
 build_upstream_tiny, build_upstream_full = preset_builders(upstream, TINY, FULL)
 # One token covers 16x16 px: Mage-VAE downsamples 16x and the model patchifies 1x1.
 PIXELS = PixelGrid(16)
@@ -81,6 +85,8 @@ def make_inputs(
     ``tokens`` is the image-token count of the first (largest) sample; the others are somewhat smaller,
     so the pack holds a little under ``batch * tokens`` image tokens.
     """
+    from memfit_mageflow.model import lengths_to_cu_seqlens
+
     cfg = model.params  # both classes keep upstream's parameter struct
     p = next(model.parameters())
     device, dtype = p.device, p.dtype

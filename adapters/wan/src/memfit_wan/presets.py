@@ -22,13 +22,15 @@ The returned latent is ``(batch, in_channels, F * p_t, h * p_h, w * p_w)``.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import WanTransformer3DModel
 
 from memfit.adapters.building import preset_builders
 from memfit.adapters.spec import PixelGrid
+
+if TYPE_CHECKING:  # diffusers is imported on first build: adapter discovery must stay cheap
+    from diffusers import WanTransformer3DModel
 
 TINY = dict(
     patch_size=(1, 2, 2),
@@ -73,7 +75,7 @@ MIN_FRAMES = 3
 TEXT_TOKENS_FULL = 512  # umT5 prompts are padded to 512 tokens in the Wan pipelines
 
 
-build_tiny, build_full = preset_builders(WanTransformer3DModel, TINY, FULL)
+build_tiny, build_full = preset_builders("diffusers:WanTransformer3DModel", TINY, FULL)
 # Wan's VAE: 8x spatial, 4x temporal (first frame alone); patches 1x2x2. 832x480 px, 81 frames = 32760 tokens.
 PIXELS = PixelGrid(16, frames_per_latent=4)
 

@@ -18,13 +18,15 @@ a near-square token grid ``h x w`` with ``h * w == tokens`` (see :func:`latent_g
 from __future__ import annotations
 
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
-from diffusers import ZImageTransformer2DModel
 
 from memfit.adapters.building import near_square_grid, preset_builders
 from memfit.adapters.spec import PixelGrid
+
+if TYPE_CHECKING:  # diffusers is imported on first build: adapter discovery must stay cheap
+    from diffusers import ZImageTransformer2DModel
 
 # The model pads every per-sample sequence (image, caption, SigLIP) to a multiple of this many tokens.
 SEQ_MULTI_OF = 32
@@ -81,7 +83,7 @@ def _give_pad_tokens_values(model: ZImageTransformer2DModel) -> None:
                 token.normal_()
 
 
-_build_tiny, build_full = preset_builders(ZImageTransformer2DModel, TINY, FULL)
+_build_tiny, build_full = preset_builders("diffusers:ZImageTransformer2DModel", TINY, FULL)
 # One token covers 16x16 px: the VAE downsamples 8x, the model patchifies 2x2 (1024x1024 px = 4096 tokens).
 PIXELS = PixelGrid(16)
 
