@@ -77,14 +77,18 @@ def test_the_device_the_model_is_on_already_moves_nothing_and_gives_the_same_gra
     values = {n: p.detach().clone() for n, p in params.items()}
     ref = step(model, x)
     with apply(model, {**ON, KEY: 3}, device="cpu") as handle:
-        assert handle._controller.placement is not None and not handle._controller.placement.parameters
+        placement = handle._controller.placement
+        assert (
+            placement is not None and placement.parameters
+        )  # the streamed weights, recorded with their home
+        assert all(memfit.engine.state.is_streamed(p) for p, _ in placement.parameters)
         assert_same(ref, step(model, x))
     assert dict(model.named_parameters()) == params
     assert all(torch.equal(p, values[n]) for n, p in params.items())
 
 
 def test_what_stays_on_the_device_not_fitting_leaves_the_model_as_it_was(monkeypatch, x):
-    def out_of_memory(model, device, *, profiles=False):
+    def out_of_memory(model, device, *, profiles=False, streamed=None):
         raise memfit.DeviceMemoryError(f"does not fit on {device} (profiles={profiles})")
 
     monkeypatch.setattr(Placement, "move", staticmethod(out_of_memory))
@@ -241,3 +245,25 @@ def test_the_profile_of_a_peft_flux_reads_the_same_with_any_set_streaming(count)
     assert [b.attention_bytes for b in streaming.blocks] == [b.attention_bytes for b in resident.blocks]
     assert [b.flops for b in streaming.blocks] == [b.flops for b in resident.blocks]
     assert streaming.outside_bytes == resident.outside_bytes
+
+
+def test_undo_sends_home_what_apply_moved_what_was_added_since_and_weights_that_stopped_streaming(
+    monkeypatch,
+):
+    """Placement's own bookkeeping on one device, its moves recorded instead of made (a home elsewhere cannot
+    exist on a CPU machine): a recorded weight goes home whether or not it moved (a streamed one that a later plan
+    put on the device), a tensor added on the device since goes where everything came from, one on the device
+    before stays."""
+    from memfit import placement as placement_mod
+
+    model = frozen_toy()
+    elsewhere = torch.device("cuda", 7)  # a stand-in home, never touched
+    streamed = model.blocks[1].ff_in.weight
+    moves = []
+    monkeypatch.setattr(placement_mod, "_move_parameter", lambda p, device: moves.append((p, device)))
+    placement = Placement.move(model, torch.device("cpu"), streamed={id(streamed): elsewhere})
+    assert moves == [] and [id(p) for p, _ in placement.parameters] == [id(streamed)]
+    late = torch.nn.Parameter(torch.zeros(2))  # added on the device after the move (LoRA after apply)
+    model.blocks[2].register_parameter("late", late)
+    placement.undo()
+    assert [(id(p), device) for p, device in moves] == [(id(streamed), elsewhere), (id(late), elsewhere)]

@@ -182,13 +182,15 @@ class Controller:
         """Everything not streamed moved to ``device``; under ``auto``, weights the device cannot hold for the
         profile stream from the host first (:meth:`Planner.profiling_plan`)."""
         profiling = self.planner.profiling_plan(device) if self.planner.adaptive else None
-        if profiling is None:
-            return Placement.move(self.model, device, profiles=self.planner.adaptive)
-        self.installation.remove()
-        # its blocks' weights go to host memory from where they are, before anything else moves
-        self.installation = self._install(profiling)
-        self.profiles_streaming = True
-        return Placement.move(self.model, device)
+        if profiling is not None:
+            self.installation.remove()
+            # its blocks' weights go to host memory from where they are, before anything else moves
+            self.installation = self._install(profiling)
+            self.profiles_streaming = True
+        streamed = self.streamer.homes() if self.streamer is not None else None
+        return Placement.move(
+            self.model, device, profiles=self.planner.adaptive and profiling is None, streamed=streamed
+        )
 
     def _release_weights(self) -> None:
         """Streamed weights back where they were (a weight ``apply`` moved to the device and a later plan streamed:

@@ -17,6 +17,7 @@ before ``apply`` stay.
 from __future__ import annotations
 
 import weakref
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,15 +97,26 @@ class Placement:
     device: torch.device
     parameters: list[tuple[nn.Parameter, torch.device]] = field(default_factory=list)
     buffers: list[tuple[nn.Module, str, torch.device]] = field(default_factory=list)
-    there_before: weakref.WeakSet = field(default_factory=weakref.WeakSet)  # on the device before the move
+    # by id, the tensors on the device before the move (weak: identity checked, never tensor equality)
+    there_before: dict[int, weakref.ref] = field(default_factory=dict)
 
     @classmethod
-    def move(cls, model: nn.Module, device: torch.device, *, profiles: bool = False) -> Placement:
+    def move(
+        cls,
+        model: nn.Module,
+        device: torch.device,
+        *,
+        profiles: bool = False,
+        streamed: Mapping[int, torch.device] | None = None,
+    ) -> Placement:
         """Every parameter (with its gradient) and buffer of ``model`` that is not on ``device``, moved there.
 
         Args:
             model: the model.
             device: where it trains.
+            streamed: by parameter id, the home of each weight streaming now (its placeholder is on ``device``):
+                recorded as moved from there, so that a block a later plan stops streaming, whose weights then
+                come to the device, goes home on :meth:`undo` too.
             profiles: ``auto`` plans it and chose to profile it with every weight on the device (the error says
                 when it streams instead).
 
@@ -113,7 +125,7 @@ class Placement:
         """
         placement = cls(model, device)
         try:
-            placement._move(model)
+            placement._move(model, streamed or {})
         except torch.OutOfMemoryError:
             placement.undo()
             staying = _storage_bytes(model)
@@ -137,12 +149,16 @@ class Placement:
             ) from None
         return placement
 
-    def _move(self, model: nn.Module) -> None:
+    def _move(self, model: nn.Module, streamed: Mapping[int, torch.device]) -> None:
         seen: set[int] = set()
         for module in model.modules():
             for p in module._parameters.values():
+                if p is not None and id(p) in streamed and id(p) not in seen:
+                    seen.add(id(p))
+                    self.parameters.append((p, streamed[id(p)]))
+                    continue
                 if p is not None and p.device == self.device:
-                    self.there_before.add(p)
+                    self.there_before[id(p)] = weakref.ref(p)
                 if p is None or id(p) in seen or p.device == self.device:
                     continue
                 seen.add(id(p))
@@ -150,7 +166,7 @@ class Placement:
                 _move_parameter(p, self.device)
             for name, buf in module._buffers.items():
                 if buf is not None and buf.device == self.device:
-                    self.there_before.add(buf)
+                    self.there_before[id(buf)] = weakref.ref(buf)
                 if buf is None or buf.device == self.device:
                     continue
                 module._buffers[name] = buf.to(self.device)
@@ -172,15 +188,22 @@ class Placement:
                 module._buffers[name] = buf.to(home)
         if len(homes) == 1:
             (home,) = homes
+            recorded = {id(p) for p, _ in self.parameters}
             for module in self.model.modules():
                 for p in module._parameters.values():
-                    if p is not None and p.device == self.device and p not in self.there_before:
+                    if p is None or id(p) in recorded:
+                        continue
+                    if p.device == self.device and not self._was_there(p):
                         _move_parameter(p, home)
                 for name, buf in module._buffers.items():
-                    if buf is not None and buf.device == self.device and buf not in self.there_before:
+                    if buf is not None and buf.device == self.device and not self._was_there(buf):
                         module._buffers[name] = buf.to(home)
         self.parameters.clear()
         self.buffers.clear()
+
+    def _was_there(self, t: torch.Tensor) -> bool:
+        ref = self.there_before.get(id(t))
+        return ref is not None and ref() is t
 
 
 def _move_parameter(p: nn.Parameter, device: torch.device) -> None:

@@ -689,6 +689,10 @@ class WeightStreamer:
     def reset_stats(self) -> None:
         self.stats = WeightStats()
 
+    def homes(self) -> dict[int, torch.device]:
+        """By parameter id, where each streamed weight was when it began streaming."""
+        return {id(w.param): w.home for b in self.blocks for w in b.weights}
+
     @property
     def streamed_bytes(self) -> int:
         """The frozen bytes streaming takes off the device (while no upload is alive)."""
