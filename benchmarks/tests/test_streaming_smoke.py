@@ -80,7 +80,7 @@ def test_a_model_that_does_not_fit_where_it_is_placed_is_an_out_of_memory_row(mo
     from memfit_benchmarks.modes import Mode
     from memfit_benchmarks.runner import measure_mode
 
-    def out_of_memory(model, device, *, profiles=False):
+    def out_of_memory(model, device, *, profiles=False, streamed=None):
         raise memfit.DeviceMemoryError(f"the rest does not fit on {device}")
 
     monkeypatch.setattr(Placement, "move", staticmethod(out_of_memory))
