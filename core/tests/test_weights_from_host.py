@@ -82,6 +82,11 @@ def test_the_device_the_model_is_on_already_moves_nothing_and_gives_the_same_gra
             placement is not None and placement.parameters
         )  # the streamed weights, recorded with their home
         assert all(memfit.engine.state.is_streamed(p) for p, _ in placement.parameters)
+        described = handle.describe()
+        assert (
+            "placed on cpu by apply" in described
+            and "weights streamed from host memory: 3 block(s)" in described
+        )
         assert_same(ref, step(model, x))
     assert dict(model.named_parameters()) == params
     assert all(torch.equal(p, values[n]) for n, p in params.items())

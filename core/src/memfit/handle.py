@@ -10,6 +10,7 @@ from torch import nn
 
 from memfit.config import MemfitConfig
 from memfit.plan import RegionPlan
+from memfit.units import format_bytes
 
 if TYPE_CHECKING:
     from memfit.auto.planner import Plan
@@ -155,6 +156,22 @@ class MemfitHandle:
         policies = Counter(b.policy.value for b in plan.blocks if b.policy.value != "keep")
         if policies:
             parts.append("policies: " + ", ".join(f"{p} × {n}" for p, n in sorted(policies.items())))
+        placement = self._controller.placement
+        if placement is not None:
+            homes = sorted(
+                {str(home) for _, home in placement.parameters} | {str(h) for *_, h in placement.buffers}
+            )
+            parts.append(
+                f"placed on {placement.device} by apply (from {', '.join(homes) or 'there already'}; remove() moves "
+                f"it back)"
+                + ("; auto profiles with weights streaming" if self._controller.profiles_streaming else "")
+            )
+        streamer = self._controller.streamer
+        if streamer is not None and streamer.blocks:
+            parts.append(
+                f"weights streamed from host memory: {len(streamer.blocks)} block(s), "
+                f"{format_bytes(streamer.streamed_bytes)}"
+            )
         if self._controller.planner.adaptive:
             parts.append(self._controller.planner.describe())
         return "\n".join(parts)
