@@ -72,7 +72,9 @@ def test_at_1024_tokens_every_mode_must_be_at_least_as_fast_as_its_peer():
         "- FAIL unsloth ≤ 1.00× ckpt-block step time: 1.006× (median of per-round ratios 1.006, 1.005, 1.006",
     )
     assert _lines(md, "- PASS offload_attention ≤ 1.00× save_on_cpu step time: 0.500×")
-    assert _lines(md, "- FAIL offload_attention peak ≤ save_on_cpu's: 5.500 vs 4.000 GiB")
+    # attention offload parks less than save_on_cpu on purpose: its peak is reported, not checked against it
+    assert _lines(md, "- INFO offload_attention's peak is not a promise against save_on_cpu's")
+    assert "offload_attention peak ≤" not in md
     # 1.10 × max(none's 0.045 s, 400 MiB / 50 GB/s = 0.0084 s) = 0.0495 s; offload_attention's median 0.050 s
     assert _lines(
         md, "- FAIL offload_attention ≤ 1.10 × max(none, D/B): 0.0500 s vs bound 0.0450 s (D = 400 MiB"

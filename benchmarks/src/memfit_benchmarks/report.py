@@ -193,11 +193,18 @@ def peer_checks(rows: list[dict[str, Any]], tokens: int | None) -> list[str]:
             continue
         out += step_check(by, r["mode"], peer, peer_limit(r["mode"], tokens))
         mine, theirs = r.get("peak_allocated"), by[peer].get("peak_allocated")
-        if mine is not None and theirs is not None:
+        if mine is None or theirs is None:
+            continue
+        if peer == Peer.SAVE_ON_CPU.value:  # a different trade, not a replacement: no promise on the peak
             out.append(
-                f"- {'PASS' if mine <= theirs else 'FAIL'} {r['mode']} peak ≤ {peer}'s: {mine / GIB:.3f} vs "
-                f"{theirs / GIB:.3f} GiB"
+                f"- INFO {r['mode']}'s peak is not a promise against {peer}'s ({r['mode']} parks attention's "
+                f"saved tensors only, {peer} every one): {mine / GIB:.3f} vs {theirs / GIB:.3f} GiB"
             )
+            continue
+        out.append(
+            f"- {'PASS' if mine <= theirs else 'FAIL'} {r['mode']} peak ≤ {peer}'s: {mine / GIB:.3f} vs "
+            f"{theirs / GIB:.3f} GiB"
+        )
     return out
 
 
