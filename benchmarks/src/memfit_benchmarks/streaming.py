@@ -268,7 +268,18 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         row = weight_row(None, args.steps) if mode.name == NO_CHECKPOINTING else {}
         card = card_of(model, cards[mode.name], device) if mode.name in cards else contextlib.nullcontext()
         with card:
-            row |= measure_one(mode)
+            row |= measure_mode(
+                model,
+                batch,
+                adapter.loss,
+                mode,
+                adapter=adapter,
+                warmup=args.warmup,
+                steps=args.steps,
+                inspect=lambda handle: weight_row(handle, args.steps),  # with a memfit handle only
+                settle=args.settle if mode.name in budgets else 0,
+                optimizer_factory=optimizer_factory,
+            )
         if mode.name in cards:
             row["card_bytes"] = cards[mode.name]
         if mode.name in budgets:
@@ -278,20 +289,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         )
         print(f"[streaming] {mode.name}: {summary}", flush=True)
         return row
-
-    def measure_one(mode: Mode) -> dict[str, Any]:
-        return measure_mode(
-            model,
-            batch,
-            adapter.loss,
-            mode,
-            adapter=adapter,
-            warmup=args.warmup,
-            steps=args.steps,
-            inspect=lambda handle: weight_row(handle, args.steps),  # with a memfit handle only
-            settle=args.settle if mode.name in budgets else 0,
-            optimizer_factory=optimizer_factory,
-        )
 
     sdpa = contextlib.nullcontext()
     if cuda:

@@ -229,17 +229,11 @@ def _weights_exceed(job: FitJob, dtype: torch.dtype, device: torch.device) -> bo
 
 def _moved(inputs: dict[str, Any], device: torch.device) -> dict[str, Any]:
     """``inputs`` on ``device``, each tensor a leaf again (requiring gradients where it did)."""
+    from torch.utils._pytree import tree_map_only
 
-    def move(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return x.detach().to(device).requires_grad_(x.requires_grad)
-        if isinstance(x, (list, tuple)):
-            return type(x)(move(v) for v in x)
-        if isinstance(x, dict):
-            return {k: move(v) for k, v in x.items()}
-        return x
-
-    return {k: move(v) for k, v in inputs.items()}
+    return tree_map_only(
+        torch.Tensor, lambda x: x.detach().to(device).requires_grad_(x.requires_grad), inputs
+    )
 
 
 def _adamw(model: nn.Module) -> torch.optim.Optimizer:

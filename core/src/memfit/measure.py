@@ -150,9 +150,10 @@ def measure_step(
 
     if device is not None and not config:
         config = {"gradient_checkpointing": False}  # installs nothing; the placement is apply's
-    device = device if device is not None else next(model.parameters()).device
+    home = next(model.parameters()).device
+    device = device if device is not None else home
     on_phase("apply")
-    placing = {"device": device} if device != next(model.parameters()).device else {}
+    placing = {"device": device} if device != home else {}
     handle = memfit.apply(model, config, adapter=adapter, **placing) if config else None
     try:
         return _timed_steps(

@@ -153,24 +153,26 @@ class Placement:
         seen: set[int] = set()
         for module in model.modules():
             for p in module._parameters.values():
-                if p is not None and id(p) in streamed and id(p) not in seen:
-                    seen.add(id(p))
-                    self.parameters.append((p, streamed[id(p)]))
-                    continue
-                if p is not None and p.device == self.device:
-                    self.there_before[id(p)] = weakref.ref(p)
-                if p is None or id(p) in seen or p.device == self.device:
+                if p is None or id(p) in seen:
                     continue
                 seen.add(id(p))
-                self.parameters.append((p, p.device))
-                _move_parameter(p, self.device)
+                if (
+                    id(p) in streamed
+                ):  # its placeholder is on the device already; its weight lives at its home
+                    self.parameters.append((p, streamed[id(p)]))
+                elif p.device == self.device:
+                    self.there_before[id(p)] = weakref.ref(p)
+                else:
+                    self.parameters.append((p, p.device))  # first: an out-of-memory move is undone too
+                    _move_parameter(p, self.device)
             for name, buf in module._buffers.items():
-                if buf is not None and buf.device == self.device:
-                    self.there_before[id(buf)] = weakref.ref(buf)
-                if buf is None or buf.device == self.device:
+                if buf is None:
                     continue
-                module._buffers[name] = buf.to(self.device)
-                self.buffers.append((module, name, buf.device))
+                if buf.device == self.device:
+                    self.there_before[id(buf)] = weakref.ref(buf)
+                else:
+                    module._buffers[name] = buf.to(self.device)
+                    self.buffers.append((module, name, buf.device))
 
     def homes(self) -> dict[int, torch.device]:
         """By parameter id, where each parameter :meth:`move` moved was before."""

@@ -684,15 +684,16 @@ def _card_need(plan: Plan) -> int:
 
 
 def _with_profiling_floor(exc: BudgetError, profile: ModelProfile) -> BudgetError:
-    """``exc``, suggesting at least a card on which the profiling forward that made ``profile`` runs again: it holds
-    every weight (a plan may stream some: its peak can be lower than the profile's, see "Profiling")."""
+    """``exc``, suggesting at least a card on which the profiling forward that made ``profile`` runs again: with
+    every weight on the device, or where it streamed some (a model placed from the host), those it kept there and
+    the running block's upload (a plan may stream more: its peak can be lower than the profile's, see
+    "Profiling")."""
     if not profile.counts_transient:
         return exc
     own = max((b.backward_peak_bytes for b in profile.blocks), default=0)
     streamed = profile.streamed_while_profiled_bytes
-    upload = (
-        max((b.frozen_bytes for b in profile.blocks), default=0) if streamed else 0
-    )  # the running block's
+    # the running block's upload, where the profile streamed
+    upload = max((b.frozen_bytes for b in profile.blocks), default=0) if streamed else 0
     need = profile.static_bytes - streamed + upload + profile.outside_bytes + profile.workspace_bytes + own
     card = suggested_budget(need, copied_bytes=0)
     if exc.suggested_budget_bytes >= card:
