@@ -175,6 +175,9 @@ def test_the_profile_reads_the_same_with_weights_streaming(x):
     finally:
         streamer.remove()
     keys = ("saved_bytes", "input_bytes", "ffn_saved_bytes", "ffn_input_bytes", "attention_bytes", "flops")
+    keys += (
+        "frozen_bytes",
+    )  # a streamed block's weights count as they will stream: the planner's candidates
     for a, b in zip(resident.blocks, streaming.blocks, strict=True):
         assert {k: getattr(a, k) for k in keys} == {k: getattr(b, k) for k in keys}
     assert resident.outside_bytes == streaming.outside_bytes
@@ -249,6 +252,7 @@ def test_the_profile_of_a_peft_flux_reads_the_same_with_any_set_streaming(count)
     assert [b.input_bytes for b in streaming.blocks] == [b.input_bytes for b in resident.blocks]
     assert [b.attention_bytes for b in streaming.blocks] == [b.attention_bytes for b in resident.blocks]
     assert [b.flops for b in streaming.blocks] == [b.flops for b in resident.blocks]
+    assert [b.frozen_bytes for b in streaming.blocks] == [b.frozen_bytes for b in resident.blocks]
     assert streaming.outside_bytes == resident.outside_bytes
 
 

@@ -108,6 +108,8 @@ def card_of(model: torch.nn.Module, nbytes: int, device: torch.device) -> Iterat
     model.to("cpu")
     gc.collect()
     torch.cuda.empty_cache()
+    if device.index is None:  # the process limit is set per device index
+        device = torch.device("cuda", torch.cuda.current_device())
     total = torch.cuda.get_device_properties(device).total_memory
     torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), device)
     try:

@@ -72,8 +72,12 @@ STREAM_KEY = "gradient_checkpointing_stream_blocks"
 # -- which parameters, which blocks ---------------------------------------------------------------------------
 
 
-def streamable_parameters(block: nn.Module) -> list[tuple[str, nn.Parameter]]:
+def streamable_parameters(block: nn.Module, *, streaming: bool = False) -> list[tuple[str, nn.Parameter]]:
     """The parameters of ``block`` that streaming moves to host memory (see "What streams"), by name.
+
+    Args:
+        block: the block.
+        streaming: also those streaming now (their data a placeholder of the weight's shape between uploads).
 
     Raises:
         NotAvailableError: a frozen parameter is a tensor subclass (quantized weights, DTensor).
@@ -89,7 +93,8 @@ def streamable_parameters(block: nn.Module) -> list[tuple[str, nn.Parameter]]:
                 f"DTensor); memfit streams plain weights only. Stream fewer blocks, or keep this model's weights "
                 f"in a plain dtype (bf16/fp16/fp32)."
             )
-        if p.layout == torch.strided and p.is_floating_point() and p.numel() > 0 and dense_layout(p.data):
+        plain = p.layout == torch.strided and p.is_floating_point() and p.numel() > 0 and dense_layout(p.data)
+        if plain or (streaming and state.is_streamed(p)):
             out.append((name, p))
     return out
 
@@ -99,8 +104,9 @@ def _padded(nbytes: int) -> int:
 
 
 def frozen_block_bytes(block: nn.Module) -> int:
-    """Bytes streaming ``block`` takes off the device (its host buffer's payload, padding aside)."""
-    return sum(p.numel() * p.element_size() for _, p in streamable_parameters(block))
+    """Bytes streaming ``block`` takes off the device (its host buffer's payload, padding aside), whether or not it
+    streams now."""
+    return sum(p.numel() * p.element_size() for _, p in streamable_parameters(block, streaming=True))
 
 
 def choose_streamed_blocks(
