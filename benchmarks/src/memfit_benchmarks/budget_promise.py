@@ -16,14 +16,15 @@ peers sweep's ``lora-attn``; ``full``: every weight trains, a foreach AdamW step
    (one profiling forward, no step).
 2. Per budget of ``--budgets`` (sizes, and ``floor``), in increasing order, the process is limited to the budget
    with ``torch.cuda.set_per_process_memory_fraction`` (what the caching allocator may reserve, as on a card of
-   that size; not when the weights alone exceed it, then nothing could run). Below the floor only ``auto`` runs,
+   that size). Below the floor only ``auto`` runs,
    once: the expected row is a ``BudgetError`` before any step. At or above it ``auto`` and every mode of
    ``--fixed`` run in ``--rounds`` round-robin rounds (``auto`` with ``--auto-warmup`` warm-up steps: its first
    step profiles and plans, the next ones may correct the plan); a mode out of memory is an ``OOM`` row and is
    not measured again at that budget, and after the first round only ``auto`` and the fixed modes that fit
    within ``CONTENDER_SPAN`` of the fastest one that fits are timed again (:func:`contenders`).
    Where what is resident before a step (weights, inputs) already exceeds the budget, no fixed mode could fit
-   and only ``auto`` runs.
+   and only ``auto`` runs, as a trainer on such a card runs it: the model moved to the CPU first and
+   ``memfit.apply(..., device=)`` placing it (the frozen weights it streams go straight to host memory).
 
 Per budget the report gives auto's status, whether every step (warm-up, planning forward and timed steps, every
 round) stayed within the budget, peak allocated and reserved, the median step, the fastest fixed mode that fits
@@ -53,6 +54,7 @@ import torch
 import memfit
 from memfit.units import format_bytes, parse_bytes
 from memfit_benchmarks.auto_report import AUTO_FASTER, AUTO_NOISE
+from memfit_benchmarks.card import card_of
 from memfit_benchmarks.environment import run_stamp
 from memfit_benchmarks.modes import MODES, Mode
 from memfit_benchmarks.options import deadline
@@ -72,7 +74,7 @@ CONTENDER_SPAN = (
 LEFT_BYTES = (
     256 << 20
 )  # more than this left allocated after a row is reported (it would skew every later row)
-RESIDENT_OVER = "the weights alone exceed the budget: no fixed mode can fit"
+RESIDENT_OVER = "the weights alone exceed the budget: no fixed mode can fit; auto starts from the host (memfit.apply(..., device=))"
 
 
 # -- the child: one target, every config and budget -------------------------------------------------------------
@@ -103,7 +105,7 @@ def _build(target: str, preset: str, tokens: int | None, device: torch.device, d
     return model, batch, adapter, {"description": adapter.presets[preset].description, "tokens": tokens}
 
 
-def _auto(budget: int) -> Mode:
+def _auto(budget: int, **options: Any) -> Mode:
     return Mode(
         "auto",
         {
@@ -111,6 +113,7 @@ def _auto(budget: int) -> Mode:
             "gradient_checkpointing_backend": "auto",
             "gradient_checkpointing_memory_budget": int(budget),
         },
+        options=options,
     )
 
 
@@ -216,7 +219,8 @@ class _Target:
         rounds: dict[str, list[dict[str, Any]]] = {m.name: [] for m in modes}
 
         def one(mode: Mode) -> dict[str, Any]:
-            row = self.measure(mode, budget)
+            with card_of(self.model, budget, self.device) if mode.options else contextlib.nullcontext():
+                row = self.measure(mode, budget)
             rounds[mode.name].append(row)
             return row
 
@@ -230,7 +234,8 @@ class _Target:
             entry["resident_bytes"] = torch.cuda.memory_allocated(self.device) if self.cuda else None
             if self.cuda and not entry["process_limited"]:  # weights alone exceed it: no fixed mode fits
                 entry["fixed_left_out"] = RESIDENT_OVER
-                modes = modes[:1]
+                entry["process_limited"] = entry["host_start"] = True  # as a trainer on such a card runs auto
+                modes = [_auto(budget, device=self.device)]
             entry["rows"] = round_robin(
                 modes, 1 if below else self.job["rounds"], one, stop=self.stop, keep=keep
             )
@@ -574,7 +579,9 @@ def markdown(result: dict[str, Any]) -> str:
         "peak is its last warm-up step's). "
         "`auto ÷ fixed`: the median over rounds of auto's step over the fixed mode's in the same round. Each "
         "target and config ran in its own process, limited to each budget with torch.cuda.set_per_process_memory_fraction "
-        "(not where the weights alone exceed the budget). SDPA: cuDNN disabled; flash on the synthetic stack.",
+        "(where the weights alone exceed the budget, the model is moved to the CPU first and auto given "
+        "`device=`: a trainer whose card cannot load the model loads it so). SDPA: cuDNN disabled; flash on the "
+        "synthetic stack.",
     ]
     return "\n".join(lines) + "\n"
 

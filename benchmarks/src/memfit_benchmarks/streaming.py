@@ -26,10 +26,8 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import json
 from collections import Counter
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -37,6 +35,7 @@ import torch
 
 import memfit
 from memfit.units import parse_bytes
+from memfit_benchmarks.card import card_of
 from memfit_benchmarks.environment import environment
 from memfit_benchmarks.families import build_lora_model
 from memfit_benchmarks.modes import Mode
@@ -99,24 +98,6 @@ def card_mode(budget: str, optimizer: str = "adamw") -> Mode:
     """The row of ``auto`` at ``budget`` on a card of that size, the model starting on the host."""
     auto = auto_mode(budget, optimizer)
     return Mode(f"{auto.name} on a {budget} card", auto.config, options={"device": "cuda"})
-
-
-@contextlib.contextmanager
-def card_of(model: torch.nn.Module, nbytes: int, device: torch.device) -> Iterator[None]:
-    """The model on the host and this process limited to ``nbytes`` of ``device`` (what the inputs hold
-    included), as on a card of that size; afterwards the model back on ``device``, the limit lifted."""
-    model.to("cpu")
-    gc.collect()
-    torch.cuda.empty_cache()
-    if device.index is None:  # the process limit is set per device index
-        device = torch.device("cuda", torch.cuda.current_device())
-    total = torch.cuda.get_device_properties(device).total_memory
-    torch.cuda.set_per_process_memory_fraction(min(1.0, nbytes / total), device)
-    try:
-        yield
-    finally:
-        torch.cuda.set_per_process_memory_fraction(1.0, device)
-        model.to(device)
 
 
 def weight_row(handle: memfit.MemfitHandle, steps: int) -> dict[str, Any]:
