@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from memfit.auto import BlockPolicy, BlockProfile, ModelProfile, plan_policies
 from memfit.auto.cost import block_choices
+from memfit.auto.planner import CARD_FIT, FLOOR_ALLOWANCE, WORKSPACE_ALLOWANCE, card_need, suggested_budget
 from memfit.auto.policy import allowed_policies
 from memfit.errors import BudgetError
 from memfit.offload.ahead import PREFETCH_DEPTH, bytes_ahead
@@ -481,3 +482,14 @@ def test_copies_hide_behind_the_forward_with_gradients():
         )
 
     assert exposed(1.0) > exposed(1.25) > exposed(1.5)  # 1.25 ms leaves 8 us of the copy exposed, 1.5 none
+
+
+@given(
+    profiled=st.integers(min_value=1 << 20, max_value=1 << 40),
+    copied=st.integers(min_value=0, max_value=1 << 38),
+)
+def test_a_suggested_card_holds_the_plan_once_workspaces_appear(profiled, copied):
+    """The card a BudgetError suggests still fits the smallest plan when the steps after the profile allocate the
+    workspaces the allowances stand for (the plan read at the suggested budget then peaks higher)."""
+    later = int(profiled * (1 + FLOOR_ALLOWANCE)) + WORKSPACE_ALLOWANCE
+    assert card_need(later, copied) <= CARD_FIT * suggested_budget(profiled, copied_bytes=copied)

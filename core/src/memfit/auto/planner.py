@@ -81,8 +81,8 @@ def suggested_budget(smallest_peak_bytes: int, *, copied_bytes: int | None = Non
     above it, whole MiB. With ``copied_bytes`` (its copies per step; CUDA, where the budget is a card's size) at
     least the card on which that plan fits (see "Copy reserve")."""
     least = int(smallest_peak_bytes * (1 + FLOOR_ALLOWANCE)) + WORKSPACE_ALLOWANCE
-    if copied_bytes is not None:
-        least = max(least, int(card_need(smallest_peak_bytes, copied_bytes) / CARD_FIT))
+    if copied_bytes is not None:  # the card holds the allowances too (workspaces allocated after the profile)
+        least = max(least, int(card_need(least, copied_bytes) / CARD_FIT))
     return -(-least // (1 << 20)) << 20
 
 
