@@ -263,3 +263,41 @@ def test_the_headline_says_how_many_of_auto_s_steps_reached_the_process_s_limit(
         **{"rounds": 3, "warmup": 1, "steps": 1, "auto_warmup": 2},
     }
     assert "| 2 (1 step(s) at the process's limit) |" in markdown(result)
+
+
+def _run(commit, configs, rounds=3):
+    return {
+        "rounds": rounds,
+        "modes": ["auto", "torch"],
+        "environment": {"date": f"day of {commit}", "git_commit": commit},
+        "targets": [{"target": "synthetic-16384", "configs": configs}],
+    }
+
+
+def _budgets(config, floor_gib, *sizes_gib, floor_status="ok"):
+    budgets = [{"budget_bytes": s * GIB, "is_floor": False, "auto": "ok"} for s in sizes_gib]
+    budgets.append({"budget_bytes": int(floor_gib * GIB), "is_floor": True, "auto": floor_status})
+    return {"config": config, "floor_bytes": int(floor_gib * GIB), "budgets": budgets}
+
+
+def test_a_later_run_replaces_the_floor_and_the_sizes_it_measured_and_each_row_names_its_run():
+    from memfit_benchmarks.budget_promise import _runs_note, merge_runs
+
+    base = _run("old", [_budgets("full", 25.1, 16, 24, 32), _budgets("attn", 4.3, 16)])
+    later = _run("new", [_budgets("full", 23.2, 48, floor_status="BudgetError")], rounds=1)
+    merged = merge_runs(base, later)
+    full, attn = merged["targets"][0]["configs"]
+    assert [(b["budget_bytes"] / GIB, b["run"]["commit"]) for b in full["budgets"]] == [
+        (16, "old"),
+        (pytest.approx(23.2), "new"),
+        (24, "old"),
+        (32, "old"),
+        (48, "new"),
+    ]
+    assert full["floor_bytes"] == int(23.2 * GIB)
+    assert [b["below_floor"] for b in full["budgets"]] == [True, False, False, False, False]  # 24 GiB: no longer
+    assert [b["run"]["commit"] for b in attn["budgets"]] == ["old", "old"]  # a config the later run left alone
+    note = "\n".join(_runs_note(merged))
+    assert "commit old, 3 round(s)" in note and "commit new, 1 round(s)" in note
+    assert "full @ 48.00 GiB" in note and base["targets"][0]["configs"][0]["floor_bytes"] == int(25.1 * GIB)
+    assert _runs_note(base) == []  # one run: nothing to say

@@ -583,7 +583,29 @@ def markdown(result: dict[str, Any]) -> str:
         "`device=`: a trainer whose card cannot load the model loads it so). SDPA: cuDNN disabled; flash on the "
         "synthetic stack.",
     ]
+    lines += _runs_note(result)
     return "\n".join(lines) + "\n"
+
+
+def _runs_note(result: dict[str, Any]) -> list[str]:
+    """Where :func:`merge_runs` joined several runs: which budgets each one measured, and how."""
+    runs: dict[str, tuple[dict[str, Any], list[str]]] = {}
+    for target, config, budget in _entries(result):
+        if "run" in budget:
+            key = json.dumps(budget["run"], sort_keys=True, default=str)
+            where = f"{config['config']} @ {format_bytes(budget['budget_bytes'])}"
+            runs.setdefault(key, (budget["run"], []))[1].append(f"{target['target']} {where}")
+    if len(runs) < 2:
+        return []
+    return [
+        "",
+        "Merged from several runs, each budget from one (rounds and modes as that run measured them):",
+        *(
+            f"- {run['date']}, commit {run['commit']}, {run['rounds']} round(s), modes "
+            f"{', '.join(run.get('modes') or [])}: {', '.join(where)}"
+            for run, where in runs.values()
+        ),
+    ]
 
 
 # -- parent ------------------------------------------------------------------------------------------------------
@@ -620,6 +642,14 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         "--dry-run", action="store_true", help="check the options, print the plan, measure nothing"
     )
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--merge",
+        nargs="+",
+        type=Path,
+        metavar="JSON",
+        help="measure nothing: the first run's results with the later runs' budgets in place of its own (same "
+        "size, or the floor), written as <out>/<stem>.{json,md}",
+    )
     ns = parser.parse_args(argv)
     ns.targets = [t.strip() for t in ns.targets.split(",") if t.strip()]
     installed = memfit.available_adapters()
@@ -682,8 +712,63 @@ def _merge_child(entry: dict[str, Any], part: dict[str, Any], config: str) -> No
         entry.pop(NOT_MEASURED, None)
 
 
+def _run_of(result: dict[str, Any]) -> dict[str, Any]:
+    env = result.get("environment", {})
+    return {
+        "date": env.get("date", result.get("date")),
+        "commit": env.get("git_commit"),
+        "rounds": result.get("rounds"),
+        "modes": result.get("modes"),
+    }
+
+
+def merge_runs(base: dict[str, Any], *later: dict[str, Any]) -> dict[str, Any]:
+    """``base`` with the budgets of ``later`` runs (same target and config) in place of its budgets of the same size
+    and, where a later run has a floor, of its floor (the floor moves with the code). Every budget entry records
+    the run it came from (``run``: date, commit, rounds, modes), so that a report merged from several runs says
+    which row is whose; the modes of every run are listed."""
+    merged = json.loads(json.dumps(base, default=str))
+    for entry in _entries(merged):
+        entry[2].setdefault("run", _run_of(base))
+    for result in later:
+        run = _run_of(result)
+        for target in result.get("targets", []):
+            into = next((t for t in merged["targets"] if t["target"] == target["target"]), None)
+            if into is None:
+                merged["targets"].append(into := {**target, "configs": []})
+            for config in target.get("configs", []):
+                have = next((c for c in into["configs"] if c["config"] == config["config"]), None)
+                if have is None:
+                    into["configs"].append(have := {**config, "budgets": []})
+                new = [{**b, "run": run} for b in config.get("budgets", [])]
+                floor = any(b.get("is_floor") for b in new)
+                sizes = {b["budget_bytes"] for b in new}
+                kept = [
+                    b
+                    for b in have["budgets"]
+                    if b["budget_bytes"] not in sizes and not (floor and b.get("is_floor"))
+                ]
+                have["budgets"] = sorted(kept + new, key=lambda b: b["budget_bytes"])
+                if floor and "floor_bytes" in config:
+                    have["floor_bytes"] = config["floor_bytes"]
+                for b in have["budgets"]:  # below the floor as it now stands
+                    b["below_floor"] = (
+                        have.get("floor_bytes") is not None and b["budget_bytes"] < have["floor_bytes"]
+                    )
+        merged["modes"] = list(dict.fromkeys([*merged.get("modes", []), *result.get("modes", [])]))
+    return merged
+
+
 def main(argv: list[str] | None = None) -> int:
     ns = _parse(argv)
+    if ns.merge:
+        base, *later = (json.loads(Path(f).read_text()) for f in ns.merge)
+        result = merge_runs(base, *later)
+        ns.out.mkdir(parents=True, exist_ok=True)
+        stem = ns.out / ns.stem
+        stem.with_suffix(".json").write_text(json.dumps(result, indent=1, default=str))
+        stem.with_suffix(".md").write_text(markdown(result))
+        return 0
     plan = (
         f"would measure {ns.targets} ({ns.preset}): configs {ns.configs}, budgets "
         f"{[b if b == FLOOR else format_bytes(b) for b in ns.budgets]}, auto and fixed {ns.fixed} in {ns.rounds} "
