@@ -156,9 +156,8 @@ class Placement:
                 if p is None or id(p) in seen:
                     continue
                 seen.add(id(p))
-                if (
-                    id(p) in streamed
-                ):  # its placeholder is on the device already; its weight lives at its home
+                if id(p) in streamed:
+                    # its placeholder is on the device already; its weight lives at its home
                     self.parameters.append((p, streamed[id(p)]))
                 elif p.device == self.device:
                     self.there_before[id(p)] = weakref.ref(p)

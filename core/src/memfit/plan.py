@@ -28,7 +28,7 @@ from torch import nn
 from memfit.config import Backend, MemfitConfig
 from memfit.engine.schedule import plan_blocks
 from memfit.errors import ConfigError
-from memfit.offload.weights import STREAM_KEY, choose_streamed_blocks, frozen_block_bytes
+from memfit.offload.weights import STREAM_KEY, choose_streamed_blocks, frozen_sizes
 from memfit.units import format_bytes, parse_bytes
 
 
@@ -241,9 +241,7 @@ def streamed_places(target: int | str, lists: Mapping[str, nn.ModuleList]) -> se
     Raises:
         ConfigError: the blocks have no frozen weight, or fewer blocks/bytes than asked.
     """
-    sizes = [
-        ((path, i), frozen_block_bytes(m)) for path, modules in lists.items() for i, m in enumerate(modules)
-    ]
+    sizes = frozen_sizes(lists)
     total = sum(n for _, n in sizes)
     if not total:
         raise ConfigError(

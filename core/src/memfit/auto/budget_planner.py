@@ -42,7 +42,7 @@ from memfit.auto.profile import BlockProfile, ModelProfile, profile_model, strea
 from memfit.auto.streaming import choose_streaming, streamable_counts
 from memfit.config import OPTIMIZER_STATE, OPTIMIZER_STEP_TEMPORARIES
 from memfit.errors import BudgetError, MemfitWarning
-from memfit.offload.weights import choose_streamed_blocks, frozen_block_bytes
+from memfit.offload.weights import choose_streamed_blocks, frozen_sizes
 from memfit.plan import BlockPolicy, RegionPlan
 from memfit.units import format_bytes
 
@@ -285,11 +285,8 @@ class BudgetPlanner:
         room = int(PROFILE_RESIDENT_SHARE * capacity)
         if weights <= room:
             return None
-        lists = self.adapter.resolve_block_lists(self.model)
         sizes = [
-            (f"{path}.{i}", frozen_block_bytes(m))
-            for path, blocks in lists.items()
-            for i, m in enumerate(blocks)
+            (f"{path}.{i}", n) for (path, i), n in frozen_sizes(self.adapter.resolve_block_lists(self.model))
         ]
         streamable = sum(n for _, n in sizes)
         if not streamable:

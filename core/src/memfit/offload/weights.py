@@ -109,6 +109,14 @@ def frozen_block_bytes(block: nn.Module) -> int:
     return sum(p.numel() * p.element_size() for _, p in streamable_parameters(block, streaming=True))
 
 
+def frozen_sizes(lists: Mapping[str, Sequence[nn.Module]]) -> list[tuple[tuple[str, int], int]]:
+    """((list path, index), :func:`frozen_block_bytes`) of every block of ``lists``, in call order: what
+    :func:`choose_streamed_blocks` chooses from."""
+    return [
+        ((path, i), frozen_block_bytes(m)) for path, modules in lists.items() for i, m in enumerate(modules)
+    ]
+
+
 def choose_streamed_blocks(
     sizes: Sequence[tuple[Any, int]], *, count: int | None = None, min_bytes: int | None = None
 ) -> list[Any]:
@@ -379,7 +387,7 @@ class WeightStreamer:
         state.mark_streamed([w.param for w in block.weights], streamed=False)
         for w in block.weights:
             assert w.master is not None
-            device = (homes or {}).get(id(w.param), w.home) if home else self.device
+            device = _home(w, homes) if home else self.device
             restored = torch.empty_strided(w.shape, w.stride, dtype=w.dtype, device=device)
             w.param.data = restored.copy_(w.master)
 
@@ -422,7 +430,7 @@ class WeightStreamer:
                 self._restore(block, home=True, homes=homes)
             else:  # suspended: on the device, where the model trains; home may be elsewhere
                 for w in block.weights:
-                    home = (homes or {}).get(id(w.param), w.home)
+                    home = _home(w, homes)
                     if w.param.device != home:
                         w.param.data = w.param.data.to(home)
             self._release(block)
@@ -703,6 +711,11 @@ class WeightStreamer:
     def streamed_bytes(self) -> int:
         """The frozen bytes streaming takes off the device (while no upload is alive)."""
         return sum(b.payload for b in self.blocks)
+
+
+def _home(weight: _Weight, homes: Mapping[int, torch.device] | None) -> torch.device:
+    """Where ``weight`` goes when streaming ends: ``homes``' entry for its parameter, else where it began."""
+    return homes.get(id(weight.param), weight.home) if homes else weight.home
 
 
 def first_weight_device(blocks: Sequence[tuple[str, nn.Module]]) -> torch.device:
