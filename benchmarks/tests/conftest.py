@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import importlib.util
+import re
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -18,3 +20,14 @@ def lease() -> ModuleType:
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
+
+
+# a headline cell of a measured step ratio without a peak (off CUDA): bold where over its limit in every round, the
+# rounds' spread after it where the verdict is a tie (which CPU timings often are), or unpaired
+_RATIO_CELL = re.compile(r"(\*\*)?\d+\.\d{3}(\*\*)?( \(tie: rounds \d+\.\d{3}–\d+\.\d{3}\)| \(unpaired\))?")
+
+
+@pytest.fixture(scope="session")
+def is_ratio_cell() -> Callable[[str], bool]:
+    """Whether a headline cell is a measured step ratio (no peak beside it), however its verdict reads."""
+    return lambda cell: _RATIO_CELL.fullmatch(cell) is not None
