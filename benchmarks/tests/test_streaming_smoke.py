@@ -48,9 +48,14 @@ def test_streaming_tiny_flux_cpu(tmp_path):
     for name, streamed in (("torch + stream 2", 2), ("torch + stream 200KiB", 2), ("torch + stream 7", 7)):
         r = rows[name]
         assert r["streamed_blocks"] == streamed and r["resident_blocks"] == 7 - streamed
-        # one upload for each streamed block's forward and one for its recompute, every step
-        assert r["weight_uploads_per_step"] == 2 * streamed and r["weight_uploads_on_demand_per_step"] == 0
-        assert r["weight_bytes_uploaded_per_step"] == 2 * r["streamed_weight_bytes"] > 0
+        # each streamed block's forward and recompute run on an upload every step: a new one, or one kept at a
+        # turnaround (the last block's, and the first's where the plan's first block streams)
+        kept = r["weight_uploads_kept_per_step"]
+        assert r["weight_uploads_per_step"] + kept == 2 * streamed and kept in (1, 2)
+        assert r["weight_uploads_on_demand_per_step"] == 0
+        assert (
+            r["streamed_weight_bytes"] <= r["weight_bytes_uploaded_per_step"] < 2 * r["streamed_weight_bytes"]
+        )
         assert r["weight_held_after_forward"] == 0 and r["x_unconstrained"] > 0
     assert rows["torch + stream 200KiB"]["streamed_weight_bytes"] >= 200 * 1024
     markdown = (tmp_path / "streaming.md").read_text()

@@ -58,6 +58,13 @@ def frozen_toy(blocks: int = 6, **kw) -> nn.Module:
     return model
 
 
+def streamed_uploads(steps: int, streamed: int, *, first_streams: bool) -> int:
+    """Uploads ``steps`` training steps make with ``streamed`` blocks streaming: one per block for its forward and
+    one for its recompute, less the turnarounds' (each step's last block recomputes on its forward's upload; where
+    the plan's first block streams, each later step's forward runs it on its previous recompute's upload)."""
+    return steps * 2 * streamed - steps - (steps - 1) * first_streams
+
+
 def force_auto_plan(monkeypatch, choose: Callable[[list[str]], Sequence[BlockPolicy]]) -> None:
     """``auto`` plans the policies ``choose`` gives for its blocks' names, whatever the budget (it still profiles
     the model and runs its closed loop): a plan the planner would not pick at a test's size, copies on CPU."""

@@ -158,14 +158,29 @@ def test_the_peak_counts_the_uploads_alive_during_each_backward():
 
 
 def test_uploads_hidden_behind_compute_cost_only_their_bookkeeping():
-    fast = StreamedSet.of(profile(n=8, bandwidth=1e15), [3])
-    slow = StreamedSet.of(profile(n=8, bandwidth=1e9), [3])
-    bookkeeping = 2 * OFFLOAD_REGION_SECONDS
+    fast = StreamedSet.of(profile(n=8, bandwidth=1e15), [3, 5])
+    slow = StreamedSet.of(profile(n=8, bandwidth=1e9), [3, 5])
+    bookkeeping = 3 * OFFLOAD_REGION_SECONDS  # block 5's recompute runs on its forward's upload
     assert fast.seconds == pytest.approx(bookkeeping)
-    # block 3's upload hides behind the forward of blocks 0-2 (10 ms each) and the backward of blocks 4-7 (20 ms
-    # each, twice the forward)
+    # block 3's upload hides behind the forward of blocks 0-2 (10 ms each), and behind block 5's recompute and the
+    # backward of blocks 4-5 (20 ms each, twice the forward); block 5's behind the forward of blocks 3-4
     copy = WEIGHTS / 1e9
-    assert slow.seconds == pytest.approx(bookkeeping + (copy - 0.03) + (copy - 0.08))
+    assert slow.seconds == pytest.approx(bookkeeping + (copy - 0.03) + (copy - 0.05) + (copy - 0.02))
+
+
+def test_the_turnarounds_cost_no_upload():
+    """The last streamed block recomputes on its forward's upload; where block 0 streams, its forward runs on its
+    last recompute's: neither is charged, and no reload shares a window without an upload."""
+    slow = profile(n=8, bandwidth=1e9)
+    copy = WEIGHTS / 1e9
+    alone = StreamedSet.of(slow, [3])
+    assert alone.seconds == pytest.approx(OFFLOAD_REGION_SECONDS + copy - 0.03)  # its forward upload only
+    assert alone.reload_cover == (None,) * 8
+    first = StreamedSet.of(slow, [0, 4])
+    # block 0 uploads once (behind block 4's recompute and the backward of blocks 1-4), block 4 once (behind the
+    # forward of blocks 0-3)
+    assert first.seconds == pytest.approx(2 * OFFLOAD_REGION_SECONDS + (copy - 0.09) + (copy - 0.04))
+    assert first.reload_cover[4:] == (None,) * 4
 
 
 def attention_heavy(
@@ -199,15 +214,17 @@ def priced(prof: ModelProfile, policies: dict[str, BlockPolicy], streamed: Strea
 
 
 def test_reloads_share_the_link_with_the_uploads_in_backward():
-    """Block 3 streams: its upload is issued when backward begins and must be done when block 3's recompute starts,
-    so the reloads due before then (blocks 3-7) share the link with it; blocks 0-2 reload after it."""
-    full = StreamedSet.of(attention_heavy(), [3])  # 84 ms of upload, 80 ms of backward: nothing left
-    assert full.reload_cover == (None, None, None, 0.0, 0.0, 0.0, 0.0, 0.0)
-    # at 20 GB/s the upload takes 21 ms, and leaves 59 ms, shared in proportion to each block's backward (20 ms)
-    fast = StreamedSet.of(attention_heavy(bandwidth=20e9), [3])
-    left = 0.08 - 400 * MiB / 20e9
-    assert fast.reload_cover[:3] == (None, None, None)
-    assert fast.reload_cover[3:] == pytest.approx([left / 5] * 5)
+    """Blocks 3 and 7 stream: block 3's upload is issued when block 7's recompute starts and must be done when
+    block 3's recompute starts, so the reloads due before then (blocks 3-6) share the link with it; blocks 0-2
+    reload after it, and block 7 recomputes on its forward's upload (no upload in its window)."""
+    # 94 ms of upload, 90 ms of compute (block 7's recompute, the backward of blocks 4-7): nothing left
+    full = StreamedSet.of(attention_heavy(frozen=450 * MiB), [3, 7])
+    assert full.reload_cover == (None, None, None, 0.0, 0.0, 0.0, 0.0, None)
+    # at 20 GB/s the upload takes 21 ms, and leaves 69 ms, shared in proportion to each block's backward (20 ms)
+    fast = StreamedSet.of(attention_heavy(bandwidth=20e9), [3, 7])
+    left = 0.09 - 400 * MiB / 20e9
+    assert fast.reload_cover[:3] == (None, None, None) and fast.reload_cover[7] is None
+    assert fast.reload_cover[3:7] == pytest.approx([left / 4] * 4)
     # a window with more compute than its blocks' own backward never hides a reload behind more than that
     ample = StreamedSet.of(attention_heavy(bandwidth=1e12), [0, 7])
     assert ample.reload_cover[:7] == pytest.approx([0.02] * 7)
@@ -224,15 +241,15 @@ def test_exposed_time_grows_with_the_reload_bytes_where_the_uploads_fill_the_lin
     """Where the uploads already fill the link, every byte reloaded in their window is exposed; where they leave
     room, reloads within each block's share of it cost nothing more."""
     attention_offload = {f"blocks.{i}": BlockPolicy.ATTENTION_OFFLOAD for i in range(8)}
-    attention_offload["blocks.3"] = BlockPolicy.BLOCK
+    attention_offload["blocks.3"] = attention_offload["blocks.7"] = BlockPolicy.BLOCK
 
     def exposed(attention: int) -> float:
-        prof = attention_heavy(bandwidth=bandwidth, attention=attention)
-        return priced(prof, attention_offload, StreamedSet.of(prof, [3]))
+        prof = attention_heavy(bandwidth=bandwidth, attention=attention, frozen=450 * MiB)
+        return priced(prof, attention_offload, StreamedSet.of(prof, [3, 7]))
 
     small, large = exposed(10 * MiB), exposed(40 * MiB)
-    # blocks 4-7 reload in block 3's window; blocks 0-2 after it, behind their own backward
-    assert large - small == pytest.approx(4 * 30 * MiB * exposed_per_byte, abs=1e-9)
+    # blocks 4-6 reload in block 3's window; blocks 0-2 after it, behind their own backward
+    assert large - small == pytest.approx(3 * 30 * MiB * exposed_per_byte, abs=1e-9)
     if exposed_per_byte:
         assert large > small
 
@@ -256,8 +273,12 @@ def test_the_reloads_charge_is_never_below_each_windows_own_exposure(n, data, ba
     fwd, bwd = 0.01, 0.02  # every block: 1e12 FLOPs at 1e14 per second, backward twice the forward
     for k, i in enumerate(streamed):
         after = streamed[k + 1] if k + 1 < len(streamed) else n
-        # the backward of blocks i+1..after and the recompute of the streamed block after it (none after the last)
-        compute = bwd * (after - i) + fwd if after < n else bwd * (after - i - 1)
+        # the last block recomputes on its forward's upload: its window is as without streaming
+        if after == n:
+            assert all(sset.reload_cover[j] is None for j in range(i, n))
+            continue
+        # the backward of blocks i+1..after and the recompute of the streamed block after it
+        compute = bwd * (after - i) + fwd
         upload = frozen[i] * MiB / bandwidth
         due = range(i, after)
         own = sum(reloads[j] for j in due) * MiB / bandwidth
@@ -293,12 +314,14 @@ def test_the_planner_parks_fewer_activations_where_the_uploads_fill_the_link():
     def parked(p) -> list[str]:
         return [name for name, policy in p.blocks if policy.offloads_attention]
 
-    def after_first_upload(p) -> list[str]:
-        first = min(int(name.rpartition(".")[2]) for name in p.streamed)
-        return [name for name in parked(p) if int(name.rpartition(".")[2]) > first]
+    def in_upload_windows(p) -> list[str]:
+        """Parked blocks whose reloads share the link with an upload: from the first streamed block up to the
+        last (which recomputes on its forward's upload)."""
+        streamed = [int(name.rpartition(".")[2]) for name in p.streamed]
+        return [name for name in parked(p) if min(streamed) <= int(name.rpartition(".")[2]) < max(streamed)]
 
-    assert len(after_first_upload(blind)) >= 3
-    assert after_first_upload(plan) == []  # attention parks only where no upload shares the link
+    assert len(in_upload_windows(blind)) >= 3
+    assert in_upload_windows(plan) == []  # attention parks only where no upload shares the link
     assert len(parked(plan)) < len(parked(blind)) and plan.copied_bytes < blind.copied_bytes
     indices = [int(name.rpartition(".")[2]) for name in blind.streamed]
     blind_priced = priced(prof, dict(blind.blocks), StreamedSet.of(prof, indices))

@@ -19,13 +19,14 @@ from torch import nn
 import memfit
 import memfit.controller
 from memfit import BlockPolicy, ConfigError, HostMemoryError, MemfitError, MemfitWarning, NotAvailableError
+from memfit.engine import state
 from memfit.offload import weights as weights_mod
 from memfit.offload.weights import WeightStreamer, choose_streamed_blocks, frozen_block_bytes
 from memfit.plan import RegionPlan
 from memfit_conformance.base import cpu_copy_engine
 from memfit_conformance.streams import RecordingStreams
 
-from helpers import assert_same, frozen_toy, step
+from helpers import assert_same, frozen_toy, step, streamed_uploads
 from toy import TOY, build
 
 ON = {"gradient_checkpointing": True}
@@ -222,12 +223,14 @@ def test_gradients_and_outputs_bitwise(name, x):
         for _ in range(2):  # the second step runs on the uploads issued ahead by the first
             assert_same(ref, step(model, x))
         stats = handle.stats()
+        first_streams = streamer_of(handle).blocks[0].module is model.blocks[0]
     streamed = stats["streamed_blocks"]
     assert streamed >= 2 and stats["resident_blocks"] == 6 - streamed
-    # every streamed block uploaded once for its forward and once for its recompute, each step; none on demand
-    assert stats["weight_uploads"] == 2 * 2 * streamed and stats["weight_uploads_on_demand"] == 0
-    per_block = frozen_block_bytes(model.blocks[0])
-    assert stats["weight_bytes_uploaded"] == 2 * 2 * streamed * per_block
+    # none on demand; fewer than two per block and step at the turnarounds (see streamed_uploads)
+    assert stats["weight_uploads_kept"] == 2 * (1 + first_streams)  # the last kept one waits for a third step
+    uploads = streamed_uploads(2, streamed, first_streams=first_streams)
+    assert stats["weight_uploads"] == uploads and stats["weight_uploads_on_demand"] == 0
+    assert stats["weight_bytes_uploaded"] == uploads * frozen_block_bytes(model.blocks[0])
     assert stats["weight_held_after_forward"] == 0
     assert stats["weight_uploads_alive_max"] <= 2
 
@@ -293,6 +296,38 @@ def test_weights_are_not_resident_between_forward_and_recompute(x):
     ]
 
 
+def test_the_first_blocks_upload_waits_for_the_next_step_when_the_plan_starts_with_it(x):
+    model = frozen_toy()
+    ref = step(model, x)
+    with apply(model, {**ON, KEY: 4}) as handle:
+        streamer = streamer_of(handle)
+        assert streamer.blocks[0].module is model.blocks[0] and streamer.keep_first
+        assert_same(ref, step(model, x))
+        gc.collect()
+        first = streamer.blocks[0].name
+        assert streamer.alive() == [first]  # kept from its recompute for the next forward
+        uploads = handle.stats()["weight_uploads"]
+        assert_same(ref, step(model, x))
+        # the second step made one upload fewer than the first: the first block's forward used the kept one
+        assert handle.stats()["weight_uploads"] - uploads == uploads - 1
+        with torch.no_grad():  # a validation forward uses it too, and keeps nothing after it
+            model(x)
+        gc.collect()
+        assert streamer.alive() == []
+    assert all(not state.is_streamed(p) for p in model.parameters())
+    assert_same(ref, step(model, x))  # remove() dropped it with the rest
+
+
+def test_no_upload_is_kept_between_steps_when_a_block_runs_before_the_first_streamed_one(x):
+    model = frozen_toy()
+    with apply(model, {**ON, KEY: 3}) as handle:
+        streamer = streamer_of(handle)
+        assert streamer.blocks[0].module is not model.blocks[0] and not streamer.keep_first
+        step(model, x)
+        gc.collect()
+        assert streamer.alive() == []  # block 0's backward would hold it otherwise
+
+
 def test_a_streamed_block_that_is_not_recomputed_is_reported(x):
     """The check behind ``weight_held_after_forward``: weights saved by autograd outside a recomputed region stay on
     the device until backward. (memfit's plans never do this; here a streamer is installed without regions.)"""
@@ -342,7 +377,7 @@ def test_every_use_of_an_upload_waits_for_its_copy(monkeypatch, x):
     # every copy: compute records an event after allocating the buffer, the upload stream waits for it, then copies
     log = streams.log
     uses = [i for i, entry in enumerate(log) if entry == ("use", "weights")]
-    assert len(uses) == 6
+    assert len(uses) == 5  # the last block's recompute runs on its forward's upload
     for i in uses:
         record, wait = log[i - 2], log[i - 1]
         assert record[:2] == ("record", "compute") and wait == ("wait", "weights", record[2])
@@ -465,7 +500,9 @@ def test_stats_reset(x):
         handle.reset_stats()
         assert handle.stats()["weight_uploads"] == 0
         step(model, x)
-        assert handle.stats()["weight_uploads"] == 4
+        assert (
+            handle.stats()["weight_uploads"] == 3
+        )  # two blocks, the last one's recompute on its forward's upload
     without = apply(model, ON).stats()
     assert (
         without["streamed_blocks"] == 0 and without["resident_blocks"] == 6 and without["weight_uploads"] == 0

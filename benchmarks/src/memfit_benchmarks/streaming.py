@@ -125,6 +125,7 @@ def weight_row(handle: memfit.MemfitHandle, steps: int) -> dict[str, Any]:
         "weight_bytes_uploaded_per_step": s["weight_bytes_uploaded"] / steps,
         "weight_uploads_per_step": s["weight_uploads"] / steps,
         "weight_uploads_on_demand_per_step": s["weight_uploads_on_demand"] / steps,
+        "weight_uploads_kept_per_step": s["weight_uploads_kept"] / steps,
         "weight_exposed_wait_ms_per_step": s["weight_upload_wait_ms"] / steps,
         "weight_copy_ms_per_step": s["weight_upload_copy_ms"] / steps,
         "weight_uploads_alive_max": s["weight_uploads_alive_max"],

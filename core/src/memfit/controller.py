@@ -222,9 +222,12 @@ class Controller:
             return None
         if self.streamer is None:
             device = self.device or first_weight_device(modules)
-            self.streamer = WeightStreamer(self.model, modules, device=device, streams=stream_api_for(device))
+            self.streamer = WeightStreamer(
+                self.model, modules, device=device, streams=stream_api_for(device), keep_last=True
+            )
         else:  # installed: only the blocks that change move (no round trip of every weight through the device)
             self.streamer.retarget(modules)
+        self.streamer.keep_first = plan.blocks[0].stream_weights  # held between steps: nothing runs before it
         return self.streamer
 
     # -- model hooks --------------------------------------------------------------------------------------------

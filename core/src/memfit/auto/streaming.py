@@ -16,13 +16,15 @@ the forward's-end bound.
 Cost.  Each upload hides behind the compute between two streamed blocks: in forward the forward of the blocks
 from the streamed block before up to it, in backward the recompute and backward of the streamed block after it
 and the backward of the blocks between; what does not hide is exposed, each way. The other blocks' own
-recompute (more compute to hide behind) is not counted.
+recompute (more compute to hide behind) is not counted. The turnarounds cost nothing: the last streamed block's
+recompute runs on its forward's upload, and where the first block streams, its forward on its last recompute's.
 
 Link.  In backward the activation reloads travel host to device on the same link as the uploads. A window's
 copies take (upload + reloads) / bandwidth, and what exceeds its compute is exposed. The upload's share is
 fixed with the set; each block whose reload is due in the window (the streamed block's own and those of the
 blocks between it and the next streamed one) hides its reload behind its part of what the upload leaves of the
-window, in proportion to its own backward and never more than that backward (:attr:`StreamedSet.reload_cover`).
+window, in proportion to its own backward and never more than that backward (:attr:`StreamedSet.reload_cover`);
+the last streamed block's window has no upload (its recompute runs on its forward's).
 Summed per block, that charge is never below the window's own exposure (exact where the upload alone fills the
 window, where every reload byte is exposed), and it is a per-block constant once the set is fixed, which the
 search takes as it is. Forward parks go device to host, the link's other direction: not counted against uploads.
@@ -95,18 +97,27 @@ def _uploads(profile: ModelProfile, chosen: list[int]) -> tuple[float, tuple[flo
         return 0.0, tuple(cover)
     fwd = [b.flops / profile.flops_per_second * profile.forward_with_grad for b in profile.blocks]
     bwd = [f * profile.backward_to_forward for f in fwd]
-    seconds = 2 * len(chosen) * OFFLOAD_REGION_SECONDS
+    # the turnarounds keep two uploads: the last block's forward one for its recompute, and where block 0 streams,
+    # its recompute's for the next forward (memfit.offload.weights, "Turnarounds")
+    kept_forward = {0} if chosen[0] == 0 else set()
+    kept_backward = {len(chosen) - 1}
+    seconds = (2 * len(chosen) - len(kept_forward) - len(kept_backward)) * OFFLOAD_REGION_SECONDS
     if not bandwidth:
         return seconds, tuple(cover)
     starts = [0, *chosen]  # forward: an upload is issued when the streamed block before it starts
     ends = [*chosen[1:], len(fwd)]  # backward: when the streamed block after it starts its recompute
     for k, i in enumerate(chosen):
         copy = profile.blocks[i].frozen_bytes / bandwidth
+        forward_copy = 0.0 if k in kept_forward else copy
+        backward_copy = 0.0 if k in kept_backward else copy
         forward_hide = sum(fwd[starts[k] : i])
         after = ends[k]
         backward_hide = sum(bwd[i + 1 : after + 1]) + (fwd[after] if after < len(fwd) else 0.0)
-        seconds += max(0.0, copy - forward_hide) + max(0.0, copy - backward_hide)
-        left, due = max(0.0, backward_hide - copy), range(i, after)  # reloads due before block i's recompute
+        seconds += max(0.0, forward_copy - forward_hide) + max(0.0, backward_copy - backward_hide)
+        if not backward_copy:
+            continue  # no upload in this window: its reloads hide behind their own backward, as unstreamed
+        # reloads due before block i's recompute
+        left, due = max(0.0, backward_hide - backward_copy), range(i, after)
         weight = sum(bwd[j] for j in due)
         for j in due:
             cover[j] = min(bwd[j], left * bwd[j] / weight) if weight else 0.0

@@ -25,6 +25,14 @@ on the device at once. ``ahead=1`` by default: in backward a block's recompute a
 upload; in forward the resident blocks between two streamed ones do (the streamed blocks are spread over the
 call order for that).
 
+Turnarounds.  Two uploads would have nothing to hide behind: the last streamed block's for the backward that
+starts with it, and the first one's for the next step's forward. Both blocks have just used those weights, and
+the weights are frozen. With ``keep_last`` the last streamed block's forward upload is kept for its recompute
+(it would be uploaded again at the forward's end anyway); with ``keep_first`` the first streamed block's
+recompute upload is kept for the next forward (it is held between steps, so only where no block runs before it:
+the plan's first block). Both assume the regions memfit installs: a kept forward upload is not checked for being
+held after the forward.
+
 Streams (CUDA).  Mirrors :mod:`memfit.offload.copy`: the device buffer is allocated on the compute stream, the
 upload stream waits for an event recorded there after the allocation, copies, and records a done event; the
 compute stream waits for that event before the parameters point at the buffer. Every upload is waited for before
@@ -232,6 +240,7 @@ class WeightStats:
     uploads: int = 0
     bytes_uploaded: int = 0
     uploads_on_demand: int = 0  # issued when the block was needed, not ahead of it
+    uploads_kept: int = 0  # kept at a turnaround for the block's next use instead of uploading again
     max_alive: int = 0  # most streamed blocks on the device at once (uploads alive)
     held_after_forward: int = 0  # forward uploads still referenced when the forward returned (should stay 0)
     wait_events: list[tuple[Any, Any]] = field(default_factory=list)
@@ -251,6 +260,9 @@ class WeightStreamer:
             weight is). A weight elsewhere (on the CPU) is copied to its master from there ("Where the weights
             start").
         ahead: streamed blocks uploaded ahead of the one running (:data:`UPLOADS_AHEAD`).
+        keep_last: keep the last streamed block's forward upload for its recompute ("Turnarounds").
+        keep_first: keep the first streamed block's upload from its recompute for the next forward ("Turnarounds";
+            for a plan whose first block streams).
         available_host_bytes: host RAM that can still be allocated (default: :mod:`memfit.offload.hostmem`).
         host_reserve_bytes: RAM left free for the rest of the process (default: 10% of the host, at least 2 GiB).
         allocate: ``allocate(nbytes, pinned)`` returns a 1-D ``uint8`` CPU tensor (default: exact pinning).
@@ -276,6 +288,8 @@ class WeightStreamer:
         streams: StreamApi | None = None,
         device: torch.device | None = None,
         ahead: int = UPLOADS_AHEAD,
+        keep_last: bool = False,
+        keep_first: bool = False,
         available_host_bytes: Callable[[], int] | None = None,
         host_reserve_bytes: int | None = None,
         allocate: Callable[[int, bool], torch.Tensor] = hostmem.allocate_host,
@@ -292,6 +306,8 @@ class WeightStreamer:
         self.model = model
         self.streams = streams
         self.ahead = ahead
+        self.keep_last = keep_last
+        self.keep_first = keep_first
         self.timing = timing and streams is not None
         self._available = available_host_bytes or hostmem.available_host_bytes
         self._reserve = host_reserve_bytes
@@ -570,7 +586,19 @@ class WeightStreamer:
             return
         for w in block.weights:
             w.param.data = w.placeholder
-        self._active.pop(block, None)
+        upload = self._active.pop(block, None)
+        if upload is not None and self._kept_for_next_use(block):
+            self._pending[block] = upload
+            self._forward_uploads = [(b, ref) for b, ref in self._forward_uploads if b is not block]
+            self.stats.uploads_kept += 1
+
+    def _kept_for_next_use(self, block: _Block) -> bool:
+        """Whether the upload ``block`` just used serves its next use too (see "Turnarounds")."""
+        if not self._prefetch:  # profiling: only the running block's weights on the device
+            return False
+        if state.recomputing():
+            return self.keep_first and block.position == 0
+        return self.keep_last and self._training and block.position == len(self.blocks) - 1
 
     @staticmethod
     def _check(block: _Block, w: _Weight) -> None:
@@ -738,7 +766,8 @@ def weight_stats(streamer: WeightStreamer | None, *, planned_blocks: int) -> dic
     Keys: ``streamed_blocks`` / ``resident_blocks`` (of the plan's ``planned_blocks``); ``weight_streamed_bytes``
     (the frozen bytes streaming takes off the device); ``weight_pinned_bytes`` (the host masters, with their
     alignment); ``weight_bytes_uploaded`` and ``weight_uploads`` (host→device, cumulative);
-    ``weight_uploads_on_demand`` (uploads not issued ahead of need); ``weight_upload_wait_ms`` (compute waiting for
+    ``weight_uploads_on_demand`` (uploads not issued ahead of need); ``weight_uploads_kept`` (uploads kept at a
+    turnaround for the block's next use instead of made again); ``weight_upload_wait_ms`` (compute waiting for
     uploads: the copy time not hidden) and ``weight_upload_copy_ms`` (the upload stream's copy time);
     ``weight_uploads_alive_max`` (most streamed blocks on the device at once); ``weight_held_after_forward``
     (forward uploads something kept until backward: 0 unless streaming saves nothing somewhere).
@@ -753,6 +782,7 @@ def weight_stats(streamer: WeightStreamer | None, *, planned_blocks: int) -> dic
         "weight_bytes_uploaded": s.bytes_uploaded,
         "weight_uploads": s.uploads,
         "weight_uploads_on_demand": s.uploads_on_demand,
+        "weight_uploads_kept": s.uploads_kept,
         "weight_upload_wait_ms": streamer.wait_ms() if streamer is not None else 0.0,
         "weight_upload_copy_ms": streamer.copy_ms() if streamer is not None else 0.0,
         "weight_uploads_alive_max": s.max_alive,
