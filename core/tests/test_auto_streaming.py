@@ -6,6 +6,7 @@ change), through the synchronous copy engine: gradients bitwise equal, re-plans 
 from __future__ import annotations
 
 import dataclasses
+import gc
 import warnings
 
 import pytest
@@ -181,6 +182,72 @@ def test_the_turnarounds_cost_no_upload():
     # forward of blocks 0-3)
     assert first.seconds == pytest.approx(2 * OFFLOAD_REGION_SECONDS + (copy - 0.09) + (copy - 0.04))
     assert first.reload_cover[4:] == (None,) * 4
+
+
+def test_a_longer_forward_lead_hides_uploads_the_compute_between_adjacent_streamed_blocks_cannot():
+    """Blocks 2-3 and 6-7 stream; each upload takes 15 ms, each block's forward 10 ms. One ahead, blocks 3 and 7
+    wait 5 ms each (their upload starts as the block before them starts); two ahead, the link runs ahead of the
+    blocks and nobody waits. The backward is the same either way."""
+    copy = 0.015
+    prof = profile(n=10, bandwidth=WEIGHTS / copy)
+    one, two = (StreamedSet.of(prof, [2, 3, 6, 7], forward_ahead=lead) for lead in (1, 2))
+    assert one.seconds - two.seconds == pytest.approx(0.010)
+    assert (one.forward_ahead, two.forward_ahead) == (1, 2)
+    # alive at once in forward: a block's upload and those led ahead of it
+    assert (one.forward_bytes, two.forward_bytes) == (2 * WEIGHTS, 3 * WEIGHTS)
+
+
+def test_the_link_copies_one_upload_at_a_time_however_far_ahead_they_are_issued():
+    """Blocks 3 and 4 stream, each upload 105 ms: block 4's copy starts after block 3's, so leading it further
+    hides nothing (block 3 waits 75 ms, block 4 another 95 ms)."""
+    prof = profile(n=8, bandwidth=1e9)
+    one, two = (StreamedSet.of(prof, [3, 4], forward_ahead=lead) for lead in (1, 2))
+    copy = WEIGHTS / 1e9
+    backward = copy - 0.03  # block 3's upload behind block 4's recompute (10 ms) and backward (20 ms)
+    bookkeeping = 3 * OFFLOAD_REGION_SECONDS
+    forward = (copy - 0.03) + (copy - 0.01)
+    assert one.seconds == pytest.approx(bookkeeping + forward + backward)
+    assert two.seconds == pytest.approx(one.seconds)
+
+
+@settings(max_examples=60, deadline=None)
+@given(share=st.floats(0.0, 1.0), bandwidth=st.sampled_from([3e9, 7e9, 2e10]))
+def test_the_planner_leads_the_forward_uploads_only_where_it_fits_and_is_cheaper(share, bandwidth):
+    prof = profile(bandwidth=bandwidth)
+    floor = floor_without_streaming(prof)
+    budget = int(floor - 6 * WEIGHTS + share * 6 * WEIGHTS)
+    try:
+        plan = plan_for(prof, budget)
+    except BudgetError:
+        return
+    assert plan.predicted_peak_bytes <= budget
+    if not plan.streamed:
+        return
+    indices = [int(name.rpartition(".")[2]) for name in plan.streamed]
+    other = 3 - plan.streamed_forward_ahead
+    try:
+        alternative = plan_policies(
+            prof, budget, allowed=allowed, streamed=StreamedSet.of(prof, indices, forward_ahead=other)
+        )
+    except BudgetError:
+        assert other == 2  # only the longer lead can fail to fit where the shorter one does
+        return
+    assert plan.predicted_extra_seconds <= alternative.predicted_extra_seconds + 1e-12
+
+
+def test_the_planner_leads_further_where_adjacent_uploads_wait_and_there_is_room():
+    prof = profile(bandwidth=WEIGHTS / 0.015)  # uploads of 15 ms against 10 ms of forward per block
+    floor = floor_without_streaming(prof)
+    roomy, tight = plan_for(prof, floor - 5 * WEIGHTS), plan_for(prof, floor - 6 * WEIGHTS)
+    assert roomy.streamed == tight.streamed and len(roomy.streamed) == 9  # adjacent blocks among them
+    assert roomy.streamed_forward_ahead == 2 and "uploaded 2 ahead in forward" in roomy.describe()
+    # 100 MiB less: the upload led ahead would take room from the activations, which costs more than it hides
+    indices = [int(name.rpartition(".")[2]) for name in tight.streamed]
+    led = plan_policies(
+        prof, floor - 6 * WEIGHTS, allowed=allowed, streamed=StreamedSet.of(prof, indices, forward_ahead=2)
+    )
+    assert tight.streamed_forward_ahead == 1
+    assert tight.predicted_extra_seconds < led.predicted_extra_seconds
 
 
 def attention_heavy(
@@ -472,6 +539,41 @@ def test_auto_streams_weights_where_the_budget_needs_it_and_gradients_stay_exact
     after = model.state_dict()
     assert state.keys() == after.keys() and all(torch.equal(state[k], after[k]) for k in state)
     assert_same(step(model, x), reference)
+
+
+def test_the_forward_lead_auto_plans_is_the_one_installed(streaming_on_cpu, monkeypatch):
+    """Every streamed set led two ahead: the installed streamer uploads the next two streamed blocks while one runs
+    forward (one in backward), and the gradients stay exact."""
+    from memfit.auto import streaming
+
+    spread = streaming.streamed_set
+    monkeypatch.setattr(
+        streaming, "streamed_set", lambda prof, count, **kw: spread(prof, count, forward_ahead=2)
+    )
+    model = frozen_toy(blocks=8, dim=32)
+    x = torch.randn(2, 8, 32)
+    reference = step(model, x)
+    floor, frozen = planned_floor(model, x)
+    with memfit.apply(model, auto(floor - frozen // 2), adapter=TOY) as handle:
+        assert_same(step(model, x), reference)  # the profiling step, then the plan is installed
+        streamer = handle._controller.installation.streamer
+        assert handle.plan.streamed_forward_ahead == 2 and len(handle.plan.streamed) >= 3
+        assert streamer.forward_ahead == 2 and streamer.ahead == 1
+        names = [b.name for b in streamer.blocks]
+        seen: list[tuple[str, set[str]]] = []
+
+        def watch(module, args):  # after memfit's pre-hook: the uploads alive while each streamed block runs
+            gc.collect()
+            seen.append((names[[b.module for b in streamer.blocks].index(module)], set(streamer.alive())))
+
+        hooks = [b.module.register_forward_pre_hook(watch) for b in streamer.blocks]
+        assert_same(step(model, x), reference)
+        for h in hooks:
+            h.remove()
+    forward = seen[: len(names)]
+    assert forward == [(name, set(names[k : k + 3])) for k, name in enumerate(names)]
+    backward = seen[len(names) :]
+    assert backward == [(names[k], set(names[max(0, k - 1) : k + 1])) for k in reversed(range(len(names)))]
 
 
 def test_a_floor_that_streaming_lowers_is_suggested_as_a_card_the_profiling_forward_fits(streaming_on_cpu):

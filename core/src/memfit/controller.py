@@ -228,6 +228,7 @@ class Controller:
         else:  # installed: only the blocks that change move (no round trip of every weight through the device)
             self.streamer.retarget(modules)
         self.streamer.keep_first = plan.blocks[0].stream_weights  # held between steps: nothing runs before it
+        self.streamer.forward_ahead = plan.forward_uploads_ahead
         return self.streamer
 
     # -- model hooks --------------------------------------------------------------------------------------------

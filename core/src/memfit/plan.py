@@ -137,11 +137,14 @@ class RegionPlan:
         checkpoint_routed: the generic path (a diffusers model without an adapter, no segment stride): every
             block the model routes through its checkpointing function is a region of its own, and
             :attr:`blocks` (the model's top-level lists) only say which policy those regions take.
+        forward_uploads_ahead: streamed blocks whose weights the forward uploads ahead of the one running (the
+            fixed knob: 1; ``auto`` may lead further, :mod:`memfit.auto.streaming`).
     """
 
     blocks: tuple[PlannedBlock, ...]
     entry: BlockEntry = BlockEntry.AUTO
     checkpoint_routed: bool = False
+    forward_uploads_ahead: int = 1
 
     @classmethod
     def from_config(
@@ -201,15 +204,17 @@ class RegionPlan:
         policies: Iterable[tuple[str, BlockPolicy]],
         *,
         streamed: Collection[str] = (),
+        forward_uploads_ahead: int = 1,
         entry: BlockEntry = BlockEntry.AUTO,
     ) -> RegionPlan:
         """One policy per block name (``"transformer_blocks.3"``), each block its own region; the blocks named in
-        ``streamed`` stream their frozen weights (their policy must recompute the whole block)."""
+        ``streamed`` stream their frozen weights (their policy must recompute the whole block), the forward
+        uploading them ``forward_uploads_ahead`` ahead."""
         blocks = []
         for name, policy in policies:
             path, _, index = name.rpartition(".")
             blocks.append(PlannedBlock(path, int(index), policy, int(index), stream_weights=name in streamed))
-        return cls(tuple(blocks), entry)
+        return cls(tuple(blocks), entry, forward_uploads_ahead=forward_uploads_ahead)
 
     @property
     def streamed(self) -> tuple[PlannedBlock, ...]:

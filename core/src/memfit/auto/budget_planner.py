@@ -264,7 +264,11 @@ class BudgetPlanner:
             shape = self._new_shape(signature, args, kwargs)
         self.plan, self.profile = shape.plan, shape.profile
         self._installed[signature] = shape.plan
-        return RegionPlan.from_policies(shape.plan.blocks, streamed=shape.plan.streamed)
+        return RegionPlan.from_policies(
+            shape.plan.blocks,
+            streamed=shape.plan.streamed,
+            forward_uploads_ahead=shape.plan.streamed_forward_ahead,
+        )
 
     def needs_bare_model(self, signature: Hashable) -> bool:
         return signature not in self.shapes  # a new signature is profiled
@@ -351,7 +355,7 @@ class BudgetPlanner:
         elif shape.fallback is None and target > shape.target_bytes:
             # within the budget with room to spare: a faster plan may fit; the measured one is kept to fall back to
             faster = self._plan_at(shape.profile, target)
-            if (faster.blocks, faster.streamed) != (shape.plan.blocks, shape.plan.streamed):
+            if not faster.runs_like(shape.plan):
                 shape.fallback, shape.plan, shape.target_bytes, shape.quiet = shape.plan, faster, target, 0
         if shape.quiet >= CALIBRATION_STEPS:
             shape.settled = True
@@ -390,7 +394,7 @@ class BudgetPlanner:
                 )
                 shape.ceiling_bytes = target
             leaner = self._plan_at(shape.profile, target)
-            if (leaner.blocks, leaner.streamed) == (shape.plan.blocks, shape.plan.streamed) and at_limit:
+            if leaner.runs_like(shape.plan) and at_limit:
                 shape.settled = True  # nothing leaner to run: the step at the limit is this plan's own
                 return
             shape.corrections += 1

@@ -106,6 +106,7 @@ class Plan:
     metric: str  # "peak allocated" (CUDA) or "held activations" (elsewhere)
     streamed: tuple[str, ...] = ()  # blocks whose frozen weights stream from host memory
     streamed_bytes: int = 0
+    streamed_forward_ahead: int = 1  # streamed blocks the forward's uploads are issued ahead of their block
 
     @property
     def needed(self) -> bool:
@@ -114,6 +115,14 @@ class Plan:
 
     def policy(self, name: str) -> BlockPolicy:
         return dict(self.blocks)[name]
+
+    def runs_like(self, other: Plan) -> bool:
+        """Whether ``other`` installs the same regions and streaming (its predictions aside)."""
+        return (self.blocks, self.streamed, self.streamed_forward_ahead) == (
+            other.blocks,
+            other.streamed,
+            other.streamed_forward_ahead,
+        )
 
     def counts(self) -> dict[str, int]:
         c = Counter(p.value for _, p in self.blocks)
@@ -132,6 +141,7 @@ class Plan:
             "metric": self.metric,
             "streamed_blocks": list(self.streamed),
             "streamed_bytes": self.streamed_bytes,
+            "streamed_forward_ahead": self.streamed_forward_ahead,
         }
 
     def describe(self) -> str:
@@ -145,7 +155,8 @@ class Plan:
         if self.streamed:
             lines.append(
                 f"  weights streamed from host memory: {len(self.streamed)} block(s), "
-                f"{format_bytes(self.streamed_bytes)} ({', '.join(self.streamed)})"
+                f"{format_bytes(self.streamed_bytes)} ({', '.join(self.streamed)}), uploaded "
+                f"{self.streamed_forward_ahead} ahead in forward"
             )
         run: list[Any] = []
         for name, policy in [*self.blocks, ("", None)]:
@@ -231,7 +242,11 @@ def plan_policies(
     unit = max(1, -(-sum(b.saved_bytes for b in profile.blocks) // _UNITS))
     problem = search.Problem(options, unit, depth, own_counts=profile.counts_transient)
     # the least peak any plan reaches: exact under the model up to the units, recomputed in bytes
-    key = ("smallest", streamed.indices if streamed is not None else None, copy_reserve)
+    key = (
+        "smallest",
+        (streamed.indices, streamed.forward_ahead) if streamed is not None else None,
+        copy_reserve,
+    )
     floor_picks = memo.get(key) if memo is not None else None
     if floor_picks is None:
         floor_picks = search.smallest(
@@ -258,6 +273,7 @@ def plan_policies(
             metric=metric,
             streamed=streamed.names if streamed is not None else (),
             streamed_bytes=streamed.total_bytes if streamed is not None else 0,
+            streamed_forward_ahead=streamed.forward_ahead if streamed is not None else 1,
         )
 
     if streamed is None and no_checkpoint <= budget_bytes:

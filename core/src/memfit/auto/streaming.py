@@ -10,14 +10,16 @@ they are (:class:`StreamedSet`), and the streamed blocks may only be whole-block
 Peak.  The static bytes drop by the streamed frozen bytes. While block *i*'s backward runs, the uploads alive
 are its own (if it streams: its recomputed saved tensors hold it) and the nearest streamed block before it
 (uploaded ahead when the streamed block after *i* began its recompute, or at the forward's end): a constant per
-block, added to its own term. The forward adds at most two uploads (a streamed block's and the next one's) to
-the forward's-end bound.
+block, added to its own term. The forward adds at most *L* + 1 consecutive uploads (a streamed block's and the
+*L* led ahead of it, :attr:`StreamedSet.forward_ahead`) to the forward's-end bound.
 
-Cost.  Each upload hides behind the compute between two streamed blocks: in forward the forward of the blocks
-from the streamed block before up to it, in backward the recompute and backward of the streamed block after it
-and the backward of the blocks between; what does not hide is exposed, each way. The other blocks' own
-recompute (more compute to hide behind) is not counted. The turnarounds cost nothing: the last streamed block's
-recompute runs on its forward's upload, and where the first block streams, its forward on its last recompute's.
+Cost.  In backward each upload hides behind the recompute and backward of the streamed block after it and the
+backward of the blocks between; what does not hide is exposed. In forward an upload is issued when the streamed
+block *L* places before it starts, and the link copies one at a time: the forward's waits come from running
+that queue against the blocks' forward times (with *L* = 1 each upload hides behind the forward of the blocks
+from the streamed block before up to it). The other blocks' own recompute (more compute to hide behind) is not
+counted. The turnarounds cost nothing: the last streamed block's recompute runs on its forward's upload, and
+where the first block streams, its forward on its last recompute's.
 
 Link.  In backward the activation reloads travel host to device on the same link as the uploads. A window's
 copies take (upload + reloads) / bandwidth, and what exceeds its compute is exposed. The upload's share is
@@ -31,7 +33,10 @@ search takes as it is. Forward parks go device to host, the link's other directi
 
 Search.  :func:`choose_streaming`: no streaming if the plan fits and recomputes nothing; otherwise the fewest
 blocks whose plan fits (the peak falls as *n* grows: binary search), then a few counts above it, where streaming
-more lets cheaper activation policies fit; the cheapest by the cost model wins (ties: fewer streamed blocks).
+more lets cheaper activation policies fit, each with the forward's uploads led one and two blocks ahead (the
+forward's-end bound is rarely what binds a checkpointed plan, and a block's forward is a third of its backward:
+the forward is where uploads wait); the cheapest by the cost model wins (ties: fewer streamed blocks, the
+shorter lead).
 """
 
 from __future__ import annotations
@@ -47,6 +52,10 @@ from memfit.offload.weights import choose_streamed_blocks
 
 P = TypeVar("P")
 EXTRA_COUNTS = (1, 2, 4, 8)  # counts tried above the fewest that fit (or above none), for a cheaper plan
+FORWARD_LEADS = (
+    1,
+    2,
+)  # streamed blocks the forward's uploads are led ahead, tried for each count (see "Search")
 
 
 @dataclass(frozen=True)
@@ -59,13 +68,15 @@ class StreamedSet:
     backward_bytes: tuple[int, ...]  # per block: uploads alive while its backward runs
     forward_bytes: int  # uploads alive at most during the forward
     seconds: float  # upload time not hidden behind compute, per step
+    forward_ahead: int = 1  # streamed blocks the forward's uploads are issued ahead of their block
     # per block: seconds of backward compute its activation reloads may hide behind, what the uploads on the same
     # link leave of their window (see "Link"); None outside every upload's window (its own backward)
     reload_cover: tuple[float | None, ...] = ()
 
     @classmethod
-    def of(cls, profile: ModelProfile, indices: Sequence[int]) -> StreamedSet:
-        """The set of the blocks at ``indices`` (call order) of ``profile``."""
+    def of(cls, profile: ModelProfile, indices: Sequence[int], *, forward_ahead: int = 1) -> StreamedSet:
+        """The set of the blocks at ``indices`` (call order) of ``profile``, the forward's uploads issued
+        ``forward_ahead`` streamed blocks ahead."""
         blocks = profile.blocks
         chosen = sorted(indices)
         weight = {i: blocks[i].frozen_bytes for i in chosen}
@@ -74,9 +85,9 @@ class StreamedSet:
             backward.append(weight.get(i, 0) + (weight[previous] if previous is not None else 0))
             if i in weight:
                 previous = i
-        pairs = [weight[a] + weight[b] for a, b in zip(chosen, chosen[1:], strict=False)]
-        forward = max([*pairs, *weight.values()], default=0)
-        seconds, cover = _uploads(profile, chosen)
+        sizes = [weight[i] for i in chosen]
+        forward = max((sum(sizes[k : k + forward_ahead + 1]) for k in range(len(sizes))), default=0)
+        seconds, cover = _uploads(profile, chosen, forward_ahead)
         return cls(
             indices=tuple(chosen),
             names=tuple(blocks[i].name for i in chosen),
@@ -84,11 +95,41 @@ class StreamedSet:
             backward_bytes=tuple(backward) if profile.counts_transient else (0,) * len(blocks),
             forward_bytes=forward if profile.counts_transient else 0,
             seconds=seconds,
+            forward_ahead=forward_ahead,
             reload_cover=cover,
         )
 
 
-def _uploads(profile: ModelProfile, chosen: list[int]) -> tuple[float, tuple[float | None, ...]]:
+def _forward_waits(fwd: list[float], chosen: list[int], copies: list[float], lead: int) -> float:
+    """Seconds the forward waits for uploads (see "Cost"): upload *k* is issued when streamed block *k* − ``lead``
+    starts (the first ``lead`` when the forward starts) and copied once the link is free; a block waits for its
+    own. ``copies``: each upload's seconds (0 for one kept from the step before)."""
+    ready: dict[int, float] = {}
+    link = 0.0
+
+    def issue(k: int, now: float) -> None:
+        nonlocal link
+        if k < len(chosen):
+            link = max(now, link) + copies[k] if copies[k] else link
+            ready[k] = link if copies[k] else now
+
+    for k in range(min(lead, len(chosen))):
+        issue(k, 0.0)
+    order = {i: k for k, i in enumerate(chosen)}
+    now = waited = 0.0
+    for j, seconds in enumerate(fwd):
+        k = order.get(j)
+        if k is not None:
+            waited += max(0.0, ready[k] - now)
+            now = max(now, ready[k])
+            issue(k + lead, now)
+        now += seconds
+    return waited
+
+
+def _uploads(
+    profile: ModelProfile, chosen: list[int], lead: int = 1
+) -> tuple[float, tuple[float | None, ...]]:
     """Upload time not hidden behind compute per step, plus the host's bookkeeping per upload (see "Cost"); and per
     block, the backward compute its reloads may hide behind (see "Link")."""
     bandwidth = profile.copy_bytes_per_second
@@ -104,16 +145,19 @@ def _uploads(profile: ModelProfile, chosen: list[int]) -> tuple[float, tuple[flo
     seconds = (2 * len(chosen) - len(kept_forward) - len(kept_backward)) * OFFLOAD_REGION_SECONDS
     if not bandwidth:
         return seconds, tuple(cover)
-    starts = [0, *chosen]  # forward: an upload is issued when the streamed block before it starts
-    ends = [*chosen[1:], len(fwd)]  # backward: when the streamed block after it starts its recompute
+    copies = [profile.blocks[i].frozen_bytes / bandwidth for i in chosen]
+    seconds += _forward_waits(
+        fwd, chosen, [0.0 if k in kept_forward else c for k, c in enumerate(copies)], lead
+    )
+    ends = [
+        *chosen[1:],
+        len(fwd),
+    ]  # backward: an upload is issued when the streamed block after it recomputes
     for k, i in enumerate(chosen):
-        copy = profile.blocks[i].frozen_bytes / bandwidth
-        forward_copy = 0.0 if k in kept_forward else copy
-        backward_copy = 0.0 if k in kept_backward else copy
-        forward_hide = sum(fwd[starts[k] : i])
+        backward_copy = 0.0 if k in kept_backward else copies[k]
         after = ends[k]
         backward_hide = sum(bwd[i + 1 : after + 1]) + (fwd[after] if after < len(fwd) else 0.0)
-        seconds += max(0.0, forward_copy - forward_hide) + max(0.0, backward_copy - backward_hide)
+        seconds += max(0.0, backward_copy - backward_hide)
         if not backward_copy:
             continue  # no upload in this window: its reloads hide behind their own backward, as unstreamed
         # reloads due before block i's recompute
@@ -138,12 +182,12 @@ def streamable_counts(profile: ModelProfile, max_bytes: int) -> int:
     return n
 
 
-def streamed_set(profile: ModelProfile, count: int) -> StreamedSet | None:
+def streamed_set(profile: ModelProfile, count: int, *, forward_ahead: int = 1) -> StreamedSet | None:
     """The spread rule's ``count`` blocks as a :class:`StreamedSet` (None for 0)."""
     if not count:
         return None
     sizes = [(i, b.frozen_bytes) for i, b in enumerate(profile.blocks)]
-    return StreamedSet.of(profile, choose_streamed_blocks(sizes, count=count))
+    return StreamedSet.of(profile, choose_streamed_blocks(sizes, count=count), forward_ahead=forward_ahead)
 
 
 def choose_streaming(
@@ -182,14 +226,16 @@ def choose_streaming(
         best, first = plan(streamed_set(profile, lo)), lo
     if seconds(best) <= 0:
         return best
-    for extra in EXTRA_COUNTS:
-        count = first + extra
+    for count in [first, *(first + extra for extra in EXTRA_COUNTS)]:
         if count > max_count:
             break
-        try:
-            candidate = plan(streamed_set(profile, count))
-        except BudgetError:
-            continue
-        if seconds(candidate) < seconds(best):
-            best = candidate
+        for lead in FORWARD_LEADS:
+            if (count, lead) == (first, 1) or (not count and lead > 1):
+                continue  # the plan in hand; nothing streams to lead
+            try:
+                candidate = plan(streamed_set(profile, count, forward_ahead=lead))
+            except BudgetError:
+                continue
+            if seconds(candidate) < seconds(best):
+                best = candidate
     return best

@@ -18,12 +18,15 @@ saves holders only: once it returns, nothing but the parameters pointed at the u
 backward the recompute uploads again; the recomputed saved tensors (views of the upload) keep it until the
 block's backward has used them.
 
-Ahead of need.  In forward, when streamed block ``k`` starts, the next ``ahead`` streamed blocks in call order
-are uploaded; at the end of a forward with gradients, the last ones (backward needs them first); when block
-``k``'s recompute starts, the ``ahead`` streamed blocks before it. So at most ``ahead + 1`` streamed blocks are
-on the device at once. ``ahead=1`` by default: in backward a block's recompute and backward hide the next
-upload; in forward the resident blocks between two streamed ones do (the streamed blocks are spread over the
-call order for that).
+Ahead of need.  In forward, when streamed block ``k`` starts, the next ``forward_ahead`` streamed blocks in call
+order are uploaded (the first ones when the forward starts); at the end of a forward with gradients, the last
+``ahead`` ones (backward needs them first); when block ``k``'s recompute starts, the ``ahead`` streamed blocks
+before it. So at most ``max(ahead, forward_ahead) + 1`` streamed blocks are on the device at once. ``1`` both
+ways by default: in backward a block's recompute and backward hide the next upload; in forward the resident
+blocks between two streamed ones do (the streamed blocks are spread over the call order for that). A block's
+forward is a third of its backward, so where the forward's uploads do not hide one block ahead, ``auto`` may
+lead them further (its plan says how far: :mod:`memfit.auto.streaming`); the link copies one at a time either
+way.
 
 Turnarounds.  Two uploads would have nothing to hide behind: the last streamed block's for the backward that
 starts with it, and the first one's for the next step's forward. Both blocks have just used those weights, and
@@ -260,6 +263,7 @@ class WeightStreamer:
             weight is). A weight elsewhere (on the CPU) is copied to its master from there ("Where the weights
             start").
         ahead: streamed blocks uploaded ahead of the one running (:data:`UPLOADS_AHEAD`).
+        forward_ahead: the same in forward (default: ``ahead``).
         keep_last: keep the last streamed block's forward upload for its recompute ("Turnarounds").
         keep_first: keep the first streamed block's upload from its recompute for the next forward ("Turnarounds";
             for a plan whose first block streams).
@@ -288,6 +292,7 @@ class WeightStreamer:
         streams: StreamApi | None = None,
         device: torch.device | None = None,
         ahead: int = UPLOADS_AHEAD,
+        forward_ahead: int | None = None,
         keep_last: bool = False,
         keep_first: bool = False,
         available_host_bytes: Callable[[], int] | None = None,
@@ -295,8 +300,9 @@ class WeightStreamer:
         allocate: Callable[[int, bool], torch.Tensor] = hostmem.allocate_host,
         timing: bool = True,
     ) -> None:
-        if ahead < 1:
-            raise ValueError(f"ahead must be 1 or more, not {ahead}")
+        forward_ahead = ahead if forward_ahead is None else forward_ahead
+        if min(ahead, forward_ahead) < 1:
+            raise ValueError(f"ahead and forward_ahead must be 1 or more, not {ahead} and {forward_ahead}")
         if any(is_fsdp_module(m) for m in model.modules()):
             raise NotAvailableError(
                 f"{STREAM_KEY} does not work with FSDP2 (fully_shard): sharding already spreads the weights over "
@@ -306,6 +312,7 @@ class WeightStreamer:
         self.model = model
         self.streams = streams
         self.ahead = ahead
+        self.forward_ahead = forward_ahead
         self.keep_last = keep_last
         self.keep_first = keep_first
         self.timing = timing and streams is not None
@@ -524,7 +531,7 @@ class WeightStreamer:
             self.wait_ms()
             self.copy_ms()
         self._forward_uploads.clear()
-        first = self.blocks[: self.ahead]
+        first = self.blocks[: self.forward_ahead]
         for block in [b for b in self._pending if b not in first]:
             self._settle(self._pending.pop(block))
         for block in first:
@@ -573,8 +580,8 @@ class WeightStreamer:
         self._active[block] = upload
         if not recomputing and self._training:
             self._forward_uploads.append((block, upload.storage))
-        step = -1 if recomputing else 1
-        for k in range(1, self.ahead + 1 if self._prefetch else 1):
+        step, lead = (-1, self.ahead) if recomputing else (1, self.forward_ahead)
+        for k in range(1, lead + 1 if self._prefetch else 1):
             position = block.position + step * k
             if 0 <= position < len(self.blocks):
                 self._ensure(self.blocks[position])
