@@ -100,8 +100,9 @@ def test_the_checks_pass_when_auto_keeps_its_promise_and_wins_twice():
 @pytest.mark.parametrize(
     ("change", "failing"),
     [
-        # below the floor auto ran a step instead of refusing
-        (lambda e: e[0].update(auto="ok"), 0),
+        # below the floor auto ran a step over the budget instead of refusing, or ran out of memory
+        (lambda e: e[0].update(auto="ok", within_budget=False), 0),
+        (lambda e: e[0].update(auto="OOM"), 0),
         # a step over the budget
         (lambda e: e[1].update(within_budget=False), 0),
         # out of memory where a fixed mode fits: breaks the promise and loses to the fixed mode
@@ -118,6 +119,15 @@ def test_each_check_fails_on_its_own_miss(change, failing):
     change(entries)
     checks = budget_checks(entries)
     assert not checks[failing][1], checks[failing]
+
+
+def test_below_the_floor_a_run_within_budget_keeps_the_promise_and_is_named():
+    """The floor is what auto suggests with the model on the device; from the host it streams more and can fit
+    below it (Flux attention LoRA at 24 GiB on a 24 GiB card, under a 25.3 GiB floor)."""
+    entries = _passing()
+    entries[0].update(auto="ok", within_budget=True)
+    label, ok, detail = budget_checks(entries)[0]
+    assert ok and "below the floor and within budget (from the host): attn @ 16.00 GiB" in detail
 
 
 def test_budgets_not_measured_count_for_no_check_and_are_named():

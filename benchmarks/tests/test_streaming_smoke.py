@@ -98,3 +98,51 @@ def test_a_model_that_does_not_fit_where_it_is_placed_is_an_out_of_memory_row(mo
     )
     assert row["oom"] and row["oom_where"] == "placing the model" and "does not fit on cpu" in row["error"]
     assert not any(m._forward_pre_hooks for m in model.modules())
+
+
+def _run(date: str, rounds: dict[str, list[float]], wait: float, commit: str = "abc") -> dict:
+    keys = {k: "same" for k in ("device", "family", "preset", "backend", "optimizer")}
+    rows = [
+        {
+            "mode": mode,
+            "config": {"gradient_checkpointing_stream_blocks": 4} if "stream" in mode else {},
+            "step_s": sorted(steps)[len(steps) // 2],
+            "step_s_rounds": steps,
+            "peak_allocated": 10 if "stream" in mode else 20,
+            "streamed_blocks": 4 if "stream" in mode else 0,
+            "weight_exposed_wait_ms_per_step": wait,
+        }
+        for mode, steps in rounds.items()
+    ]
+    return {**keys, "git_commit": commit, "tokens": 64, "steps": 3, "warmup": 1, "date": date, "rows": rows}
+
+
+def test_runs_of_one_commit_merge_round_by_round():
+    from memfit_benchmarks.streaming import merge_runs
+
+    a = _run("d1", {"torch": [1.0, 2.0], "torch + stream 4": [1.1, 2.2]}, wait=10.0)
+    # the second run's deadline cut its last round: the streaming row never ran it
+    b = _run("d2", {"torch": [1.0, 1.5, 9.0], "torch + stream 4": [1.2, 1.8]}, wait=30.0)
+    merged = merge_runs(a, b)
+    rows = {r["mode"]: r for r in merged["rows"]}
+    assert rows["torch"]["step_s_rounds"] == [1.0, 2.0, 1.0, 1.5]  # the unpaired 9.0 dropped
+    assert rows["torch + stream 4"]["step_s_rounds"] == [1.1, 2.2, 1.2, 1.8]
+    # paired by round: 1.1, 1.1, 1.2, 1.2 -> median 1.15 (the medians' ratio would be 1.5 / 1.25)
+    assert rows["torch + stream 4"]["x_unconstrained"] == pytest.approx(1.15)
+    assert rows["torch + stream 4"]["weight_exposed_wait_ms_per_step"] == pytest.approx(20.0)
+    assert merged["rounds"] == 4 and merged["merged_from"] == [
+        {"date": "d1", "rounds": 2},
+        {"date": "d2", "rounds": 2},
+    ]
+
+
+def test_runs_of_different_commits_do_not_merge(tmp_path, capsys):
+    from memfit_benchmarks import streaming
+
+    files = []
+    for i, commit in enumerate(("abc", "def")):
+        files.append(tmp_path / f"{i}.json")
+        files[-1].write_text(json.dumps(_run(f"d{i}", {"torch": [1.0, 1.0]}, wait=0.0, commit=commit)))
+    with pytest.raises(SystemExit) as exit_info:
+        streaming.main(["--merge", *map(str, files), "--out", str(tmp_path)])
+    assert exit_info.value.code == 2 and "runs differ in git_commit" in capsys.readouterr().err

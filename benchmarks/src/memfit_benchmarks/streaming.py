@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import statistics
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -162,6 +163,69 @@ def _fewest_fitting(rows: list[dict[str, Any]], budget: int) -> dict[str, Any] |
     return min(fitting, key=lambda r: r["streamed_blocks"], default=None)
 
 
+SAME_RUN_KEYS = (
+    "git_commit",
+    "device",
+    "family",
+    "preset",
+    "tokens",
+    "backend",
+    "optimizer",
+    "steps",
+    "warmup",
+)
+
+
+def merge_runs(*runs: dict[str, Any]) -> dict[str, Any]:
+    """Runs of one commit and the same rows (on the same kind of device) as one run of all their rounds: per row the rounds one after the
+    other, so that round k of every row stays paired (a run's last round, where a deadline left some row
+    without it, is dropped); the median step and the largest peaks of all; the per-step upload figures (each
+    run's from its first round) averaged over the runs. ``merged_from`` lists each run's date and rounds.
+
+    Raises:
+        ValueError: fewer than two runs, or runs of different commits, machines, shapes or rows.
+    """
+    if len(runs) < 2:
+        raise ValueError("give two runs or more to merge")
+    first = runs[0]
+    for run in runs[1:]:
+        differ = [k for k in SAME_RUN_KEYS if run.get(k) != first.get(k)]
+        if differ or [r["mode"] for r in run["rows"]] != [r["mode"] for r in first["rows"]]:
+            raise ValueError(
+                f"runs differ in {', '.join(differ) or 'their rows'}: only runs of one commit, on one kind of device, of "
+                "the same rows merge (their rounds pair)"
+            )
+    rounds = [
+        min(len(r.get("step_s_rounds") or [r["step_s"]]) for r in run["rows"] if measured(r)) for run in runs
+    ]
+    rows = []
+    for k, row in enumerate(first["rows"]):
+        versions = [run["rows"][k] for run in runs]
+        if not all(measured(r) for r in versions):
+            rows.append(next(r for r in versions if not measured(r)))
+            continue
+        steps = [
+            s
+            for r, n in zip(versions, rounds, strict=True)
+            for s in (r.get("step_s_rounds") or [r["step_s"]])[:n]
+        ]
+        merged = {**row, "step_s_rounds": steps, "step_s": statistics.median(steps)}
+        for key in ("peak_allocated", "peak_reserved", "peak_allocated_warmup"):
+            values = [r[key] for r in versions if r.get(key) is not None]
+            if values:
+                merged[key] = max(values)
+        for key in [k for k in row if k.endswith("_per_step") and isinstance(row[k], int | float)]:
+            merged[key] = statistics.fmean(r[key] for r in versions)
+        rows.append(merged)
+    add_comparisons(rows)
+    return {
+        **runs[-1],
+        "rounds": sum(rounds),
+        "rows": rows,
+        "merged_from": [{"date": run["date"], "rounds": n} for run, n in zip(runs, rounds, strict=True)],
+    }
+
+
 def _gib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}"
 
@@ -206,7 +270,14 @@ def render(payload: dict[str, Any]) -> str:
         "",
         f"{payload['training']}; backend `{payload['backend']}`; {payload['steps']} timed steps after "
         f"{payload['warmup']} warm-up (auto: then up to {payload.get('settle', 0)} more until its closed loop "
-        f"settled), median of {payload['rounds']} round(s); SDPA: {payload['sdpa_backend']}.",
+        f"settled), median of {payload['rounds']} round(s); SDPA: {payload['sdpa_backend']}."
+        + (
+            " Merged from runs of this commit on the same kind of device, their rounds one after the other: "
+            + ", ".join(f"{m['date']} ({m['rounds']} rounds)" for m in payload["merged_from"])
+            + "; the upload figures per step are the runs' mean."
+            if payload.get("merged_from")
+            else ""
+        ),
         "",
         "Peak saved: the unconstrained row's peak minus this row's. Streaming N blocks takes their frozen weights "
         "off the device except the one or two uploaded at a time. Exposed wait: time the compute stream waited for "
@@ -353,9 +424,21 @@ def main(argv: list[str] | None = None) -> Path | None:
     )
     parser.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME")
     parser.add_argument(
+        "--merge",
+        nargs="+",
+        metavar="JSON",
+        help="write the rounds of these runs (one commit, the same rows) as one run to --out; measures nothing",
+    )
+    parser.add_argument(
         "--dry-run", action="store_true", help="check the options, print the rows, measure nothing"
     )
     args = parser.parse_args(argv)
+    if args.merge:
+        try:
+            payload = merge_runs(*(json.loads(Path(f).read_text()) for f in args.merge))
+        except (OSError, ValueError) as exc:
+            parser.error(f"--merge: {exc}")
+        return write_results(Path(args.out), payload, render)
     try:
         args.blocks = parse_blocks(args.blocks)
         for target in args.blocks:
