@@ -52,10 +52,8 @@ from memfit.offload.weights import choose_streamed_blocks
 
 P = TypeVar("P")
 EXTRA_COUNTS = (1, 2, 4, 8)  # counts tried above the fewest that fit (or above none), for a cheaper plan
-FORWARD_LEADS = (
-    1,
-    2,
-)  # streamed blocks the forward's uploads are led ahead, tried for each count (see "Search")
+# streamed blocks the forward's uploads are led ahead, tried for each count (see "Search")
+FORWARD_LEADS = (1, 2)
 
 
 @dataclass(frozen=True)
@@ -149,10 +147,8 @@ def _uploads(
     seconds += _forward_waits(
         fwd, chosen, [0.0 if k in kept_forward else c for k, c in enumerate(copies)], lead
     )
-    ends = [
-        *chosen[1:],
-        len(fwd),
-    ]  # backward: an upload is issued when the streamed block after it recomputes
+    # backward: an upload is issued when the streamed block after it recomputes
+    ends = [*chosen[1:], len(fwd)]
     for k, i in enumerate(chosen):
         backward_copy = 0.0 if k in kept_backward else copies[k]
         after = ends[k]
