@@ -235,6 +235,21 @@ def test_the_planner_leads_the_forward_uploads_only_where_it_fits_and_is_cheaper
     assert plan.predicted_extra_seconds <= alternative.predicted_extra_seconds + 1e-12
 
 
+def test_a_longer_lead_that_hides_nothing_more_is_not_planned():
+    """Where one block ahead hides every forward upload, leading further only holds more: the search does not
+    plan it (each plan is a search over every block; the closed loop plans again each step it measures)."""
+    prof = profile(bandwidth=1e12)
+    leads = []
+
+    def plan(streamed):
+        leads.append(streamed.forward_ahead if streamed is not None else 0)
+        return plan_policies(prof, budget, allowed=allowed, streamed=streamed)
+
+    budget = floor_without_streaming(prof) - 3 * WEIGHTS
+    choose_streaming(prof, plan, seconds=lambda p: p.predicted_extra_seconds, max_count=12)
+    assert leads and 2 not in leads
+
+
 def test_the_planner_leads_further_where_adjacent_uploads_wait_and_there_is_room():
     prof = profile(bandwidth=WEIGHTS / 0.015)  # uploads of 15 ms against 10 ms of forward per block
     floor = floor_without_streaming(prof)

@@ -35,8 +35,8 @@ Search.  :func:`choose_streaming`: no streaming if the plan fits and recomputes 
 blocks whose plan fits (the peak falls as *n* grows: binary search), then a few counts above it, where streaming
 more lets cheaper activation policies fit, each with the forward's uploads led one and two blocks ahead (the
 forward's-end bound is rarely what binds a checkpointed plan, and a block's forward is a third of its backward:
-the forward is where uploads wait); the cheapest by the cost model wins (ties: fewer streamed blocks, the
-shorter lead).
+the forward is where uploads wait; a lead that hides no more than the shorter one is not planned: it only holds
+more); the cheapest by the cost model wins (ties: fewer streamed blocks, the shorter lead).
 """
 
 from __future__ import annotations
@@ -225,11 +225,15 @@ def choose_streaming(
     for count in [first, *(first + extra for extra in EXTRA_COUNTS)]:
         if count > max_count:
             break
+        shortest = streamed_set(profile, count, forward_ahead=FORWARD_LEADS[0])
         for lead in FORWARD_LEADS:
-            if (count, lead) == (first, 1) or (not count and lead > 1):
+            led = shortest if lead == FORWARD_LEADS[0] else streamed_set(profile, count, forward_ahead=lead)
+            if (count, lead) == (first, 1) or led is None:
                 continue  # the plan in hand; nothing streams to lead
+            if lead != FORWARD_LEADS[0] and shortest is not None and led.seconds >= shortest.seconds:
+                continue  # the longer lead hides nothing more and only holds more: never the cheaper plan
             try:
-                candidate = plan(streamed_set(profile, count, forward_ahead=lead))
+                candidate = plan(led)
             except BudgetError:
                 continue
             if seconds(candidate) < seconds(best):
