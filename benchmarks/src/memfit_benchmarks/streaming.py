@@ -163,6 +163,7 @@ def _fewest_fitting(rows: list[dict[str, Any]], budget: int) -> dict[str, Any] |
     return min(fitting, key=lambda r: r["streamed_blocks"], default=None)
 
 
+# what runs must share to merge (their rounds pair)
 SAME_RUN_KEYS = (
     "git_commit",
     "device",
@@ -177,13 +178,14 @@ SAME_RUN_KEYS = (
 
 
 def merge_runs(*runs: dict[str, Any]) -> dict[str, Any]:
-    """Runs of one commit and the same rows (on the same kind of device) as one run of all their rounds: per row the rounds one after the
-    other, so that round k of every row stays paired (a run's last round, where a deadline left some row
-    without it, is dropped); the median step and the largest peaks of all; the per-step upload figures (each
-    run's from its first round) averaged over the runs. ``merged_from`` lists each run's date and rounds.
+    """Runs of one commit and the same rows, on one kind of device, as one run of all their rounds: per row the
+    rounds one after the other, so that round k of every row stays paired (a run's last round, where a deadline
+    left some row without it, is dropped); the median step and the largest peaks of all; the per-step upload
+    figures (each run's from its first round) averaged over the runs. ``merged_from`` lists each run's date and
+    rounds.
 
     Raises:
-        ValueError: fewer than two runs, or runs of different commits, machines, shapes or rows.
+        ValueError: fewer than two runs, or runs of different commits, devices, shapes or rows.
     """
     if len(runs) < 2:
         raise ValueError("give two runs or more to merge")
@@ -192,8 +194,8 @@ def merge_runs(*runs: dict[str, Any]) -> dict[str, Any]:
         differ = [k for k in SAME_RUN_KEYS if run.get(k) != first.get(k)]
         if differ or [r["mode"] for r in run["rows"]] != [r["mode"] for r in first["rows"]]:
             raise ValueError(
-                f"runs differ in {', '.join(differ) or 'their rows'}: only runs of one commit, on one kind of device, of "
-                "the same rows merge (their rounds pair)"
+                f"runs differ in {', '.join(differ) or 'their rows'}: only runs of one commit, on one kind of "
+                "device, of the same rows merge (their rounds pair)"
             )
     rounds = [
         min(len(r.get("step_s_rounds") or [r["step_s"]]) for r in run["rows"] if measured(r)) for run in runs
@@ -214,8 +216,9 @@ def merge_runs(*runs: dict[str, Any]) -> dict[str, Any]:
             values = [r[key] for r in versions if r.get(key) is not None]
             if values:
                 merged[key] = max(values)
-        for key in [k for k in row if k.endswith("_per_step") and isinstance(row[k], int | float)]:
-            merged[key] = statistics.fmean(r[key] for r in versions)
+        for name in [name for name, value in row.items() if name.endswith("_per_step")]:
+            if isinstance(row[name], int | float):
+                merged[name] = statistics.fmean(r[name] for r in versions)
         rows.append(merged)
     add_comparisons(rows)
     return {
