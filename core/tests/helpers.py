@@ -65,6 +65,16 @@ def streamed_uploads(steps: int, streamed: int, *, first_streams: bool) -> int:
     return steps * 2 * streamed - steps - (steps - 1) * first_streams
 
 
+def auto_config(budget: int | str, **extra) -> dict:
+    """The config of ``auto`` at ``budget`` (and ``extra`` keys)."""
+    return {
+        "gradient_checkpointing": True,
+        "gradient_checkpointing_backend": "auto",
+        "gradient_checkpointing_memory_budget": budget,
+        **extra,
+    }
+
+
 def force_auto_plan(monkeypatch, choose: Callable[[list[str]], Sequence[BlockPolicy]]) -> None:
     """``auto`` plans the policies ``choose`` gives for its blocks' names, whatever the budget (it still profiles
     the model and runs its closed loop): a plan the planner would not pick at a test's size, copies on CPU."""

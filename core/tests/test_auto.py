@@ -19,18 +19,11 @@ from memfit.auto.policy import allowed_policies
 from memfit.auto.profile import profile_model
 from memfit_conformance.base import cpu_copy_engine
 
+from helpers import auto_config
+
 memfit_flux = pytest.importorskip("memfit_flux")
 ADAPTER = memfit_flux.ADAPTER
 TINY = ADAPTER.presets["tiny"]
-
-
-def auto(budget, **extra):
-    return {
-        "gradient_checkpointing": True,
-        "gradient_checkpointing_backend": "auto",
-        "gradient_checkpointing_memory_budget": budget,
-        **extra,
-    }
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +56,7 @@ def reference(model):
 
 
 def run_auto(model, budget, **kw):
-    handle = memfit.apply(model, auto(budget), **kw)
+    handle = memfit.apply(model, auto_config(budget), **kw)
     try:
         out = step(model, inputs(model))
         return (*out, handle.plan, handle.stats())
@@ -241,7 +234,7 @@ def test_backward_to_forward_counts_the_weights_that_train(model):
 
 
 def test_budget_below_any_plan_names_the_smallest_peak(model, reference):
-    handle = memfit.apply(model, auto(1000))
+    handle = memfit.apply(model, auto_config(1000))
     with pytest.raises(memfit.BudgetError, match="smallest predicted held activations") as info:
         model(**inputs(model))
     assert info.value.smallest_peak_bytes > 1000
@@ -264,7 +257,7 @@ def test_a_budget_beyond_the_allocators_room_is_planned_for_less_and_says_so(mod
     # a budget that needs no checkpointing, on a device that holds a little more than it
     capacity = int(no_checkpoint / controller.ALLOCATOR_HEADROOM * 0.9)
     monkeypatch.setattr(controller, "device_capacity", lambda device: capacity)
-    handle = memfit.apply(model, auto(no_checkpoint))
+    handle = memfit.apply(model, auto_config(no_checkpoint))
     try:
         with pytest.warns(memfit.MemfitWarning, match="caching allocator too little room"):
             step(model, inputs(model))
@@ -277,7 +270,7 @@ def test_a_budget_beyond_the_allocators_room_is_planned_for_less_and_says_so(mod
 
 
 def test_budget_that_needs_no_checkpointing_installs_nothing_and_says_so(model, reference):
-    handle = memfit.apply(model, auto("1GiB"))
+    handle = memfit.apply(model, auto_config("1GiB"))
     with pytest.warns(memfit.MemfitWarning, match="needs no checkpointing"):
         step(model, inputs(model))
     with warnings.catch_warnings():
@@ -291,7 +284,7 @@ def test_budget_that_needs_no_checkpointing_installs_nothing_and_says_so(model, 
 
 
 def test_replans_when_the_shape_changes_and_reuses_cached_plans(model):
-    handle = memfit.apply(model, auto(200_000))
+    handle = memfit.apply(model, auto_config(200_000))
     try:
         for tokens in (64, 16, 64, 16):
             batch = inputs(model, tokens)
@@ -313,7 +306,7 @@ def test_remove_restores_the_model_exactly(model):
     batch = inputs(model)
     with torch.no_grad():
         before = ADAPTER.loss(model(**batch))
-    handle = memfit.apply(model, auto(200_000))
+    handle = memfit.apply(model, auto_config(200_000))
     step(model, batch)
     handle.remove()
     assert list(model.state_dict()) == keys
@@ -324,7 +317,7 @@ def test_remove_restores_the_model_exactly(model):
 
 
 def test_describe_lists_the_plan(model):
-    handle = memfit.apply(model, auto(200_000))
+    handle = memfit.apply(model, auto_config(200_000))
     assert "planned at the first forward" in handle.describe()
     step(model, inputs(model))
     text = handle.describe()
@@ -344,7 +337,7 @@ def test_describe_lists_the_plan(model):
 )
 def test_config_errors(extra, match):
     with pytest.raises(memfit.ConfigError, match=match):
-        memfit.MemfitConfig.from_dict({**auto("1GiB"), **extra})
+        memfit.MemfitConfig.from_dict({**auto_config("1GiB"), **extra})
 
 
 def test_budget_is_required_off_cuda(model):
@@ -355,7 +348,7 @@ def test_budget_is_required_off_cuda(model):
 
 def test_a_model_without_adapter_is_refused():
     with pytest.raises(memfit.UnsupportedBoundaryError, match="needs the blocks and regions an adapter"):
-        memfit.apply(torch.nn.Sequential(torch.nn.Linear(2, 2)), auto("1GiB"))
+        memfit.apply(torch.nn.Sequential(torch.nn.Linear(2, 2)), auto_config("1GiB"))
 
 
 def test_fsdp2_models_are_refused_with_the_fix(model, monkeypatch):
@@ -364,7 +357,7 @@ def test_fsdp2_models_are_refused_with_the_fix(model, monkeypatch):
     # the module, not the function memfit re-exports under the same name
     monkeypatch.setattr(sys.modules["memfit.apply"], "is_fsdp_module", lambda m: m is model)
     with pytest.raises(memfit.NotAvailableError, match="does not support FSDP2"):
-        memfit.apply(model, auto("1GiB"))
+        memfit.apply(model, auto_config("1GiB"))
 
 
 def test_blocks_that_keep_everything_count_as_regions_of_the_step(model):

@@ -14,6 +14,8 @@ import memfit
 from memfit import MemfitWarning
 from memfit.auto import budget_planner
 
+from helpers import auto_config
+
 memfit_flux = pytest.importorskip("memfit_flux")
 ADAPTER = memfit_flux.ADAPTER
 
@@ -51,17 +53,9 @@ def inputs(model, tokens=64):
     return ADAPTER.presets["tiny"].inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
 
 
-def auto(budget) -> dict:
-    return {
-        "gradient_checkpointing": True,
-        "gradient_checkpointing_backend": "auto",
-        "gradient_checkpointing_memory_budget": budget,
-    }
-
-
 def open_loop_plan(model, batch, budget):
     """The plan made without a meter (no closed loop) for ``budget``."""
-    with memfit.apply(model, auto(budget)) as handle, warnings.catch_warnings():
+    with memfit.apply(model, auto_config(budget)) as handle, warnings.catch_warnings():
         warnings.simplefilter("ignore", MemfitWarning)
         ADAPTER.loss(model(**batch)).backward()
         plan = handle.plan
@@ -266,7 +260,7 @@ def test_the_optimizer_state_the_first_step_adds_is_planned_before_any_step(mode
     batch = inputs(model)
 
     def first_plan(budget, **extra):
-        with warnings.catch_warnings(), memfit.apply(model, {**auto(budget), **extra}) as handle:
+        with warnings.catch_warnings(), memfit.apply(model, {**auto_config(budget), **extra}) as handle:
             warnings.simplefilter("ignore", MemfitWarning)
             ADAPTER.loss(model(**batch)).backward()
             model.zero_grad(set_to_none=True)
@@ -343,7 +337,7 @@ def _device_like(profile_model, static):
 
 
 def _first_plan(model, batch, budget, **extra):
-    with warnings.catch_warnings(), memfit.apply(model, {**auto(budget), **extra}) as handle:
+    with warnings.catch_warnings(), memfit.apply(model, {**auto_config(budget), **extra}) as handle:
         warnings.simplefilter("ignore", MemfitWarning)
         ADAPTER.loss(model(**batch)).backward()
         model.zero_grad(set_to_none=True)

@@ -22,7 +22,7 @@ from memfit.auto.cost import OFFLOAD_REGION_SECONDS, block_choices
 from memfit.auto.policy import allowed_policies
 from memfit.auto.streaming import StreamedSet, choose_streaming, streamable_counts, streamed_set
 
-from helpers import assert_same, frozen_toy, step
+from helpers import assert_same, auto_config, frozen_toy, step
 from toy import TOY
 
 MiB = 1 << 20
@@ -508,20 +508,11 @@ def streaming_on_cpu(monkeypatch):
     monkeypatch.setattr(budget_planner, "profile_model", device_like(budget_planner.profile_model))
 
 
-def auto(budget, **extra) -> dict:
-    return {
-        "gradient_checkpointing": True,
-        "gradient_checkpointing_backend": "auto",
-        "gradient_checkpointing_memory_budget": budget,
-        **extra,
-    }
-
-
 def planned_floor(model, x) -> tuple[int, int]:
     """The smallest peak ``auto`` reaches on ``model`` without streaming, and its blocks' frozen bytes."""
     with (
         pytest.raises(BudgetError) as info,
-        memfit.apply(model, auto(1, gradient_checkpointing_stream_blocks=0), adapter=TOY),
+        memfit.apply(model, auto_config(1, gradient_checkpointing_stream_blocks=0), adapter=TOY),
     ):
         step(model, x)
     frozen = sum(
@@ -538,7 +529,7 @@ def test_auto_streams_weights_where_the_budget_needs_it_and_gradients_stay_exact
     budget = floor - frozen // 3
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always", MemfitWarning)
-        handle = memfit.apply(model, auto(budget), adapter=TOY)
+        handle = memfit.apply(model, auto_config(budget), adapter=TOY)
         got = [step(model, x) for _ in range(2)]
     # the weights streaming takes off leave room for the few trainable weights' optimizer state
     assert not [w for w in caught if "optimizer" in str(w.message)]
@@ -569,7 +560,7 @@ def test_the_forward_lead_auto_plans_is_the_one_installed(streaming_on_cpu, monk
     x = torch.randn(2, 8, 32)
     reference = step(model, x)
     floor, frozen = planned_floor(model, x)
-    with memfit.apply(model, auto(floor - frozen // 2), adapter=TOY) as handle:
+    with memfit.apply(model, auto_config(floor - frozen // 2), adapter=TOY) as handle:
         assert_same(step(model, x), reference)  # the profiling step, then the plan is installed
         streamer = handle._controller.installation.streamer
         assert handle.plan.streamed_forward_ahead == 2 and len(handle.plan.streamed) >= 3
@@ -601,7 +592,7 @@ def test_a_floor_that_streaming_lowers_is_suggested_as_a_card_the_profiling_forw
     model = frozen_toy(blocks=8, dim=128)
     x = torch.randn(1, 2, 128)  # weights far above the activations
     floor, frozen = planned_floor(model, x)
-    with pytest.raises(BudgetError) as raised, memfit.apply(model, auto(1), adapter=TOY) as handle:
+    with pytest.raises(BudgetError) as raised, memfit.apply(model, auto_config(1), adapter=TOY) as handle:
         step(model, x)
     exc = raised.value
     assert (
@@ -619,7 +610,7 @@ def test_a_new_input_shape_replans_and_keeps_the_host_masters_of_blocks_that_sta
     floor, frozen = planned_floor(model, wide)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MemfitWarning)
-        handle = memfit.apply(model, auto(floor - frozen // 3), adapter=TOY)
+        handle = memfit.apply(model, auto_config(floor - frozen // 3), adapter=TOY)
         first = step(model, x)
         streamer = handle._controller.streamer
         before = streamer.host_allocations if streamer is not None else 0
@@ -643,11 +634,13 @@ def test_stream_blocks_zero_keeps_every_weight_on_the_device_under_auto(streamin
     floor, frozen = planned_floor(model, x)
     with (
         pytest.raises(BudgetError, match="smallest predicted"),
-        memfit.apply(model, auto(floor - frozen // 3, gradient_checkpointing_stream_blocks=0), adapter=TOY),
+        memfit.apply(
+            model, auto_config(floor - frozen // 3, gradient_checkpointing_stream_blocks=0), adapter=TOY
+        ),
     ):
         step(model, x)
     with pytest.raises(ConfigError, match="set it to 0"):
-        memfit.apply(model, auto(floor, gradient_checkpointing_stream_blocks=2), adapter=TOY)
+        memfit.apply(model, auto_config(floor, gradient_checkpointing_stream_blocks=2), adapter=TOY)
 
 
 class ResetRecorder:
@@ -685,7 +678,7 @@ def test_steps_are_measured_from_after_the_weights_left_the_device(streaming_on_
     monkeypatch.setattr(budget_planner, "default_peak_meter", lambda device: meter)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MemfitWarning)
-        meter.handle = handle = memfit.apply(model, auto(floor - frozen // 3), adapter=TOY)
+        meter.handle = handle = memfit.apply(model, auto_config(floor - frozen // 3), adapter=TOY)
         for _ in range(3):
             step(model, x)
     assert handle.plan.streamed and meter.resets
@@ -711,7 +704,7 @@ def test_a_correction_moves_only_the_blocks_that_change(streaming_on_cpu, monkey
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", MemfitWarning)
-        meter.handle = handle = memfit.apply(model, auto(budget), adapter=TOY)
+        meter.handle = handle = memfit.apply(model, auto_config(budget), adapter=TOY)
         first = step(model, x)
         streamed_first = set(handle.plan.streamed)
         allocations = handle._controller.streamer.host_allocations

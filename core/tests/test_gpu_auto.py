@@ -12,6 +12,8 @@ import torch
 import memfit
 from memfit.auto import BlockPolicy
 
+from helpers import auto_config
+
 memfit_flux = pytest.importorskip("memfit_flux")
 pytestmark = pytest.mark.gpu
 ADAPTER = memfit_flux.ADAPTER
@@ -71,11 +73,7 @@ def test_auto_peaks_stay_within_budgets_with_exact_gradients():
     static = torch.cuda.memory_allocated()
     for fraction in (0.35, 0.55, 0.8):
         budget = int(static + (none_peak - static) * fraction)
-        cfg = {
-            "gradient_checkpointing": True,
-            "gradient_checkpointing_backend": "auto",
-            "gradient_checkpointing_memory_budget": budget,
-        }
+        cfg = auto_config(budget)
         try:
             peak, grads, plan, stats = run(model, batch, cfg)
         except memfit.BudgetError as exc:
@@ -186,11 +184,7 @@ def test_on_a_card_of_the_budget_s_size_auto_keeps_its_copies_reserve_and_runs_c
 
     def scenario(share):
         budget = int(static + (none_peak - static) * share)
-        cfg = {
-            "gradient_checkpointing": True,
-            "gradient_checkpointing_backend": "auto",
-            "gradient_checkpointing_memory_budget": budget,
-        }
+        cfg = auto_config(budget)
         try:
             _, _, roomy, _ = run(model, batch, cfg)  # the whole device: the cheapest plan
         except memfit.BudgetError:

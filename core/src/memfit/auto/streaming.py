@@ -228,7 +228,7 @@ def choose_streaming(
         shortest = streamed_set(profile, count, forward_ahead=FORWARD_LEADS[0])
         for lead in FORWARD_LEADS:
             led = shortest if lead == FORWARD_LEADS[0] else streamed_set(profile, count, forward_ahead=lead)
-            if (count, lead) == (first, 1) or led is None:
+            if (count, lead) == (first, FORWARD_LEADS[0]) or led is None:
                 continue  # the plan in hand; nothing streams to lead
             if lead != FORWARD_LEADS[0] and shortest is not None and led.seconds >= shortest.seconds:
                 continue  # the longer lead hides nothing more and only holds more: never the cheaper plan
