@@ -58,11 +58,11 @@ def frozen_toy(blocks: int = 6, **kw) -> nn.Module:
     return model
 
 
-def streamed_uploads(steps: int, streamed: int, *, first_streams: bool) -> int:
+def streamed_uploads(steps: int, streamed: int, *, kept_first: int) -> int:
     """Uploads ``steps`` training steps make with ``streamed`` blocks streaming: one per block for its forward and
-    one for its recompute, less the turnarounds' (each step's last block recomputes on its forward's upload; where
-    the plan's first block streams, each later step's forward runs it on its previous recompute's upload)."""
-    return steps * 2 * streamed - steps - (steps - 1) * first_streams
+    one for its recompute, less the turnarounds' (each step's last block recomputes on its forward's upload; each
+    later step's forward runs the first ``kept_first`` streamed blocks on their previous recompute's uploads)."""
+    return steps * 2 * streamed - steps - (steps - 1) * kept_first
 
 
 def auto_config(budget: int | str, **extra) -> dict:

@@ -5,6 +5,7 @@ change), through the synchronous copy engine: gradients bitwise equal, re-plans 
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import gc
 import warnings
@@ -73,6 +74,16 @@ def plan_for(prof: ModelProfile, budget: int, *, max_count: int | None = None):
         lambda streamed: plan_policies(prof, budget, allowed=allowed, streamed=streamed),
         seconds=lambda p: p.predicted_extra_seconds,
         max_count=len(prof.blocks) if max_count is None else max_count,
+    )
+
+
+def set_of(prof: ModelProfile, plan) -> StreamedSet:
+    """The streamed set ``plan`` was made with."""
+    return StreamedSet.of(
+        prof,
+        [int(name.rpartition(".")[2]) for name in plan.streamed],
+        forward_ahead=plan.streamed_forward_ahead,
+        kept_first=plan.streamed_kept_first,
     )
 
 
@@ -223,6 +234,17 @@ def test_the_planner_leads_the_forward_uploads_only_where_it_fits_and_is_cheaper
     assert plan.predicted_peak_bytes <= budget
     if not plan.streamed:
         return
+    # the forward's start, written out: at each kept block, the activations the blocks before it keep, the uploads
+    # alive then and the working memory stay within the budget
+    streamed = set_of(prof, plan)
+    kept = {
+        b.name: next(c for c in block_choices(b, prof, allowed(b)) if c.policy is policy).kept
+        for b, (_, policy) in zip(prof.blocks, plan.blocks, strict=True)
+    }
+    base = prof.static_bytes - streamed.total_bytes + prof.outside_bytes
+    for index, holds in streamed.start_holds:
+        before = sum(kept[b.name] for b in prof.blocks[:index])
+        assert base + before + holds + prof.workspace_bytes <= budget
     indices = [int(name.rpartition(".")[2]) for name in plan.streamed]
     other = 3 - plan.streamed_forward_ahead
     try:
@@ -258,11 +280,88 @@ def test_the_planner_leads_further_where_adjacent_uploads_wait_and_there_is_room
     assert roomy.streamed_forward_ahead == 2 and "uploaded 2 ahead in forward" in roomy.describe()
     # 100 MiB less: the upload led ahead would take room from the activations, which costs more than it hides
     indices = [int(name.rpartition(".")[2]) for name in tight.streamed]
-    led = plan_policies(
-        prof, floor - 6 * WEIGHTS, allowed=allowed, streamed=StreamedSet.of(prof, indices, forward_ahead=2)
+    one, led = (
+        plan_policies(
+            prof,
+            floor - 6 * WEIGHTS,
+            allowed=allowed,
+            streamed=StreamedSet.of(prof, indices, forward_ahead=lead),
+        )
+        for lead in (1, 2)
     )
-    assert tight.streamed_forward_ahead == 1
-    assert tight.predicted_extra_seconds < led.predicted_extra_seconds
+    assert one.predicted_extra_seconds < led.predicted_extra_seconds
+    assert tight.predicted_extra_seconds <= one.predicted_extra_seconds
+
+
+def test_kept_uploads_leave_the_forward_queue_and_are_held_through_the_turnaround():
+    """Blocks 2-5 stream, each upload 15 ms against 10 ms of forward per block, one ahead: blocks 3-5 each wait
+    5 ms for theirs. Keeping the first two streamed blocks' recompute uploads for the next forward takes block 3's
+    wait off (block 2's upload hid behind blocks 0-1 anyway) and holds their weights from their backward on."""
+    prof = profile(n=8, bandwidth=WEIGHTS / 0.015)
+    rule, kept = (StreamedSet.of(prof, [2, 3, 4, 5], kept_first=k) for k in (None, 2))
+    assert (rule.kept_first, kept.kept_first, kept.kept_bytes) == (0, 2, 2 * WEIGHTS)
+    assert rule.seconds - kept.seconds == pytest.approx(0.005 + 2 * OFFLOAD_REGION_SECONDS)
+    # backward: blocks 0-1 meet both kept uploads, block 2 its own and block 3's, then as without keeping
+    assert kept.backward_bytes == (2 * WEIGHTS,) * 6 + (WEIGHTS, WEIGHTS)
+    assert kept.backward_bytes[3:] == rule.backward_bytes[3:]
+    # forward: as block 2 starts, both kept uploads; as block 3 starts, its own and block 4's led ahead
+    assert kept.start_holds == ((2, 2 * WEIGHTS), (3, 2 * WEIGHTS))
+    # the first block keeps one by the turnaround rule where it streams
+    assert StreamedSet.of(prof, [0, 4]).kept_first == 1 and StreamedSet.of(prof, [0, 4]).start_holds[0] == (
+        0,
+        2 * WEIGHTS,
+    )
+
+
+def test_the_planner_keeps_the_first_uploads_where_the_forward_waits_and_there_is_room():
+    prof = profile(bandwidth=WEIGHTS / 0.015)  # uploads of 15 ms against 10 ms of forward per block
+    floor = floor_without_streaming(prof)
+    roomy = plan_for(prof, floor - 5 * WEIGHTS)
+    assert roomy.streamed_kept_first > 1 and roomy.streamed_kept_bytes == roomy.streamed_kept_first * WEIGHTS
+    assert f"the first {roomy.streamed_kept_first} kept from backward" in roomy.describe()
+    assert roomy.predicted_peak_bytes <= floor - 5 * WEIGHTS
+    as_the_rule = plan_policies(
+        prof,
+        floor - 5 * WEIGHTS,
+        allowed=allowed,
+        streamed=StreamedSet.of(
+            prof,
+            [int(n.rpartition(".")[2]) for n in roomy.streamed],
+            forward_ahead=roomy.streamed_forward_ahead,
+        ),
+    )
+    assert roomy.predicted_extra_seconds < as_the_rule.predicted_extra_seconds
+    # every kept upload is held at the forward's start: a budget without room for them refuses them before any
+    # search, naming them
+    with pytest.raises(BudgetError, match="kept for the next forward"):
+        plan_policies(
+            prof,
+            prof.static_bytes - 3 * WEIGHTS,
+            allowed=allowed,
+            streamed=StreamedSet.of(prof, list(range(8)), kept_first=6),
+        )
+
+
+def test_the_optimizer_step_holds_the_kept_uploads():
+    from memfit.auto.planner import Plan
+
+    prof = dataclasses.replace(profile(), optimizer_step_bytes=30 * MiB)
+    plan = Plan(
+        blocks=(),
+        budget_bytes=0,
+        predicted_peak_bytes=0,
+        predicted_extra_seconds=0.0,
+        no_checkpoint_peak_bytes=0,
+        smallest_peak_bytes=0,
+        copied_bytes=0,
+        metric="peak allocated",
+        streamed=("blocks.0", "blocks.1"),
+        streamed_bytes=2 * WEIGHTS,
+        streamed_kept_first=1,
+        streamed_kept_bytes=WEIGHTS,
+    )
+    expected = prof.static_bytes + 30 * MiB - 2 * WEIGHTS + WEIGHTS
+    assert budget_planner._optimizer_step_peak(prof, plan) == expected
 
 
 def attention_heavy(
@@ -405,15 +504,14 @@ def test_the_planner_parks_fewer_activations_where_the_uploads_fill_the_link():
     assert len(in_upload_windows(blind)) >= 3
     assert in_upload_windows(plan) == []  # attention parks only where no upload shares the link
     assert len(parked(plan)) < len(parked(blind)) and plan.copied_bytes < blind.copied_bytes
-    indices = [int(name.rpartition(".")[2]) for name in blind.streamed]
-    blind_priced = priced(prof, dict(blind.blocks), StreamedSet.of(prof, indices))
+    blind_priced = priced(prof, dict(blind.blocks), set_of(prof, blind))
     assert plan.predicted_extra_seconds < blind_priced - 0.01
 
 
 def test_the_predicted_extra_seconds_include_the_reloads_on_the_uploads_link():
     prof = attention_heavy()
     plan = plan_for(prof, floor_without_streaming(prof) - 100 * MiB)
-    streamed = StreamedSet.of(prof, [int(name.rpartition(".")[2]) for name in plan.streamed])
+    streamed = set_of(prof, plan)
     assert set(streamed.reload_cover) == {None, 0.0}  # every window full, or none yet
     assert plan.predicted_extra_seconds == pytest.approx(priced(prof, dict(plan.blocks), streamed), rel=1e-12)
     blind = dataclasses.replace(streamed, reload_cover=(None,) * len(prof.blocks))
@@ -547,21 +645,27 @@ def test_auto_streams_weights_where_the_budget_needs_it_and_gradients_stay_exact
     assert_same(step(model, x), reference)
 
 
-def test_the_forward_lead_auto_plans_is_the_one_installed(streaming_on_cpu, monkeypatch):
-    """Every streamed set led two ahead: the installed streamer uploads the next two streamed blocks while one runs
-    forward (one in backward), and the gradients stay exact."""
+@contextlib.contextmanager
+def auto_with_every_set(monkeypatch, **made_with):
+    """``auto`` on an 8-block toy at a budget that streams, every streamed set made ``made_with`` (``forward_ahead``,
+    ``kept_first``); yields (model, input, reference step, handle) once the profiling step installed the plan."""
     from memfit.auto import streaming
 
     spread = streaming.streamed_set
-    monkeypatch.setattr(
-        streaming, "streamed_set", lambda prof, count, **kw: spread(prof, count, forward_ahead=2)
-    )
+    monkeypatch.setattr(streaming, "streamed_set", lambda prof, count, **kw: spread(prof, count, **made_with))
     model = frozen_toy(blocks=8, dim=32)
     x = torch.randn(2, 8, 32)
     reference = step(model, x)
     floor, frozen = planned_floor(model, x)
     with memfit.apply(model, auto_config(floor - frozen // 2), adapter=TOY) as handle:
         assert_same(step(model, x), reference)  # the profiling step, then the plan is installed
+        yield model, x, reference, handle
+
+
+def test_the_forward_lead_auto_plans_is_the_one_installed(streaming_on_cpu, monkeypatch):
+    """Every streamed set led two ahead: the installed streamer uploads the next two streamed blocks while one runs
+    forward (one in backward), and the gradients stay exact."""
+    with auto_with_every_set(monkeypatch, forward_ahead=2) as (model, x, reference, handle):
         streamer = handle._controller.installation.streamer
         assert handle.plan.streamed_forward_ahead == 2 and len(handle.plan.streamed) >= 3
         assert streamer.forward_ahead == 2 and streamer.ahead == 1
@@ -580,6 +684,23 @@ def test_the_forward_lead_auto_plans_is_the_one_installed(streaming_on_cpu, monk
     assert forward == [(name, set(names[k : k + 3])) for k, name in enumerate(names)]
     backward = seen[len(names) :]
     assert backward == [(names[k], set(names[max(0, k - 1) : k + 1])) for k in reversed(range(len(names)))]
+
+
+def test_the_kept_uploads_auto_plans_are_the_ones_installed(streaming_on_cpu, monkeypatch):
+    """Every streamed set keeps its first two uploads: the installed streamer holds them between steps, the next
+    forward runs on them, and the gradients stay exact."""
+    with auto_with_every_set(monkeypatch, kept_first=2) as (model, x, reference, handle):
+        assert handle.plan.streamed_kept_first == 2 and len(handle.plan.streamed) >= 3
+        streamer = handle._controller.installation.streamer
+        assert streamer.keep_first == 2
+        names = [b.name for b in streamer.blocks]
+        assert_same(step(model, x), reference)
+        gc.collect()
+        assert sorted(streamer.alive()) == sorted(names[:2])
+        before = handle.stats()["weight_uploads"]
+        assert_same(step(model, x), reference)
+        # each block twice, less the last block's turnaround and the two kept
+        assert handle.stats()["weight_uploads"] - before == 2 * len(names) - 3
 
 
 def test_a_floor_that_streaming_lowers_is_suggested_as_a_card_the_profiling_forward_fits(streaming_on_cpu):

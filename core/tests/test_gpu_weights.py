@@ -53,9 +53,9 @@ def test_toy_gradients_bitwise(name):
         for _ in range(3):
             assert_same(ref, step(model, x))
         stats = handle.stats()
-        first_streams = handle._controller.installation.plan.blocks[0].stream_weights
+        kept_first = handle._controller.installation.plan.uploads_kept_first
     streamed = stats["streamed_blocks"]
-    uploads = streamed_uploads(3, streamed, first_streams=first_streams)
+    uploads = streamed_uploads(3, streamed, kept_first=kept_first)
     assert stats["weight_uploads"] == uploads and stats["weight_uploads_on_demand"] == 0
     assert stats["weight_held_after_forward"] == 0 and stats["weight_uploads_alive_max"] <= 2
     assert stats["weight_pinned_bytes"] >= streamed * frozen_block_bytes(model.blocks[0])
@@ -272,12 +272,10 @@ def test_inductor_compiled_blocks_stream_without_recompiles():
                 assert_within_noise(reference, again, grads(model, inputs), floor=1e-5)
                 graphs.append(counters["stats"]["unique_graphs"])
             stats = handle.stats()
-            first_streams = handle._controller.installation.plan.blocks[0].stream_weights
+            kept_first = handle._controller.installation.plan.uploads_kept_first
     assert graphs[0] > 0 and graphs[1] == graphs[2] == graphs[0], f"recompiled on later steps: {graphs}"
     assert not counters["recompiles"], dict(counters["recompiles"])
-    assert stats["weight_uploads"] == streamed_uploads(
-        3, stats["streamed_blocks"], first_streams=first_streams
-    )
+    assert stats["weight_uploads"] == streamed_uploads(3, stats["streamed_blocks"], kept_first=kept_first)
 
 
 # -- a model that starts on the host (apply's ``device``) -----------------------------------------------------

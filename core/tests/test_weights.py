@@ -223,12 +223,13 @@ def test_gradients_and_outputs_bitwise(name, x):
         for _ in range(2):  # the second step runs on the uploads issued ahead by the first
             assert_same(ref, step(model, x))
         stats = handle.stats()
-        first_streams = streamer_of(handle).blocks[0].module is model.blocks[0]
+        kept_first = int(streamer_of(handle).blocks[0].module is model.blocks[0])
+        assert streamer_of(handle).keep_first == kept_first  # the fixed knob's turnaround rule
     streamed = stats["streamed_blocks"]
     assert streamed >= 2 and stats["resident_blocks"] == 6 - streamed
     # none on demand; fewer than two per block and step at the turnarounds (see streamed_uploads)
-    assert stats["weight_uploads_kept"] == 2 * (1 + first_streams)  # the last kept one waits for a third step
-    uploads = streamed_uploads(2, streamed, first_streams=first_streams)
+    assert stats["weight_uploads_kept"] == 2 * (1 + kept_first)  # the last kept one waits for a third step
+    uploads = streamed_uploads(2, streamed, kept_first=kept_first)
     assert stats["weight_uploads"] == uploads and stats["weight_uploads_on_demand"] == 0
     assert stats["weight_bytes_uploaded"] == uploads * frozen_block_bytes(model.blocks[0])
     assert stats["weight_held_after_forward"] == 0
@@ -326,6 +327,33 @@ def test_no_upload_is_kept_between_steps_when_a_block_runs_before_the_first_stre
         step(model, x)
         gc.collect()
         assert streamer.alive() == []  # block 0's backward would hold it otherwise
+
+
+def test_a_streamer_keeps_the_first_uploads_it_is_told_to_for_the_next_forward(x):
+    """``keep_first`` = 2 with block 0 resident: the first two streamed blocks run the next step's forward on the
+    uploads of their recompute, held between steps; validation uses them and keeps nothing."""
+    model = frozen_toy()
+    ref = step(model, x)
+    with apply(model, {**ON, KEY: 3}) as handle:
+        streamer = streamer_of(handle)
+        assert streamer.blocks[0].module is not model.blocks[0] and streamer.keep_first == 0
+        streamer.keep_first = 2
+        names = [b.name for b in streamer.blocks]
+        assert_same(ref, step(model, x))
+        gc.collect()
+        assert sorted(streamer.alive()) == sorted(names[:2])  # kept from their recompute
+        first = handle.stats()
+        assert_same(ref, step(model, x))
+        second = handle.stats()
+        # the second step uploaded two fewer than the first (six less the last block's turnaround)
+        assert (first["weight_uploads"], second["weight_uploads"] - first["weight_uploads"]) == (5, 3)
+        assert second["weight_uploads_kept"] - first["weight_uploads_kept"] == 3  # the last block's, and two
+        assert second["weight_uploads_on_demand"] == 0
+        with torch.no_grad():
+            model(x)
+        gc.collect()
+        assert streamer.alive() == []
+    assert_same(ref, step(model, x))
 
 
 def test_a_streamed_block_that_is_not_recomputed_is_reported(x):

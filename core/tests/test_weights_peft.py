@@ -128,11 +128,11 @@ def test_compiled_blocks_stream_without_recompiles():
             for n, ref in reference[1].items():
                 torch.testing.assert_close(got[1][n], ref, rtol=1e-6, atol=1e-7, msg=n)
         stats = handle.stats()
-        first_streams = handle._controller.installation.plan.blocks[0].stream_weights
+        kept_first = handle._controller.installation.plan.uploads_kept_first
     assert graphs[0] > 0 and graphs[1] == graphs[2] == graphs[0], f"recompiled on later steps: {graphs}"
     assert not counters["recompiles"], dict(counters["recompiles"])
     assert (
-        stats["weight_uploads"] == streamed_uploads(3, stats["streamed_blocks"], first_streams=first_streams)
+        stats["weight_uploads"] == streamed_uploads(3, stats["streamed_blocks"], kept_first=kept_first)
         and stats["weight_held_after_forward"] == 0
     )
 
@@ -161,7 +161,7 @@ def test_generic_diffusers_path_streams_the_blocks_it_routes():
             got = run()
             assert all(torch.equal(a, b) for a, b in zip(got, reference, strict=True))
         stats = handle.stats()
-        first_streams = handle._controller.installation.plan.blocks[0].stream_weights
+        kept_first = handle._controller.installation.plan.uploads_kept_first
     assert stats["streamed_blocks"] == 2 and stats["weight_held_after_forward"] == 0
-    assert stats["weight_uploads"] == streamed_uploads(2, 2, first_streams=first_streams)
+    assert stats["weight_uploads"] == streamed_uploads(2, 2, kept_first=kept_first)
     assert stats["recomputes"] == 2 * 3

@@ -119,6 +119,8 @@ def weight_row(handle: memfit.MemfitHandle, steps: int) -> dict[str, Any]:
         "streamed_weight_bytes": s["weight_streamed_bytes"],
         "streamed": [b.name for b in handle.region_plan.streamed],
         "policies": dict(Counter(b.policy.value for b in handle.region_plan.blocks)),
+        "forward_uploads_ahead": handle.region_plan.forward_uploads_ahead,
+        "uploads_kept_first": handle.region_plan.uploads_kept_first,
         # auto: what its cost and peak models predicted for the plan it ran (None for a fixed backend)
         "predicted_extra_seconds": getattr(handle.plan, "predicted_extra_seconds", None),
         "predicted_peak_bytes": getattr(handle.plan, "predicted_peak_bytes", None),
@@ -233,6 +235,15 @@ def _gib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}"
 
 
+def _uploads_note(row: dict[str, Any]) -> str:
+    """How a row's uploads ran: led ahead in forward, kept from backward for the next forward (rows of older runs
+    do not say)."""
+    if "uploads_kept_first" not in row or not row["streamed_blocks"]:
+        return ""
+    ahead, kept = row["forward_uploads_ahead"], row["uploads_kept_first"]
+    return f"; uploads led {ahead} ahead, {kept} kept for the next forward"
+
+
 def render(payload: dict[str, Any]) -> str:
     """The results as markdown: one headline table, then what ran."""
     lines = [
@@ -265,7 +276,8 @@ def render(payload: dict[str, Any]) -> str:
     for r in payload["rows"]:
         if r.get("fixed_knob"):
             lines.append(
-                f"- {r['mode']} ({', '.join(f'{k} {v}' for k, v in r.get('policies', {}).items())}): "
+                f"- {r['mode']} ({', '.join(f'{k} {v}' for k, v in r.get('policies', {}).items())}"
+                f"{_uploads_note(r)}): "
                 f"{r['x_fixed_knob']:.3f}× the step of `{r['fixed_knob']}`, the fewest blocks of the fixed knob "
                 "measured here that fit the same budget (paired by round; counts not measured may fit too)"
             )

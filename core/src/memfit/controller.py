@@ -227,7 +227,7 @@ class Controller:
             )
         else:  # installed: only the blocks that change move (no round trip of every weight through the device)
             self.streamer.retarget(modules)
-        self.streamer.keep_first = plan.blocks[0].stream_weights  # held between steps: nothing runs before it
+        self.streamer.keep_first = plan.uploads_kept_first
         self.streamer.forward_ahead = plan.forward_uploads_ahead
         return self.streamer
 

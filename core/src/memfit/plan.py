@@ -139,12 +139,24 @@ class RegionPlan:
             :attr:`blocks` (the model's top-level lists) only say which policy those regions take.
         forward_uploads_ahead: streamed blocks whose weights the forward uploads ahead of the one running (the
             fixed knob: 1; ``auto`` may lead further, :mod:`memfit.auto.streaming`).
+        kept_uploads: the first streamed blocks whose last recompute's upload serves the next forward (held
+            between steps); ``None``: the turnaround rule, :attr:`uploads_kept_first`.
     """
 
     blocks: tuple[PlannedBlock, ...]
     entry: BlockEntry = BlockEntry.AUTO
     checkpoint_routed: bool = False
     forward_uploads_ahead: int = 1
+    kept_uploads: int | None = None
+
+    @property
+    def uploads_kept_first(self) -> int:
+        """How many of the first streamed blocks keep their last recompute's upload for the next forward: the
+        plan's own count, else 1 where the plan's first block streams (nothing runs before it), else 0
+        (:mod:`memfit.offload.weights`, "Turnarounds")."""
+        if self.kept_uploads is not None:
+            return self.kept_uploads
+        return int(bool(self.blocks) and self.blocks[0].stream_weights)
 
     @classmethod
     def from_config(
@@ -205,16 +217,20 @@ class RegionPlan:
         *,
         streamed: Collection[str] = (),
         forward_uploads_ahead: int = 1,
+        kept_uploads: int | None = None,
         entry: BlockEntry = BlockEntry.AUTO,
     ) -> RegionPlan:
         """One policy per block name (``"transformer_blocks.3"``), each block its own region; the blocks named in
         ``streamed`` stream their frozen weights (their policy must recompute the whole block), the forward
-        uploading them ``forward_uploads_ahead`` ahead."""
+        uploading them ``forward_uploads_ahead`` ahead, the first ``kept_uploads`` of them on the uploads of their
+        last recompute."""
         blocks = []
         for name, policy in policies:
             path, _, index = name.rpartition(".")
             blocks.append(PlannedBlock(path, int(index), policy, int(index), stream_weights=name in streamed))
-        return cls(tuple(blocks), entry, forward_uploads_ahead=forward_uploads_ahead)
+        return cls(
+            tuple(blocks), entry, forward_uploads_ahead=forward_uploads_ahead, kept_uploads=kept_uploads
+        )
 
     @property
     def streamed(self) -> tuple[PlannedBlock, ...]:

@@ -268,6 +268,7 @@ class BudgetPlanner:
             shape.plan.blocks,
             streamed=shape.plan.streamed,
             forward_uploads_ahead=shape.plan.streamed_forward_ahead,
+            kept_uploads=shape.plan.streamed_kept_first,
         )
 
     def needs_bare_model(self, signature: Hashable) -> bool:
@@ -710,10 +711,13 @@ def _with_profiling_floor(exc: BudgetError, profile: ModelProfile) -> BudgetErro
 
 def _optimizer_step_peak(profile: ModelProfile, plan: Plan) -> int:
     """The optimizer step's peak under ``plan``: the static bytes (its state included) and what the step holds,
-    less the frozen weights the plan streams (on the host while the step runs)."""
+    less the frozen weights the plan streams (on the host while the step runs) but the uploads it keeps for the next
+    forward."""
     if not profile.optimizer_step_bytes:
         return 0
-    return profile.static_bytes + profile.optimizer_step_bytes - plan.streamed_bytes
+    return (
+        profile.static_bytes + profile.optimizer_step_bytes - plan.streamed_bytes + plan.streamed_kept_bytes
+    )
 
 
 def _host_bytes_for_weights() -> int:

@@ -22,6 +22,12 @@ there the term is ``max(own(b), own from then on + reloaded ahead)``. The forwar
 end adds one more bound, ``Σ kept + the working memory outside the blocks``. Off CUDA the budget counts the
 bytes held when backward begins: ``outside + Σ kept``.
 
+Forward's start.  Where weights stream, uploads kept from one step's backward for the next forward are alive
+as the forward starts, before the activations are (:mod:`memfit.auto.streaming`, "Turnarounds"). Each kept
+block's start, what it holds above the activations kept before it, becomes a term of that block's own, beside
+its backward's: the search weighs it like the rest, and a set whose kept uploads cannot fit whatever the
+activations do is refused before any search.
+
 Head.  What the layers after the last block save (an output norm saving the last block's output) is freed
 before any block's backward runs, yet the planner holds it throughout: their own backward, not measured,
 can need more than their forward's working memory (docs/cost-model.md, "Head").
@@ -107,6 +113,10 @@ class Plan:
     streamed: tuple[str, ...] = ()  # blocks whose frozen weights stream from host memory
     streamed_bytes: int = 0
     streamed_forward_ahead: int = 1  # streamed blocks the forward's uploads are issued ahead of their block
+    streamed_kept_first: int = (
+        0  # the first streamed blocks whose last recompute's upload serves the next forward
+    )
+    streamed_kept_bytes: int = 0  # their weights, held between steps
 
     @property
     def needed(self) -> bool:
@@ -118,10 +128,11 @@ class Plan:
 
     def runs_like(self, other: Plan) -> bool:
         """Whether ``other`` installs the same regions and streaming (its predictions aside)."""
-        return (self.blocks, self.streamed, self.streamed_forward_ahead) == (
+        return (self.blocks, self.streamed, self.streamed_forward_ahead, self.streamed_kept_first) == (
             other.blocks,
             other.streamed,
             other.streamed_forward_ahead,
+            other.streamed_kept_first,
         )
 
     def counts(self) -> dict[str, int]:
@@ -142,6 +153,8 @@ class Plan:
             "streamed_blocks": list(self.streamed),
             "streamed_bytes": self.streamed_bytes,
             "streamed_forward_ahead": self.streamed_forward_ahead,
+            "streamed_kept_first": self.streamed_kept_first,
+            "streamed_kept_bytes": self.streamed_kept_bytes,
         }
 
     def describe(self) -> str:
@@ -156,7 +169,8 @@ class Plan:
             lines.append(
                 f"  weights streamed from host memory: {len(self.streamed)} block(s), "
                 f"{format_bytes(self.streamed_bytes)} ({', '.join(self.streamed)}), uploaded "
-                f"{self.streamed_forward_ahead} ahead in forward"
+                f"{self.streamed_forward_ahead} ahead in forward, the first {self.streamed_kept_first} kept from "
+                f"backward for the next forward ({format_bytes(self.streamed_kept_bytes)})"
             )
         run: list[Any] = []
         for name, policy in [*self.blocks, ("", None)]:
@@ -230,9 +244,10 @@ def plan_policies(
     no_checkpoint = peak(keep_all, base)
     forward = 0
     if streamed is not None:
-        options = _streaming_options(options, streamed)
+        options = _streaming_options(options, streamed, profile.workspace_bytes)
         base -= streamed.total_bytes
         forward = streamed.forward_bytes
+        _check_forward_start(options, base, budget_bytes, streamed)
     allocated = options
     if copy_reserve:  # the search weighs each copy's reserve as if kept; the plan reports what is allocated
         options = [
@@ -244,7 +259,7 @@ def plan_policies(
     # the least peak any plan reaches: exact under the model up to the units, recomputed in bytes
     key = (
         "smallest",
-        (streamed.indices, streamed.forward_ahead) if streamed is not None else None,
+        (streamed.indices, streamed.forward_ahead, streamed.kept_first) if streamed is not None else None,
         copy_reserve,
     )
     floor_picks = memo.get(key) if memo is not None else None
@@ -274,6 +289,8 @@ def plan_policies(
             streamed=streamed.names if streamed is not None else (),
             streamed_bytes=streamed.total_bytes if streamed is not None else 0,
             streamed_forward_ahead=streamed.forward_ahead if streamed is not None else 1,
+            streamed_kept_first=streamed.kept_first if streamed is not None else 0,
+            streamed_kept_bytes=streamed.kept_bytes if streamed is not None else 0,
         )
 
     if streamed is None and no_checkpoint <= budget_bytes:
@@ -304,9 +321,36 @@ def plan_policies(
     return make(picks)
 
 
-def _streaming_options(options: list[list[Choice]], streamed: StreamedSet) -> list[list[Choice]]:
-    """The choices with ``streamed`` in place: a streamed block is whole-block recomputed, and every block's own
-    term carries the uploads alive during its backward."""
+def _check_forward_start(
+    options: list[list[Choice]], base: int, budget_bytes: int, streamed: StreamedSet
+) -> None:
+    """Raise the BudgetError of a set whose kept uploads break the budget as the forward starts whatever the
+    activation plan (each block before them keeping the least it can): found without a search."""
+    if not streamed.start_holds:
+        return
+    starts, least, prefix = dict(streamed.start_holds), 0, 0
+    for b, opts in enumerate(options[: max(starts) + 1]):
+        if b in starts:
+            least = max(least, prefix + min(c.own for c in opts))  # each own carries its start
+        prefix += min(c.kept for c in opts)
+    if base + least <= budget_bytes:
+        return
+    raise BudgetError(
+        f"memory budget {format_bytes(budget_bytes)} cannot hold the {streamed.kept_first} upload(s) kept for the "
+        f"next forward ({format_bytes(streamed.kept_bytes)}) as the forward starts: that needs at least "
+        f"{format_bytes(base + least)}.",
+        smallest_peak_bytes=base + least,
+        suggested_budget_bytes=suggested_budget(base + least),
+    )
+
+
+def _streaming_options(
+    options: list[list[Choice]], streamed: StreamedSet, workspace: int
+) -> list[list[Choice]]:
+    """The choices with ``streamed`` in place: a streamed block is whole-block recomputed, every block's own term
+    carries the uploads alive during its backward, and a block whose forward starts with kept uploads alive has
+    that start as a term of its own (see "Forward's start")."""
+    starts = dict(streamed.start_holds)
     out = []
     for i, opts in enumerate(options):
         if i in streamed.indices:
@@ -316,6 +360,14 @@ def _streaming_options(options: list[list[Choice]], streamed: StreamedSet) -> li
             opts = [
                 dataclasses.replace(
                     c, own=c.own + extra, own_late=None if c.own_late is None else c.own_late + extra
+                )
+                for c in opts
+            ]
+        if i in starts:  # need() becomes max(start, what it was)
+            start = starts[i] + workspace
+            opts = [
+                dataclasses.replace(
+                    c, own=max(c.own, start), own_late=c.own if c.own_late is None else c.own_late
                 )
                 for c in opts
             ]

@@ -18,8 +18,16 @@ backward of the blocks between; what does not hide is exposed. In forward an upl
 block *L* places before it starts, and the link copies one at a time: the forward's waits come from running
 that queue against the blocks' forward times (with *L* = 1 each upload hides behind the forward of the blocks
 from the streamed block before up to it). The other blocks' own recompute (more compute to hide behind) is not
-counted. The turnarounds cost nothing: the last streamed block's recompute runs on its forward's upload, and
-where the first block streams, its forward on its last recompute's.
+counted. The turnarounds' kept uploads cost nothing ("Turnarounds").
+
+Turnarounds.  The last streamed block's recompute runs on its forward's upload; the first *K* streamed blocks'
+last recompute uploads serve the next forward (:mod:`memfit.offload.weights`, "Turnarounds"), which takes them
+out of the forward's queue: where that queue waits on the link, each kept upload moves the rest earlier. They
+are held from their backward through the optimizer step into the forward: every block's backward before them
+meets them, and as each kept block starts its forward the activations kept before it, the kept uploads not used
+yet and those led ahead are alive together (:attr:`StreamedSet.start_holds`, a bound the planner checks with the
+others). *K* is 1 where the first block streams (nothing runs before it) and 0 otherwise, unless the search
+keeps more.
 
 Link.  In backward the activation reloads travel host to device on the same link as the uploads. A window's
 copies take (upload + reloads) / bandwidth, and what exceeds its compute is exposed. The upload's share is
@@ -36,7 +44,9 @@ blocks whose plan fits (the peak falls as *n* grows: binary search), then a few 
 more lets cheaper activation policies fit, each with the forward's uploads led one and two blocks ahead (the
 forward's-end bound is rarely what binds a checkpointed plan, and a block's forward is a third of its backward:
 the forward is where uploads wait; a lead that hides no more than the shorter one is not planned: it only holds
-more); the cheapest by the cost model wins (ties: fewer streamed blocks, the shorter lead).
+more); the cheapest by the cost model wins (ties: fewer streamed blocks, the shorter lead). Then, for the
+cheapest count and each lead, the most first uploads kept that still fit (binary search, from the fewest past
+which the forward's queue waits no more): taken where the cost model says it is cheaper.
 """
 
 from __future__ import annotations
@@ -51,6 +61,7 @@ from memfit.errors import BudgetError
 from memfit.offload.weights import choose_streamed_blocks
 
 P = TypeVar("P")
+WAIT_RESOLUTION_S = 1e-4  # forward waits below this are none: keeping more uploads would hide nothing more
 EXTRA_COUNTS = (1, 2, 4, 8)  # counts tried above the fewest that fit (or above none), for a cheaper plan
 # streamed blocks the forward's uploads are led ahead, tried for each count (see "Search")
 FORWARD_LEADS = (1, 2)
@@ -67,33 +78,58 @@ class StreamedSet:
     forward_bytes: int  # uploads alive at most during the forward
     seconds: float  # upload time not hidden behind compute, per step
     forward_ahead: int = 1  # streamed blocks the forward's uploads are issued ahead of their block
+    kept_first: int = 0  # the first streamed blocks whose last recompute's upload serves the next forward
+    kept_bytes: int = 0  # their weights, held between steps
+    # per kept block: (its index, the uploads alive as its forward starts: the kept ones not used yet and those led
+    # ahead of it); with the activations kept before it, a bound of the forward's start (see "Turnarounds")
+    start_holds: tuple[tuple[int, int], ...] = ()
     # per block: seconds of backward compute its activation reloads may hide behind, what the uploads on the same
     # link leave of their window (see "Link"); None outside every upload's window (its own backward)
     reload_cover: tuple[float | None, ...] = ()
 
     @classmethod
-    def of(cls, profile: ModelProfile, indices: Sequence[int], *, forward_ahead: int = 1) -> StreamedSet:
+    def of(
+        cls,
+        profile: ModelProfile,
+        indices: Sequence[int],
+        *,
+        forward_ahead: int = 1,
+        kept_first: int | None = None,
+    ) -> StreamedSet:
         """The set of the blocks at ``indices`` (call order) of ``profile``, the forward's uploads issued
-        ``forward_ahead`` streamed blocks ahead."""
+        ``forward_ahead`` streamed blocks ahead, the first ``kept_first`` running the next forward on their last
+        recompute's upload (default: the first one where it is the model's first block, else none)."""
         blocks = profile.blocks
         chosen = sorted(indices)
+        if kept_first is None:
+            kept_first = int(bool(chosen) and chosen[0] == 0)
+        kept_first = min(kept_first, len(chosen))
         weight = {i: blocks[i].frozen_bytes for i in chosen}
+        sizes = [weight[i] for i in chosen]
         backward, previous = [], None
         for i in range(len(blocks)):
-            backward.append(weight.get(i, 0) + (weight[previous] if previous is not None else 0))
+            # its own, the one uploaded ahead of it, and the kept ones backward has passed already
+            held = sum(sizes[k] for k in range(kept_first) if chosen[k] > i)
+            backward.append(weight.get(i, 0) + (weight[previous] if previous is not None else 0) + held)
             if i in weight:
                 previous = i
-        sizes = [weight[i] for i in chosen]
         forward = max((sum(sizes[k : k + forward_ahead + 1]) for k in range(len(sizes))), default=0)
-        seconds, cover = _uploads(profile, chosen, forward_ahead)
+        starts = tuple(
+            (chosen[k], sum(sizes[k : max(kept_first, k + forward_ahead + 1)])) for k in range(kept_first)
+        )
+        seconds, cover = _uploads(profile, chosen, forward_ahead, kept_first)
+        transient = profile.counts_transient
         return cls(
             indices=tuple(chosen),
             names=tuple(blocks[i].name for i in chosen),
             total_bytes=sum(weight.values()),
-            backward_bytes=tuple(backward) if profile.counts_transient else (0,) * len(blocks),
-            forward_bytes=forward if profile.counts_transient else 0,
+            backward_bytes=tuple(backward) if transient else (0,) * len(blocks),
+            forward_bytes=forward if transient else 0,
             seconds=seconds,
             forward_ahead=forward_ahead,
+            kept_first=kept_first,
+            kept_bytes=sum(sizes[:kept_first]) if transient else 0,
+            start_holds=starts if transient else (),
             reload_cover=cover,
         )
 
@@ -126,7 +162,7 @@ def _forward_waits(fwd: list[float], chosen: list[int], copies: list[float], lea
 
 
 def _uploads(
-    profile: ModelProfile, chosen: list[int], lead: int = 1
+    profile: ModelProfile, chosen: list[int], lead: int = 1, kept_first: int = 0
 ) -> tuple[float, tuple[float | None, ...]]:
     """Upload time not hidden behind compute per step, plus the host's bookkeeping per upload (see "Cost"); and per
     block, the backward compute its reloads may hide behind (see "Link")."""
@@ -136,9 +172,9 @@ def _uploads(
         return 0.0, tuple(cover)
     fwd = [b.flops / profile.flops_per_second * profile.forward_with_grad for b in profile.blocks]
     bwd = [f * profile.backward_to_forward for f in fwd]
-    # the turnarounds keep two uploads: the last block's forward one for its recompute, and where block 0 streams,
-    # its recompute's for the next forward (memfit.offload.weights, "Turnarounds")
-    kept_forward = {0} if chosen[0] == 0 else set()
+    # the turnarounds keep uploads: the last block's forward one for its recompute, and the first kept_first
+    # blocks' recompute ones for the next forward (memfit.offload.weights, "Turnarounds")
+    kept_forward = set(range(kept_first))
     kept_backward = {len(chosen) - 1}
     seconds = (2 * len(chosen) - len(kept_forward) - len(kept_backward)) * OFFLOAD_REGION_SECONDS
     if not bandwidth:
@@ -178,12 +214,56 @@ def streamable_counts(profile: ModelProfile, max_bytes: int) -> int:
     return n
 
 
-def streamed_set(profile: ModelProfile, count: int, *, forward_ahead: int = 1) -> StreamedSet | None:
+def streamed_set(
+    profile: ModelProfile, count: int, *, forward_ahead: int = 1, kept_first: int | None = None
+) -> StreamedSet | None:
     """The spread rule's ``count`` blocks as a :class:`StreamedSet` (None for 0)."""
     if not count:
         return None
     sizes = [(i, b.frozen_bytes) for i, b in enumerate(profile.blocks)]
-    return StreamedSet.of(profile, choose_streamed_blocks(sizes, count=count), forward_ahead=forward_ahead)
+    return StreamedSet.of(
+        profile,
+        choose_streamed_blocks(sizes, count=count),
+        forward_ahead=forward_ahead,
+        kept_first=kept_first,
+    )
+
+
+def most_worth_keeping(profile: ModelProfile, streamed: StreamedSet) -> int:
+    """How many of ``streamed``'s first uploads are worth keeping for the next forward: the fewest past which the
+    forward waits no more (each kept upload leaves the forward's queue; see "Turnarounds")."""
+    bandwidth = profile.copy_bytes_per_second
+    chosen = list(streamed.indices)
+    if not bandwidth or not chosen:
+        return streamed.kept_first
+    fwd = [b.flops / profile.flops_per_second * profile.forward_with_grad for b in profile.blocks]
+    copies = [profile.blocks[i].frozen_bytes / bandwidth for i in chosen]
+
+    def waits(kept: int) -> float:
+        copied = [0.0 if k < kept else c for k, c in enumerate(copies)]
+        return _forward_waits(fwd, chosen, copied, streamed.forward_ahead)
+
+    return next(
+        (k for k in range(streamed.kept_first, len(chosen)) if waits(k) <= WAIT_RESOLUTION_S), len(chosen)
+    )
+
+
+def _most_kept(
+    profile: ModelProfile, plan: Callable[[StreamedSet], P], indices: Sequence[int], lead: int
+) -> P | None:
+    """The plan of ``indices`` led ``lead`` ahead that keeps the most first uploads worth keeping and fits (None:
+    none fits beyond the turnaround rule's). Binary search: each kept upload holds more memory."""
+    rule = StreamedSet.of(profile, indices, forward_ahead=lead)
+    lo, hi = rule.kept_first, most_worth_keeping(profile, rule)  # lo: no more than the rule
+    best = None  # the plan of the last count that fitted: lo's
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        try:
+            best = plan(StreamedSet.of(profile, indices, forward_ahead=lead, kept_first=mid))
+            lo = mid
+        except BudgetError:
+            hi = mid - 1
+    return best
 
 
 def choose_streaming(
@@ -204,6 +284,7 @@ def choose_streaming(
     Raises:
         BudgetError: no count up to ``max_count`` fits (the error of the largest: the smallest peak reached).
     """
+    best_set: StreamedSet | None = None
     try:
         best = plan(None)
         first = 0
@@ -219,7 +300,8 @@ def choose_streaming(
                 hi = mid
             except BudgetError:
                 lo = mid + 1
-        best, first = plan(streamed_set(profile, lo)), lo
+        best_set = streamed_set(profile, lo)
+        best, first = plan(best_set), lo
     if seconds(best) <= 0:
         return best
     for count in [first, *(first + extra for extra in EXTRA_COUNTS)]:
@@ -237,5 +319,11 @@ def choose_streaming(
             except BudgetError:
                 continue
             if seconds(candidate) < seconds(best):
-                best = candidate
+                best, best_set = candidate, led
+    if best_set is None:
+        return best
+    for lead in FORWARD_LEADS:  # then, for the cheapest count, keep more of the first uploads where that pays
+        kept = _most_kept(profile, plan, best_set.indices, lead)
+        if kept is not None and seconds(kept) < seconds(best):
+            best = kept
     return best

@@ -31,10 +31,13 @@ way.
 Turnarounds.  Two uploads would have nothing to hide behind: the last streamed block's for the backward that
 starts with it, and the first one's for the next step's forward. Both blocks have just used those weights, and
 the weights are frozen. With ``keep_last`` the last streamed block's forward upload is kept for its recompute
-(it would be uploaded again at the forward's end anyway); with ``keep_first`` the first streamed block's
-recompute upload is kept for the next forward (it is held between steps, so only where no block runs before it:
-the plan's first block). Both assume the regions memfit installs: a kept forward upload is not checked for being
-held after the forward.
+(it would be uploaded again at the forward's end anyway); with ``keep_first`` = *K* the first *K* streamed
+blocks' recompute uploads (the backward's last) are kept for the next forward, whose uploads then start at the
+*K*-th. Kept uploads are held between steps, through the optimizer step and the forward of the blocks before
+them: the plan chooses *K* (the fixed knob: 1 where the plan's first block streams, since nothing runs before it;
+``auto`` more where the forward's uploads queue on the link and the memory is there,
+:mod:`memfit.auto.streaming`). Both assume the regions memfit installs: a kept forward upload is not checked for
+being held after the forward.
 
 Streams (CUDA).  Mirrors :mod:`memfit.offload.copy`: the device buffer is allocated on the compute stream, the
 upload stream waits for an event recorded there after the allocation, copies, and records a done event; the
@@ -265,8 +268,8 @@ class WeightStreamer:
         ahead: streamed blocks uploaded ahead of the one running (:data:`UPLOADS_AHEAD`).
         forward_ahead: the same in forward (default: ``ahead``).
         keep_last: keep the last streamed block's forward upload for its recompute ("Turnarounds").
-        keep_first: keep the first streamed block's upload from its recompute for the next forward ("Turnarounds";
-            for a plan whose first block streams).
+        keep_first: how many of the first streamed blocks keep the upload of their recompute for the next forward
+            ("Turnarounds"; ``True`` is 1).
         available_host_bytes: host RAM that can still be allocated (default: :mod:`memfit.offload.hostmem`).
         host_reserve_bytes: RAM left free for the rest of the process (default: 10% of the host, at least 2 GiB).
         allocate: ``allocate(nbytes, pinned)`` returns a 1-D ``uint8`` CPU tensor (default: exact pinning).
@@ -294,7 +297,7 @@ class WeightStreamer:
         ahead: int = UPLOADS_AHEAD,
         forward_ahead: int | None = None,
         keep_last: bool = False,
-        keep_first: bool = False,
+        keep_first: int = 0,
         available_host_bytes: Callable[[], int] | None = None,
         host_reserve_bytes: int | None = None,
         allocate: Callable[[int, bool], torch.Tensor] = hostmem.allocate_host,
@@ -314,7 +317,7 @@ class WeightStreamer:
         self.ahead = ahead
         self.forward_ahead = forward_ahead
         self.keep_last = keep_last
-        self.keep_first = keep_first
+        self.keep_first = int(keep_first)
         self.timing = timing and streams is not None
         self._available = available_host_bytes or hostmem.available_host_bytes
         self._reserve = host_reserve_bytes
@@ -532,7 +535,8 @@ class WeightStreamer:
             self.copy_ms()
         self._forward_uploads.clear()
         first = self.blocks[: self.forward_ahead]
-        for block in [b for b in self._pending if b not in first]:
+        kept = self.blocks[: self.keep_first]  # their last recompute's uploads, kept for this forward
+        for block in [b for b in self._pending if b not in first and b not in kept]:
             self._settle(self._pending.pop(block))
         for block in first:
             self._ensure(block)
@@ -604,7 +608,7 @@ class WeightStreamer:
         if not self._prefetch:  # profiling: only the running block's weights on the device
             return False
         if state.recomputing():
-            return self.keep_first and block.position == 0
+            return block.position < self.keep_first
         return self.keep_last and self._training and block.position == len(self.blocks) - 1
 
     @staticmethod
