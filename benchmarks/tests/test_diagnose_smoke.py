@@ -100,3 +100,18 @@ def test_diagnose_refuses_a_bad_mode_before_building_anything(tmp_path, capsys, 
         )
     assert says in capsys.readouterr().err
     assert not any(tmp_path.iterdir())  # stopped before any output
+
+
+def test_diagnose_runs_a_fixed_mode_with_streamed_weights(tmp_path):
+    """``<mode>+stream<N>``: the fixed mode with N blocks' frozen weights streamed (on CPU through synchronous
+    copies), its uploads in the handle's stats; no trace with ``--no-traces``."""
+    from memfit_benchmarks import diagnose
+
+    args = ["--family", "flux", "--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "1"]
+    diagnose.main([*args, "--modes", "torch,torch+stream2", "--no-traces", "--out", str(tmp_path)])
+    md = (tmp_path / "diagnose-flux.md").read_text()
+    stats = json.loads(md.split("## torch+stream2")[1].split("stats: `")[1].split("`")[0])
+    assert stats["streamed_blocks"] == 2 and stats["weight_uploads"] > 0
+    assert not list(tmp_path.glob("trace-*"))
+    with pytest.raises(SystemExit):
+        diagnose.main([*args, "--modes", "torch+streamx", "--out", str(tmp_path)])

@@ -12,7 +12,8 @@ step's Python profile (cProfile), and a Chrome trace (with Python frames) per ch
 ``trace-<family>-<mode>.json.gz``. Variants (``unsloth[no-timing]`` …) rerun a mode with one engine knob
 changed, to test a hypothesis side by side; ``auto@<budget>`` (``auto@103.8GiB``) is the ``auto`` backend at
 that budget, traced too, its plan's counts in the report (a plan against the fixed mode it should beat,
-profiled side by side).
+profiled side by side); ``<mode>+stream<N>`` (``unsloth+stream20``) a fixed mode with *N* blocks' frozen weights
+streamed. The profiled step's kernel and copy times summed tell a step whose kernels slowed from one that waited.
 """
 
 from __future__ import annotations
@@ -58,6 +59,21 @@ VARIANTS = {
 def _sync(cuda: bool) -> None:
     if cuda:
         torch.cuda.synchronize()
+
+
+def _device_ms(prof: torch.profiler.profile) -> dict[str, float]:
+    """The profiled step's device time: its kernels' and its copies' durations summed (the kernels of a step that
+    waits, for copies or for the host, add up to less than its step time)."""
+    kernels = copies = 0.0
+    for event in prof.events():
+        if event.device_type != torch.autograd.DeviceType.CUDA:
+            continue
+        ms = event.time_range.elapsed_us() / 1e3
+        if event.name.startswith(("Memcpy", "Memset")):
+            copies += ms
+        else:
+            kernels += ms
+    return {"profiled_kernel_ms": kernels, "profiled_copy_ms": copies}
 
 
 def _host_profile(step: Any, model: Any, cuda: bool, *, rows: int = 30) -> str:
@@ -127,6 +143,7 @@ def measure(
                 table = prof.key_averages().table(
                     sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60
                 )
+                device_ms = _device_ms(prof)
                 if trace is not None:
                     raw = trace.with_suffix("")
                     prof.export_chrome_trace(str(raw))
@@ -148,6 +165,7 @@ def measure(
         "host_forward_ms": statistics.median(fwd),
         "host_backward_ms": statistics.median(bwd),
         "step_ms": statistics.median(gpu),
+        **device_ms,
         "profile_table": table,
         "host_profile": host_profile,
         "stats": {k: v for k, v in stats.items() if isinstance(v, int | float)},
@@ -161,6 +179,7 @@ def _resolve_modes(names: list[str], parser: argparse.ArgumentParser) -> list[tu
     out = []
     for name in names:
         base, make_kwargs = VARIANTS.get(name, (name, lambda cfg: {}))
+        base, streamed = _streamed_suffix(base, parser)
         if base.startswith("auto@"):
             try:
                 mode = Mode(name, auto_config(parse_bytes(base.removeprefix("auto@"))))
@@ -175,8 +194,20 @@ def _resolve_modes(names: list[str], parser: argparse.ArgumentParser) -> list[tu
                 f"unknown mode {name!r}: one of {sorted(modes)}, a variant {sorted(VARIANTS)}, "
                 f"or auto@<budget>"
             )
+        if streamed:
+            mode = Mode(name, {**mode.config, "gradient_checkpointing_stream_blocks": streamed})
         out.append((name, base, mode, make_kwargs))
     return out
+
+
+def _streamed_suffix(name: str, parser: argparse.ArgumentParser) -> tuple[str, int]:
+    """``unsloth+stream20`` -> (``unsloth``, 20): a fixed mode with that many blocks' weights streamed."""
+    base, plus, count = name.partition("+stream")
+    if not plus:
+        return name, 0
+    if not count.isdigit() or int(count) < 1:
+        parser.error(f"mode {name!r}: write the streamed block count after '+stream', e.g. unsloth+stream20")
+    return base, int(count)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -194,6 +225,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--no-traces",
+        dest="traces",
+        action="store_false",
+        help="write no Chrome trace (a full-size model's, with Python frames, runs to tens of MB per mode)",
+    )
     args = parser.parse_args(argv)
     if args.family in SYNTHETIC_TARGETS and args.tokens is not None:
         parser.error(
@@ -225,15 +262,15 @@ def main(argv: list[str] | None = None) -> None:
     lines = [
         f"# diagnose {args.family} ({args.preset}) on {torch.cuda.get_device_name() if cuda else 'cpu'}, "
         f"torch {torch.__version__}\n",
-        "| mode | step ms | host forward ms | host backward ms |",
-        "|---|---|---|---|",
+        "| mode | step ms | host forward ms | host backward ms | kernel ms (profiled step) | copy ms (profiled step) |",
+        "|---|---|---|---|---|---|",
     ]
     for name, base, mode, make_kwargs in chosen:
         if is_offload(mode) and not cuda:
             continue
         kwargs = make_kwargs(MemfitConfig.from_dict(mode.config)) if mode.config else {}
         slug = name.replace(" ", "_").replace("[", "-").replace("]", "").replace("@", "-")
-        traced = base != "none"  # every mode that runs memfit's code, to compare side by side
+        traced = base != "none" and args.traces  # every mode that runs memfit's code, side by side
         trace = args.out / f"trace-{args.family}-{slug}.json.gz" if traced else None
         r = measure(
             model,
@@ -249,7 +286,8 @@ def main(argv: list[str] | None = None) -> None:
         )
         results[name] = r
         lines.append(
-            f"| {name} | {r['step_ms']:.1f} | {r['host_forward_ms']:.1f} | {r['host_backward_ms']:.1f} |"
+            f"| {name} | {r['step_ms']:.1f} | {r['host_forward_ms']:.1f} | {r['host_backward_ms']:.1f} "
+            f"| {r.get('profiled_kernel_ms', 0.0):.1f} | {r.get('profiled_copy_ms', 0.0):.1f} |"
         )
         print(lines[-1], flush=True)
     for name, r in results.items():
