@@ -1,0 +1,120 @@
+"""Does an asynchronous host-to-device copy leave the host free? Per kind of host memory, the host time of issuing
+one ``copy_(non_blocking=True)`` on a side stream against the copy's own time.
+
+    python -m memfit_benchmarks.pinning --out DIR            # CUDA only
+
+Kinds: memory registered with ``cudaHostRegister`` (memfit's exact pinning, ``memfit.offload.hostmem``), memory
+from PyTorch's pinned allocator (``pin_memory=True``, ``cudaHostAlloc``), and pageable memory (the copy is staged
+and the host waits: the reference for "blocks"). A kind whose issue time approaches its copy time makes every
+upload a host stall: in a step whose host barely keeps ahead of the GPU (a LoRA forward), that is step time.
+Writes ``pinning.{json,md}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from memfit.offload.hostmem import allocate_host
+from memfit_benchmarks.environment import environment
+
+
+def _sources(nbytes: int) -> dict[str, torch.Tensor]:
+    return {
+        "cudaHostRegister (memfit)": allocate_host(nbytes, True),
+        "pin_memory=True (cudaHostAlloc)": torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+        "pageable": torch.empty(nbytes, dtype=torch.uint8),
+    }
+
+
+def measure(nbytes: int, repeats: int) -> list[dict[str, Any]]:
+    """Per kind: the median host milliseconds to issue the copy, and the copy's milliseconds (CUDA events)."""
+    device = torch.device("cuda")
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    side = torch.cuda.Stream(device)
+    rows = []
+    for name, source in _sources(nbytes).items():
+        source.fill_(1)
+        issue, copy = [], []
+        for _ in range(repeats + 1):  # the first warms up
+            torch.cuda.synchronize(device)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            before = time.perf_counter()
+            with torch.cuda.stream(side):
+                start.record(side)
+                target.copy_(source, non_blocking=True)
+                end.record(side)
+            issued = time.perf_counter()
+            end.synchronize()
+            issue.append((issued - before) * 1e3)
+            copy.append(start.elapsed_time(end))
+        issue_ms, copy_ms = statistics.median(issue[1:]), statistics.median(copy[1:])
+        rows.append(
+            {
+                "kind": name,
+                "is_pinned": source.is_pinned(),
+                "issue_ms": issue_ms,
+                "copy_ms": copy_ms,
+                "issue_share": issue_ms / copy_ms if copy_ms else None,
+                "gbs": nbytes / (copy_ms / 1e3) / 1e9 if copy_ms else None,
+            }
+        )
+    return rows
+
+
+def render(payload: dict[str, Any]) -> str:
+    lines = [
+        f"# Host time of an asynchronous upload, {payload['nbytes'] / 2**20:.0f} MiB",
+        "",
+        "| host memory | is_pinned() | host ms to issue | copy ms | issue ÷ copy | GB/s |",
+        "|---|---|---|---|---|---|",
+    ]
+    for r in payload["rows"]:
+        lines.append(
+            f"| {r['kind']} | {r['is_pinned']} | {r['issue_ms']:.2f} | {r['copy_ms']:.2f} "
+            f"| {r['issue_share']:.2f} | {r['gbs']:.1f} |"
+        )
+    lines += [
+        "",
+        f"Median of {payload['repeats']} copies each, one `copy_(non_blocking=True)` on a side stream. "
+        f"Device: {payload['device']}; torch {payload['torch']}; commit {payload.get('git_commit')}; "
+        f"{payload['date']}.",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> Path:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument(
+        "--mib", type=int, default=600, help="bytes per copy, in MiB (a Flux double block: ~600)"
+    )
+    parser.add_argument("--repeats", type=int, default=5)
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("pinning measures CUDA copies: run it on a machine with a GPU")
+    nbytes = args.mib << 20
+    payload = {
+        **environment("pinning", torch.device("cuda"), sdpa="-"),
+        "nbytes": nbytes,
+        "repeats": args.repeats,
+        "rows": measure(nbytes, args.repeats),
+    }
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "pinning.json").write_text(json.dumps(payload, indent=2) + "\n")
+    md = args.out / "pinning.md"
+    md.write_text(render(payload))
+    print(md.read_text())
+    return md
+
+
+if __name__ == "__main__":
+    main()
