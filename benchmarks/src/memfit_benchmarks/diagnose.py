@@ -38,6 +38,7 @@ from memfit.offload.copy import CopyEngine
 from memfit.offload.pool import PinnedBucketPool
 from memfit.units import parse_bytes
 from memfit_benchmarks.auto_sweep import SYNTHETIC_TARGETS, auto_config, build_target
+from memfit_benchmarks.environment import run_stamp
 from memfit_benchmarks.families import build_lora_model
 from memfit_benchmarks.modes import MODES, Mode, is_offload
 
@@ -259,9 +260,12 @@ def main(argv: list[str] | None = None) -> None:
         )
     args.out.mkdir(parents=True, exist_ok=True)
     results: dict[str, Any] = {}
+    stamp = run_stamp("diagnose", torch.cuda.get_device_name() if cuda else "cpu")
+    sdpa = "default dispatch, cuDNN SDPA disabled" if cuda else "default (CPU)"
     lines = [
-        f"# diagnose {args.family} ({args.preset}) on {torch.cuda.get_device_name() if cuda else 'cpu'}, "
-        f"torch {torch.__version__}\n",
+        f"# diagnose {args.family} ({args.preset}) on {stamp['device']}, torch {stamp['torch']}\n",
+        f"{stamp['date']}, commit {stamp['git_commit']}, SDPA: {sdpa}; {args.warmup} warm-up and {args.steps} "
+        "timed steps per mode (medians), then one profiled step and one under cProfile.\n",
         "| mode | step ms | host forward ms | host backward ms | kernel ms (profiled step) | copy ms (profiled step) |",
         "|---|---|---|---|---|---|",
     ]

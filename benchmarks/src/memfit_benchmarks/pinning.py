@@ -24,13 +24,16 @@ import torch
 from memfit.offload.hostmem import allocate_host
 from memfit_benchmarks.environment import environment
 
+KINDS = ("cudaHostRegister (memfit)", "pin_memory=True (cudaHostAlloc)", "pageable")
+
 
 def _sources(nbytes: int) -> dict[str, torch.Tensor]:
-    return {
-        "cudaHostRegister (memfit)": allocate_host(nbytes, True),
-        "pin_memory=True (cudaHostAlloc)": torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
-        "pageable": torch.empty(nbytes, dtype=torch.uint8),
-    }
+    made = (
+        allocate_host(nbytes, True),
+        torch.empty(nbytes, dtype=torch.uint8, pin_memory=True),
+        torch.empty(nbytes, dtype=torch.uint8),
+    )
+    return dict(zip(KINDS, made, strict=True))
 
 
 def measure(nbytes: int, repeats: int) -> list[dict[str, Any]]:

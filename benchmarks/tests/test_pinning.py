@@ -1,0 +1,27 @@
+"""The pinning probe: refused without CUDA with a clear message, and its report renders what it measured."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from memfit_benchmarks import pinning
+
+RESULT = Path(__file__).parents[1] / "results" / "streaming" / "pinning.json"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is for machines without a GPU")
+def test_pinning_needs_cuda(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        pinning.main(["--out", str(tmp_path)])
+    assert exit_info.value.code == 2 and "machine with a GPU" in capsys.readouterr().err
+    assert not list(tmp_path.iterdir())
+
+
+def test_the_committed_result_renders_as_committed():
+    payload = json.loads(RESULT.read_text())
+    assert pinning.render(payload) == RESULT.with_suffix(".md").read_text()
+    assert [r["kind"] for r in payload["rows"]] == list(pinning.KINDS)
