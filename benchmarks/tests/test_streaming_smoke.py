@@ -136,6 +136,27 @@ def test_runs_of_one_commit_merge_round_by_round():
     ]
 
 
+def test_a_merged_row_whose_plan_differs_between_runs_lists_each_runs_plan():
+    from memfit_benchmarks.streaming import fixed_knob_note, merge_runs
+
+    runs = [_run(d, {"torch": [1.0], "auto 1MiB": [1.1]}, wait=0.0) for d in ("d1", "d2")]
+    for run, policies in zip(runs, ({"block": 4}, {"block": 3, "ffn": 1}), strict=True):
+        run["rows"][1] |= {
+            "policies": policies,
+            "streamed": ["blocks.1"],
+            "streamed_blocks": 1,
+            "forward_uploads_ahead": 1,
+            "uploads_kept_first": 0,
+        }
+    merged = merge_runs(*runs)
+    auto = merged["rows"][1]
+    assert [p["policies"] for p in auto["run_plans"]] == [{"block": 4}, {"block": 3, "ffn": 1}]
+    line = fixed_knob_note(auto | {"fixed_knob": "torch", "x_fixed_knob": 1.0})
+    assert "plans per run: 1) block 4; uploads led 1 ahead, 0 kept" in line and "2) block 3, ffn 1" in line
+    same = merge_runs(*[_run(d, {"torch": [1.0]}, wait=0.0) for d in ("d1", "d2")])
+    assert "run_plans" not in same["rows"][0]
+
+
 def test_runs_of_different_commits_do_not_merge(tmp_path, capsys):
     from memfit_benchmarks import streaming
 

@@ -214,6 +214,9 @@ def merge_runs(*runs: dict[str, Any]) -> dict[str, Any]:
             for s in (r.get("step_s_rounds") or [r["step_s"]])[:n]
         ]
         merged = {**row, "step_s_rounds": steps, "step_s": statistics.median(steps)}
+        plans = [_plan_of(r) for r in versions]
+        if any(plan != plans[0] for plan in plans):  # auto planned differently in some run: say so
+            merged["run_plans"] = plans
         for key in ("peak_allocated", "peak_reserved", "peak_allocated_warmup"):
             values = [r[key] for r in versions if r.get(key) is not None]
             if values:
@@ -231,6 +234,17 @@ def merge_runs(*runs: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+PLAN_KEYS = ("policies", "streamed", "forward_uploads_ahead", "uploads_kept_first")
+
+
+def _plan_of(row: dict[str, Any]) -> dict[str, Any]:
+    return {key: row.get(key) for key in PLAN_KEYS}
+
+
+def _plan_text(plan: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in (plan.get("policies") or {}).items()) + _uploads_note(plan)
+
+
 def _gib(n: float | None) -> str:
     return "-" if n is None else f"{n / 2**30:.2f}"
 
@@ -238,10 +252,26 @@ def _gib(n: float | None) -> str:
 def _uploads_note(row: dict[str, Any]) -> str:
     """How a row's uploads ran: led ahead in forward, kept from backward for the next forward (rows of older runs
     do not say)."""
-    if "uploads_kept_first" not in row or not row["streamed_blocks"]:
+    if row.get("uploads_kept_first") is None or not row.get("streamed", row.get("streamed_blocks")):
         return ""
     ahead, kept = row["forward_uploads_ahead"], row["uploads_kept_first"]
     return f"; uploads led {ahead} ahead, {kept} kept for the next forward"
+
+
+def fixed_knob_note(row: dict[str, Any]) -> str:
+    """The line under the table for an ``auto`` row compared with the fixed knob: its plan (each run's, where a
+    merged run's plans differ) and the paired ratio."""
+    plans = row.get("run_plans")
+    planned = (
+        "plans per run: " + "; ".join(f"{k}) {_plan_text(p)}" for k, p in enumerate(plans, 1))
+        if plans
+        else _plan_text(_plan_of(row))
+    )
+    return (
+        f"- {row['mode']} ({planned}): {row['x_fixed_knob']:.3f}× the step of `{row['fixed_knob']}`, the fewest "
+        "blocks of the fixed knob measured here that fit the same budget (paired by round; counts not measured "
+        "may fit too)"
+    )
 
 
 def render(payload: dict[str, Any]) -> str:
@@ -275,12 +305,7 @@ def render(payload: dict[str, Any]) -> str:
         )
     for r in payload["rows"]:
         if r.get("fixed_knob"):
-            lines.append(
-                f"- {r['mode']} ({', '.join(f'{k} {v}' for k, v in r.get('policies', {}).items())}"
-                f"{_uploads_note(r)}): "
-                f"{r['x_fixed_knob']:.3f}× the step of `{r['fixed_knob']}`, the fewest blocks of the fixed knob "
-                "measured here that fit the same budget (paired by round; counts not measured may fit too)"
-            )
+            lines.append(fixed_knob_note(r))
     lines += [
         "",
         f"{payload['training']}; backend `{payload['backend']}`; {payload['steps']} timed steps after "
