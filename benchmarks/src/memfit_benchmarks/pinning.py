@@ -7,7 +7,8 @@ Kinds: memory registered with ``cudaHostRegister`` (memfit's exact pinning, ``me
 from PyTorch's pinned allocator (``pin_memory=True``, ``cudaHostAlloc``), and pageable memory (the copy is staged
 and the host waits: the reference for "blocks"). A kind whose issue time approaches its copy time makes every
 upload a host stall: in a step whose host barely keeps ahead of the GPU (a LoRA forward), that is step time.
-Writes ``pinning.{json,md}``.
+Then, whether the host itself slows while uploads run: a few kinds of host work (kernel launches, a Python
+loop, a pass over host memory) timed alone and beside a queue of uploads. Writes ``pinning.{json,md}``.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import argparse
 import json
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -71,6 +73,88 @@ def measure(nbytes: int, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
+# -- does the host slow down while uploads run? ------------------------------------------------------------------
+
+UPLOADS_IN_FLIGHT = 24  # back-to-back uploads queued on the side stream: ~0.25 s of copies at 600 MiB
+
+
+def _launches(device: torch.device, count: int = 2000) -> Callable[[], None]:
+    """Tiny kernels issued back to back: the host issues them slower than the device runs them."""
+    x = torch.zeros(16, device=device)
+
+    def work() -> None:
+        for _ in range(count):
+            x.add_(1.0)
+
+    return work
+
+
+def _python_loop(count: int = 200_000) -> Callable[[], None]:
+    def work() -> None:
+        sum(i * i for i in range(count))
+
+    return work
+
+
+def _host_memory(nbytes: int = 256 << 20) -> Callable[[], None]:
+    """A pass over host memory (a CPU add of two ``nbytes`` tensors): what contends with the copies' reads."""
+    a, b = torch.ones(nbytes // 4), torch.ones(nbytes // 4)
+
+    def work() -> None:
+        torch.add(a, b, out=a)
+
+    return work
+
+
+def workloads(device: torch.device) -> dict[str, Callable[[], None]]:
+    """The host work timed with and without uploads running, by name."""
+    return {
+        "2000 kernel launches": _launches(device),
+        "a Python loop": _python_loop(),
+        "a 256 MiB pass over host memory": _host_memory(),
+    }
+
+
+def _seconds(work: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    work()
+    return time.perf_counter() - start
+
+
+def contention(nbytes: int, repeats: int) -> list[dict[str, Any]]:
+    """Per workload: its median host seconds alone and while :data:`UPLOADS_IN_FLIGHT` uploads of ``nbytes`` from
+    registered host memory run on a side stream (issued first; the work ends well inside them)."""
+    device = torch.device("cuda")
+    source = allocate_host(nbytes, True)
+    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    side = torch.cuda.Stream(device)
+    rows = []
+    for name, work in workloads(device).items():
+        work()  # warm-up
+        alone, loaded = [], []
+        for _ in range(repeats):
+            torch.cuda.synchronize(device)
+            alone.append(_seconds(work))
+            torch.cuda.synchronize(device)
+            with torch.cuda.stream(side):
+                for _ in range(UPLOADS_IN_FLIGHT):
+                    target.copy_(source, non_blocking=True)
+            loaded.append(_seconds(work))
+            busy = not side.query()  # the copies outlasted the work: it ran beside them all along
+            torch.cuda.synchronize(device)
+            if not busy:
+                loaded.pop()
+        rows.append(
+            {
+                "workload": name,
+                "alone_ms": statistics.median(alone) * 1e3,
+                "with_uploads_ms": statistics.median(loaded) * 1e3 if loaded else None,
+                "beside_uploads": len(loaded),
+            }
+        )
+    return rows
+
+
 def render(payload: dict[str, Any]) -> str:
     lines = [
         f"# Host time of an asynchronous upload, {payload['nbytes'] / 2**20:.0f} MiB",
@@ -85,7 +169,30 @@ def render(payload: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        f"Median of {payload['repeats']} copies each, one `copy_(non_blocking=True)` on a side stream. "
+        f"Median of {payload['repeats']} copies each, one `copy_(non_blocking=True)` on a side stream.",
+    ]
+    if payload.get("contention"):
+        lines += [
+            "",
+            "## Host work while uploads run",
+            "",
+            "| host work | ms alone | ms beside uploads | × | runs beside uploads |",
+            "|---|---|---|---|---|",
+        ]
+        for r in payload["contention"]:
+            loaded = r["with_uploads_ms"]
+            ratio = "-" if loaded is None else f"{loaded / r['alone_ms']:.2f}"
+            lines.append(
+                f"| {r['workload']} | {r['alone_ms']:.2f} | {'-' if loaded is None else f'{loaded:.2f}'} "
+                f"| {ratio} | {r['beside_uploads']} of {payload['repeats']} |"
+            )
+        lines += [
+            "",
+            f"Beside uploads: {UPLOADS_IN_FLIGHT} uploads of the size above queued first on a side stream, from "
+            "registered host memory; a run counts only where the copies were still running when the work ended.",
+        ]
+    lines += [
+        "",
         f"Device: {payload['device']}; torch {payload['torch']}; commit {payload.get('git_commit')}; "
         f"{payload['date']}.",
     ]
@@ -110,6 +217,7 @@ def main(argv: list[str] | None = None) -> Path:
         "nbytes": nbytes,
         "repeats": args.repeats,
         "rows": measure(nbytes, args.repeats),
+        "contention": contention(nbytes, args.repeats),
     }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "pinning.json").write_text(json.dumps(payload, indent=2) + "\n")
