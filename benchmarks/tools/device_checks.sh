@@ -19,6 +19,9 @@
 #                e.g. STREAM_ARGS="--blocks 0,19,27 --budgets 16GiB,12GiB --warmup 4"; --card-budgets 16GiB adds
 #                auto on a 16 GiB card with the model starting on the host: ~40-60 s a round more, estimated from
 #                moving 22 GiB to the host and back and pinning ~14 GiB at ~2 GB/s)
+#   streaming-host  where a streamed step's extra time goes: the pinning probe (does an upload hold the host, does
+#                the host slow beside uploads; pinning.{json,md}, ~1 min) and diagnose on Flux full size, unsloth
+#                with and without 20 blocks streamed (diagnose-flux.md, ~2.5 min; DIAGNOSE_MODES changes the modes)
 # Each part's exit status is printed; the script exits non-zero if any part failed.
 set -uo pipefail
 START=$(date +%s)
@@ -51,6 +54,9 @@ for part in ${PARTS:-gpu}; do
         streaming) run_part streaming-tests env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest core/tests/test_gpu_weights.py \
                 -m gpu -q -p no:cacheprovider
             run_part streaming python3 -m memfit_benchmarks.streaming --out "$OUT" ${STREAM_ARGS:-} ;;
+        streaming-host) run_part pinning python3 -m memfit_benchmarks.pinning --out "$OUT"
+            run_part diagnose python3 -m memfit_benchmarks.diagnose --family flux --no-traces --steps 2 --warmup 2 \
+                --modes "${DIAGNOSE_MODES:-unsloth,unsloth+stream20,auto@16GiB}" --out "$OUT" ;;
         *) echo "unknown part $part" >&2; status=1 ;;
     esac
 done
