@@ -356,6 +356,15 @@ def test_a_streamer_keeps_the_first_uploads_it_is_told_to_for_the_next_forward(x
     assert_same(ref, step(model, x))
 
 
+def test_a_streamer_refuses_leads_and_kept_counts_out_of_range():
+    model = frozen_toy()
+    blocks = [("blocks.2", model.blocks[2])]
+    with pytest.raises(ValueError, match="1 or more, not 0 and 1"):
+        WeightStreamer(model, blocks, ahead=0, forward_ahead=1)
+    with pytest.raises(ValueError, match="0 or more, not -1"):
+        WeightStreamer(model, blocks, keep_first=-1)
+
+
 def test_a_streamed_block_that_is_not_recomputed_is_reported(x):
     """The check behind ``weight_held_after_forward``: weights saved by autograd outside a recomputed region stay on
     the device until backward. (memfit's plans never do this; here a streamer is installed without regions.)"""

@@ -113,10 +113,10 @@ class Plan:
     streamed: tuple[str, ...] = ()  # blocks whose frozen weights stream from host memory
     streamed_bytes: int = 0
     streamed_forward_ahead: int = 1  # streamed blocks the forward's uploads are issued ahead of their block
-    streamed_kept_first: int = (
-        0  # the first streamed blocks whose last recompute's upload serves the next forward
-    )
-    streamed_kept_bytes: int = 0  # their weights, held between steps
+    # the first streamed blocks whose last recompute's upload serves the next forward, and their weights (held
+    # between steps)
+    streamed_kept_first: int = 0
+    streamed_kept_bytes: int = 0
 
     @property
     def needed(self) -> bool:

@@ -229,7 +229,7 @@ def streamed_set(
     )
 
 
-def most_worth_keeping(profile: ModelProfile, streamed: StreamedSet) -> int:
+def _most_worth_keeping(profile: ModelProfile, streamed: StreamedSet) -> int:
     """How many of ``streamed``'s first uploads are worth keeping for the next forward: the fewest past which the
     forward waits no more (each kept upload leaves the forward's queue; see "Turnarounds")."""
     bandwidth = profile.copy_bytes_per_second
@@ -254,7 +254,7 @@ def _most_kept(
     """The plan of ``indices`` led ``lead`` ahead that keeps the most first uploads worth keeping and fits (None:
     none fits beyond the turnaround rule's). Binary search: each kept upload holds more memory."""
     rule = StreamedSet.of(profile, indices, forward_ahead=lead)
-    lo, hi = rule.kept_first, most_worth_keeping(profile, rule)  # lo: no more than the rule
+    lo, hi = rule.kept_first, _most_worth_keeping(profile, rule)  # lo: no more than the rule
     best = None  # the plan of the last count that fitted: lo's
     while lo < hi:
         mid = (lo + hi + 1) // 2

@@ -306,6 +306,8 @@ class WeightStreamer:
         forward_ahead = ahead if forward_ahead is None else forward_ahead
         if min(ahead, forward_ahead) < 1:
             raise ValueError(f"ahead and forward_ahead must be 1 or more, not {ahead} and {forward_ahead}")
+        if keep_first < 0:
+            raise ValueError(f"keep_first counts streamed blocks: 0 or more, not {keep_first}")
         if any(is_fsdp_module(m) for m in model.modules()):
             raise NotAvailableError(
                 f"{STREAM_KEY} does not work with FSDP2 (fully_shard): sharding already spreads the weights over "
