@@ -161,6 +161,12 @@ def _forward_waits(fwd: list[float], chosen: list[int], copies: list[float], lea
     return waited
 
 
+def _forward_seconds(profile: ModelProfile) -> list[float]:
+    """Each block's forward with gradients, in seconds, at the profile's rate (what the forward's uploads hide
+    behind)."""
+    return [b.flops / profile.flops_per_second * profile.forward_with_grad for b in profile.blocks]
+
+
 def _uploads(
     profile: ModelProfile, chosen: list[int], lead: int = 1, kept_first: int = 0
 ) -> tuple[float, tuple[float | None, ...]]:
@@ -170,7 +176,7 @@ def _uploads(
     cover: list[float | None] = [None] * len(profile.blocks)
     if not chosen:
         return 0.0, tuple(cover)
-    fwd = [b.flops / profile.flops_per_second * profile.forward_with_grad for b in profile.blocks]
+    fwd = _forward_seconds(profile)
     bwd = [f * profile.backward_to_forward for f in fwd]
     # the turnarounds keep uploads: the last block's forward one for its recompute, and the first kept_first
     # blocks' recompute ones for the next forward (memfit.offload.weights, "Turnarounds")
@@ -236,7 +242,7 @@ def _most_worth_keeping(profile: ModelProfile, streamed: StreamedSet) -> int:
     chosen = list(streamed.indices)
     if not bandwidth or not chosen:
         return streamed.kept_first
-    fwd = [b.flops / profile.flops_per_second * profile.forward_with_grad for b in profile.blocks]
+    fwd = _forward_seconds(profile)
     copies = [profile.blocks[i].frozen_bytes / bandwidth for i in chosen]
 
     def waits(kept: int) -> float:

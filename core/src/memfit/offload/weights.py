@@ -537,8 +537,9 @@ class WeightStreamer:
             self.copy_ms()
         self._forward_uploads.clear()
         first = self.blocks[: self.forward_ahead]
-        kept = self.blocks[: self.keep_first]  # their last recompute's uploads, kept for this forward
-        for block in [b for b in self._pending if b not in first and b not in kept]:
+        # the first ones' uploads wait: issued ahead, or kept from their last recompute ("Turnarounds")
+        waiting = self.blocks[: max(self.forward_ahead, self.keep_first)]
+        for block in [b for b in self._pending if b not in waiting]:
             self._settle(self._pending.pop(block))
         for block in first:
             self._ensure(block)
