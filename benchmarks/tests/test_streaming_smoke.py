@@ -70,6 +70,31 @@ def test_bad_blocks_are_a_usage_error(capsys):
     assert "--blocks" in capsys.readouterr().err
 
 
+def test_auto_is_compared_with_the_fastest_fixed_mode_unconstrained(tmp_path):
+    from memfit_benchmarks import streaming
+
+    args = ["--preset", "tiny", "--device", "cpu", "--backend", "torch", "--blocks", "0,2", "--steps", "1"]
+    path = streaming.main([*args, "--fixed", "none,torch-ffn", "--budgets", "1GiB", "--out", str(tmp_path)])
+    rows = {r["mode"]: r for r in json.loads(path.read_text())["rows"]}
+    assert list(rows) == ["torch", "torch + stream 2", "none", "torch-ffn", "auto 1GiB"]
+    assert rows["none"]["streamed_blocks"] == 0 and rows["torch-ffn"]["streamed_blocks"] == 0
+    auto = rows["auto 1GiB"]
+    unconstrained = [rows[name] for name in ("torch", "none", "torch-ffn")]
+    fastest = min(unconstrained, key=lambda r: r["step_s"])
+    assert auto["fastest_fixed"] == fastest["mode"]  # never a streamed row, nor auto itself
+    assert auto["x_fastest_fixed"] == pytest.approx(auto["step_s"] / fastest["step_s"])
+    assert f"the step of `{fastest['mode']}`, the fastest fixed mode" in (tmp_path / "streaming.md").read_text()
+
+
+def test_an_unknown_fixed_mode_is_a_usage_error(capsys):
+    from memfit_benchmarks import streaming
+
+    with pytest.raises(SystemExit):
+        streaming.main(["--fixed", "offload-attention", "--out", "/tmp/unused"])
+    err = capsys.readouterr().err
+    assert "--fixed" in err and "offload_attention" in err
+
+
 def test_a_card_s_size_needs_cuda(capsys):
     from memfit_benchmarks import streaming
 

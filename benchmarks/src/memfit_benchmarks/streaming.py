@@ -4,6 +4,8 @@
     python -m memfit_benchmarks.streaming --blocks 0,8GiB,57 --rounds 2 --out DIR    # counts or sizes
     python -m memfit_benchmarks.streaming --blocks 0,19,27 --budgets 16GiB,12GiB --out DIR   # and auto
     python -m memfit_benchmarks.streaming --preset tiny --device cpu --backend torch --blocks 0,2,7 --out DIR
+    python -m memfit_benchmarks.streaming --family wan --backend torch-ffn --blocks 0 --fixed offload_attention \
+        --budgets 24GiB --out DIR                                                    # against the fastest fixed mode
 
 One model (the preset's, random weights, bf16 on CUDA), LoRA r16 on every ``nn.Linear`` of the declared blocks,
 inputs at ``--tokens`` (default: the preset's), flash SDPA (cuDNN SDPA disabled). Per entry of ``--blocks`` one
@@ -13,9 +15,12 @@ budget, which chooses what streams itself (it is measured after ``--warmup`` ste
 closed loop has settled; a row is "within budget" when its peak allocated over the timed steps is); per entry of
 ``--card-budgets`` one row of ``auto`` on a card of that size: the process limited to it
 (``torch.cuda.set_per_process_memory_fraction``), the model moved to the CPU first and given to
-``memfit.apply(..., device=)``, as a trainer whose card cannot hold the weights loads it. Each row reports the median step, the peak allocated, the
-frozen bytes streaming took off the device, the bytes uploaded per step, the exposed upload wait (compute waiting
-for a copy) and the upload stream's copy time per step. Writes ``streaming.json`` and ``streaming.md`` to ``--out``.
+``memfit.apply(..., device=)``, as a trainer whose card cannot hold the weights loads it. ``--fixed`` adds other
+fixed modes, unconstrained (their sweep names, :data:`memfit_benchmarks.modes.MODES`): each ``auto`` row is then
+also compared with the fastest row that streams nothing, "the fastest fixed mode on an unconstrained card". Each
+row reports the median step, the peak allocated, the frozen bytes streaming took off the device, the bytes uploaded
+per step, the exposed upload wait (compute waiting for a copy) and the upload stream's copy time per step. Writes
+``streaming.json`` and ``streaming.md`` to ``--out``.
 
 Time on an H200 (Flux full, the default 0,12,24,36,57 and one round of 1 warm-up + 3 timed steps): ~50 s to build
 the model, per row ~5 s of steps plus pinning its host masters (~2 GB/s the first time: ~11 s for all 57 blocks),
@@ -39,7 +44,7 @@ from memfit.units import parse_bytes
 from memfit_benchmarks.card import card_of
 from memfit_benchmarks.environment import environment
 from memfit_benchmarks.families import build_lora_model
-from memfit_benchmarks.modes import Mode
+from memfit_benchmarks.modes import MODES, Mode
 from memfit_benchmarks.options import deadline
 from memfit_benchmarks.results import write_results
 from memfit_benchmarks.rounds import measured, paired_ratio, round_robin
@@ -101,6 +106,22 @@ def card_mode(budget: str, optimizer: str = "adamw") -> Mode:
     return Mode(f"{auto.name} on a {budget} card", auto.config, options={"device": "cuda"})
 
 
+FIXED_MODES = {m.name: m for m in MODES}  # what --fixed may name
+
+
+def fixed_modes(text: str) -> list[Mode]:
+    """``"offload_attention,torch-ffn"`` as the modes of :data:`FIXED_MODES` they name.
+
+    Raises:
+        ValueError: a name that is not a fixed mode, listing them.
+    """
+    names = [n.strip() for n in text.split(",") if n.strip()]
+    unknown = [n for n in names if n not in FIXED_MODES]
+    if unknown:
+        raise ValueError(f"unknown fixed mode {unknown[0]!r}: choose from {sorted(FIXED_MODES)}")
+    return [FIXED_MODES[n] for n in names]
+
+
 def weight_row(handle: memfit.MemfitHandle, steps: int) -> dict[str, Any]:
     """What a row records about weight streaming (``handle.stats()`` counts the timed steps only)."""
     if handle is None:  # the model as it is
@@ -141,6 +162,7 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
     base = next((r for r in rows if measured(r) and not r.get("streamed_blocks")), None)
     if base is None:
         return
+    fastest = _fastest_unconstrained(rows)
     for r in rows:
         if not measured(r):
             continue
@@ -153,6 +175,16 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
             if fixed is not None:
                 r["fixed_knob"] = fixed["mode"]
                 r["x_fixed_knob"] = paired_ratio(r, fixed) or r["step_s"] / fixed["step_s"]
+        if "budget_bytes" in r and fastest is not None:
+            r["fastest_fixed"] = fastest["mode"]
+            r["x_fastest_fixed"] = paired_ratio(r, fastest) or r["step_s"] / fastest["step_s"]
+
+
+def _fastest_unconstrained(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The fastest measured row that is neither ``auto`` nor streams anything: the fastest fixed mode on a card
+    with room for it."""
+    fixed = [r for r in rows if measured(r) and "budget_bytes" not in r and not r.get("streamed_blocks")]
+    return min(fixed, key=lambda r: r["step_s"], default=None)
 
 
 def _fewest_fitting(rows: list[dict[str, Any]], budget: int) -> dict[str, Any] | None:
@@ -306,6 +338,11 @@ def render(payload: dict[str, Any]) -> str:
     for r in payload["rows"]:
         if r.get("fixed_knob"):
             lines.append(fixed_knob_note(r))
+        if r.get("fastest_fixed") and len([row for row in payload["rows"] if "budget_bytes" not in row]) > 1:
+            lines.append(
+                f"- {r['mode']}: {r['x_fastest_fixed']:.3f}× the step of `{r['fastest_fixed']}`, the fastest fixed "
+                "mode measured here unconstrained (paired by round)"
+            )
     lines += [
         "",
         f"{payload['training']}; backend `{payload['backend']}`; {payload['steps']} timed steps after "
@@ -342,9 +379,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     model, batch, info = build_lora_model(
         adapter, args.preset, dtype=dtype, device=device, rank=args.rank, tokens=tokens
     )
-    modes = [mode_for(args.backend, t) for t in args.blocks] + [
-        auto_mode(b, args.optimizer) for b in args.budgets
-    ]
+    modes = [mode_for(args.backend, t) for t in args.blocks] + args.fixed
+    modes += [auto_mode(b, args.optimizer) for b in args.budgets]
     budgets = {auto_mode(b).name: parse_bytes(b) for b in args.budgets}
     cards = {card_mode(b).name: parse_bytes(b) for b in args.card_budgets}
     modes += [card_mode(b, args.optimizer) for b in args.card_budgets]
@@ -360,7 +396,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             )
 
     def measure(mode: Mode) -> dict[str, Any]:
-        row = weight_row(None, args.steps) if mode.name == NO_CHECKPOINTING else {}
+        row = weight_row(None, args.steps) if mode.config is None else {}
         card = card_of(model, cards[mode.name], device) if mode.name in cards else contextlib.nullcontext()
         with card:
             row |= measure_mode(
@@ -445,6 +481,11 @@ def main(argv: list[str] | None = None) -> Path | None:
         help="comma-separated budgets for rows of auto on a card of that size, the model starting on the host "
         "(CUDA; default none)",
     )
+    parser.add_argument(
+        "--fixed",
+        default="",
+        help="comma-separated fixed modes measured unconstrained besides --backend (e.g. offload_attention)",
+    )
     parser.add_argument("--rank", type=int, default=16)
     parser.add_argument("--rounds", type=int, default=1)
     parser.add_argument("--steps", type=int, default=3)
@@ -493,6 +534,10 @@ def main(argv: list[str] | None = None) -> Path | None:
                 raise ValueError(f"{b!r} is not a positive size")
     except ValueError as exc:
         parser.error(f"--budgets / --card-budgets: {exc}")
+    try:
+        args.fixed = fixed_modes(args.fixed)
+    except ValueError as exc:
+        parser.error(f"--fixed: {exc}")
     if args.card_budgets and torch.device(args.device).type != "cuda":
         parser.error(
             "--card-budgets: a card's size limits a CUDA process; give --device cuda or leave it out"
@@ -502,9 +547,8 @@ def main(argv: list[str] | None = None) -> Path | None:
     if args.family not in memfit.available_adapters():
         parser.error(f"--family {args.family!r} is not installed ({sorted(memfit.available_adapters())})")
     if args.dry_run:
-        rows = [mode_for(args.backend, t).name for t in args.blocks] + [
-            auto_mode(b).name for b in args.budgets
-        ]
+        rows = [mode_for(args.backend, t).name for t in args.blocks] + [m.name for m in args.fixed]
+        rows += [auto_mode(b).name for b in args.budgets]
         rows += [card_mode(b).name for b in args.card_budgets]
         print(f"would measure {args.family} {args.preset}: {rows}, {args.rounds} round(s)", flush=True)
         return None
