@@ -83,7 +83,9 @@ def test_auto_is_compared_with_the_fastest_fixed_mode_unconstrained(tmp_path):
     fastest = min(unconstrained, key=lambda r: r["step_s"])
     assert auto["fastest_fixed"] == fastest["mode"]  # never a streamed row, nor auto itself
     assert auto["x_fastest_fixed"] == pytest.approx(auto["step_s"] / fastest["step_s"])
-    assert f"the step of `{fastest['mode']}`, the fastest fixed mode" in (tmp_path / "streaming.md").read_text()
+    assert (
+        f"the step of `{fastest['mode']}`, the fastest fixed mode" in (tmp_path / "streaming.md").read_text()
+    )
 
 
 def test_an_unknown_fixed_mode_is_a_usage_error(capsys):
