@@ -49,6 +49,10 @@ from memfit.units import format_bytes
 # a budget is planned for at most this share of what the process can hold, until a step measured the
 # allocator's own reserve (docs/cost-model.md, "Allocator headroom")
 ALLOCATOR_HEADROOM = 0.84
+# the same for a plan that copies nothing (no parked activations, no streamed weights) in a job that trains few of its
+# weights (LoRA): such plans reserved at most ~1 GiB over their allocated peak (docs/cost-model.md)
+LEAN_HEADROOM = 0.94
+FEW_TRAINABLE_SHARE = 0.05  # of the model's weight bytes: at most this many train for LEAN_HEADROOM to apply
 # the first plan of each input shape targets this much less than the budget: its own step must fit too, and
 # the peak model has under-predicted by up to 4% (docs/cost-model.md, "The budget is a promise")
 FIRST_PLAN_MARGIN = 0.05
@@ -59,6 +63,7 @@ MEASURED_MARGIN = 0.01
 LIMIT_STEP_BACK = 0.03
 # _plan_at's searches (see "Copy reserve"): every policy, copies weighed with their reserve, no copies
 _PLAIN, _RESERVE, _NO_OFFLOAD = "plain", "reserve", "no-offload"
+_NO_COPY = "no-copy"  # nothing parked and nothing streamed: the search LEAN_HEADROOM applies to
 # of what the process can hold: the most a model that starts on the host keeps resident while auto profiles it
 # (the rest is the profile's own room: one forward's working memory, one block alone forward and backward)
 PROFILE_RESIDENT_SHARE = 0.5
@@ -66,12 +71,14 @@ CALIBRATION_STEPS = 3  # measured steps without a change after which a shape's p
 MENTIONED_OPTIMIZER_SHARE = 0.05  # a BudgetError names the optimizer state from this share of the peak on
 
 
-def plannable_budget(budget_bytes: int, capacity_bytes: int | None) -> int:
-    """The budget the planner works to: ``budget_bytes``, at most :data:`ALLOCATOR_HEADROOM` of
-    ``capacity_bytes`` (what the process can hold on its device; None: no cap)."""
+def plannable_budget(
+    budget_bytes: int, capacity_bytes: int | None, *, headroom: float = ALLOCATOR_HEADROOM
+) -> int:
+    """The budget the planner works to: ``budget_bytes``, at most ``headroom`` of ``capacity_bytes`` (what the
+    process can hold on its device; None: no cap)."""
     if capacity_bytes is None:
         return budget_bytes
-    return min(budget_bytes, int(capacity_bytes * ALLOCATOR_HEADROOM))
+    return min(budget_bytes, int(capacity_bytes * headroom))
 
 
 def device_capacity(device: torch.device) -> int | None:
@@ -347,17 +354,27 @@ class BudgetPlanner:
         shape.measured_bytes, shape.measured_reserved_bytes = allocated, reserved
         error = max(0, allocated - shape.plan.predicted_peak_bytes)
         target = self._measured_target(error, allocated, reserved)
+        lean = None
+        if self._few_trainable(shape.profile):
+            lean = self._measured_target(error, allocated, reserved, headroom=LEAN_HEADROOM)
         if shape.ceiling_bytes is not None:
             target = min(target, shape.ceiling_bytes)
+            lean = None if lean is None else min(lean, shape.ceiling_bytes)
         if at_limit:
             shape.limit_steps += 1
         if allocated > self.budget_bytes or at_limit:
             self._correct(signature, shape, target, allocated, at_limit=at_limit)
-        elif shape.fallback is None and target > shape.target_bytes:
+        elif shape.fallback is None:
             # within the budget with room to spare: a faster plan may fit; the measured one is kept to fall back to
-            faster = self._plan_at(shape.profile, target)
-            if not faster.runs_like(shape.plan):
-                shape.fallback, shape.plan, shape.target_bytes, shape.quiet = shape.plan, faster, target, 0
+            faster, made_for = None, target
+            if target > shape.target_bytes:
+                faster = self._plan_at(shape.profile, target)
+            if lean is not None and lean > max(target, shape.target_bytes):
+                quieter = self._quieter(shape.profile, faster or shape.plan, lean)
+                if quieter is not None:
+                    faster, made_for = quieter, lean
+            if faster is not None and not faster.runs_like(shape.plan):
+                shape.fallback, shape.plan, shape.target_bytes, shape.quiet = shape.plan, faster, made_for, 0
         if shape.quiet >= CALIBRATION_STEPS:
             shape.settled = True
 
@@ -426,14 +443,20 @@ class BudgetPlanner:
                 stacklevel=6,
             )
 
-    def _measured_target(self, error: int, allocated: int, reserved: int) -> int:
+    def _measured_target(
+        self, error: int, allocated: int, reserved: int, *, headroom: float = ALLOCATOR_HEADROOM
+    ) -> int:
         """What to plan for once a step was measured: the budget less the measured under-prediction and a small
         margin, and within the device's capacity less the allocator's measured reserve above the allocated."""
         target = self.budget_bytes - error - int(MEASURED_MARGIN * self.budget_bytes)
         capacity = device_capacity(next(self.model.parameters()).device)
         # the reserve measured in one step does not bound the next's ("Allocator headroom"): never past the headroom
         if capacity is not None:
-            target = min(target, capacity - max(0, reserved - allocated), plannable_budget(target, capacity))
+            target = min(
+                target,
+                capacity - max(0, reserved - allocated),
+                plannable_budget(target, capacity, headroom=headroom),
+            )
         return target
 
     def _new_shape(self, signature: Hashable, args: tuple, kwargs: dict) -> ShapeBudget:
@@ -492,14 +515,22 @@ class BudgetPlanner:
         """The first plan of a new input shape: the profile with the optimizer's bytes, the plan, its target."""
         capacity = device_capacity(next(self.model.parameters()).device)
         budget = plannable_budget(self.budget_bytes, capacity)
+        lean_budget = None
+        if self._few_trainable(profile):
+            lean_budget = plannable_budget(self.budget_bytes, capacity, headroom=LEAN_HEADROOM)
         if budget < self.budget_bytes and not self._warned_capacity:
             self._warned_capacity = True
+            quiet = (
+                f" ({format_bytes(lean_budget)} for a plan that copies nothing to host memory)"
+                if lean_budget is not None and lean_budget > budget
+                else ""
+            )
             warnings.warn(
                 f"gradient_checkpointing_backend='auto': the budget of {format_bytes(self.budget_bytes)} leaves the "
                 f"CUDA caching allocator too little room on this device ({format_bytes(capacity or 0)} usable by "
                 f"this process; its reserve runs up to {1 / ALLOCATOR_HEADROOM:.2f}x the allocated peak under "
-                f"offload): planning for {format_bytes(budget)}. Set gradient_checkpointing_memory_budget at or "
-                f"below that to silence this.",
+                f"offload): planning for {format_bytes(budget)}{quiet}. Set gradient_checkpointing_memory_budget at "
+                f"or below that to silence this.",
                 MemfitWarning,
                 stacklevel=6,
             )
@@ -517,7 +548,9 @@ class BudgetPlanner:
             )
         step_least = self._optimizer_step_least(profile)
         # with a closed loop the first plan is made with a margin (its own step must fit too)
-        target = budget - int(FIRST_PLAN_MARGIN * self.budget_bytes) if self.meter is not None else budget
+        margin = int(FIRST_PLAN_MARGIN * self.budget_bytes) if self.meter is not None else 0
+        target = budget - margin
+        lean = None if lean_budget is None else lean_budget - margin
         # below what any plan reaches, the smallest plan is still tried if it is within the user's own budget: the
         # closed loop measures it (the allocator's headroom above is a guess until a step was measured)
         try:
@@ -540,7 +573,8 @@ class BudgetPlanner:
         card = self._card_bytes()
         if card is not None and _card_need(plan) > card:  # not even the leanest plan fits the device
             raise self._card_error(plan, card)
-        return profile, plan, target
+        quieter = self._quieter(profile, plan, lean) if lean is not None and lean > target else None
+        return (profile, quieter, lean) if quieter is not None else (profile, plan, target)
 
     def _plan_at(self, profile: ModelProfile, target: int, *, at_least: int | None = None) -> Plan:
         """The cheapest plan for ``target``; below what any plan reaches, the smallest plan if that is within
@@ -567,17 +601,32 @@ class BudgetPlanner:
         )
         return dataclasses.replace(best, budget_bytes=target, smallest_peak_bytes=chosen.smallest_peak_bytes)
 
+    def _quieter(self, profile: ModelProfile, than: Plan, lean: int | None) -> Plan | None:
+        """The cheapest plan that copies nothing (no parked activations, no streamed weights) for ``lean``, the
+        target :data:`LEAN_HEADROOM` gives such plans, where it is cheaper than ``than`` (else None)."""
+        if lean is None:
+            return None
+        try:
+            quiet = self._cheapest(profile, lean, at_least=lean, variant=_NO_COPY)
+        except BudgetError:
+            return None
+        if quiet.predicted_peak_bytes > lean or quiet.predicted_extra_seconds >= than.predicted_extra_seconds:
+            return None
+        return dataclasses.replace(quiet, budget_bytes=lean, smallest_peak_bytes=than.smallest_peak_bytes)
+
     def _cheapest(
         self, profile: ModelProfile, target: int, *, at_least: int | None = None, variant: str = _PLAIN
     ) -> Plan:
         """:meth:`_plan_at`'s search for one ``variant``: every policy (plain), copies weighed with their reserve
-        (the budget counts :data:`COPY_RESERVE` per byte copied), or no copies at all."""
-        can_offload = self.can_offload and variant != _NO_OFFLOAD
+        (the budget counts :data:`COPY_RESERVE` per byte copied), no parked activations, or no copies at all (nor
+        streamed weights)."""
+        can_offload = self.can_offload and variant not in (_NO_OFFLOAD, _NO_COPY)
 
         def allowed(b: BlockProfile) -> tuple[BlockPolicy, ...]:
             return allowed_policies(has_ffn=b.has_ffn, has_attention=b.has_attention, can_offload=can_offload)
 
-        max_count = self._streamable(profile)  # once: the fallback below plans with the same host RAM
+        # once: the fallback below plans with the same host RAM
+        max_count = 0 if variant == _NO_COPY else self._streamable(profile)
         held = self._memos.get(id(profile))
         if held is None or held[0] is not profile:  # held with its profile: an id is never reused under it
             held = self._memos[id(profile)] = (profile, {})
@@ -654,6 +703,15 @@ class BudgetPlanner:
             smallest_peak_bytes=least,
             suggested_budget_bytes=suggested,
         )
+
+    def _few_trainable(self, profile: ModelProfile) -> bool:
+        """Whether :data:`LEAN_HEADROOM` may apply: on CUDA, at most :data:`FEW_TRAINABLE_SHARE` of the model's
+        weight bytes train (a full fine-tune's gradients and optimizer state fragment the allocator)."""
+        if not profile.counts_transient:
+            return False
+        weights = sum(p.numel() * p.element_size() for p in self.model.parameters())
+        trainable = profile.outside_trainable_bytes + sum(b.trainable_bytes for b in profile.blocks)
+        return trainable <= FEW_TRAINABLE_SHARE * weights
 
     def _streamable(self, profile: ModelProfile) -> int:
         """How many blocks may stream their weights at this profile (0: none)."""
