@@ -413,7 +413,9 @@ def test_a_lora_plan_that_copies_nothing_may_go_past_the_allocator_headroom(mode
     monkeypatch.setattr(budget_planner, "profile_model", _device_like(budget_planner.profile_model, weights))
     batch = inputs(lora)
     none, smallest = no_checkpoint_peak(lora, batch)
-    budget = int(none / 0.9)  # nothing recomputed fits within LEAN_HEADROOM of it, not within ALLOCATOR_HEADROOM
+    budget = int(
+        none / 0.9
+    )  # nothing recomputed fits within LEAN_HEADROOM of it, not within ALLOCATOR_HEADROOM
     assert budget_planner.ALLOCATOR_HEADROOM * budget < none < budget_planner.LEAN_HEADROOM * budget
     monkeypatch.setattr(budget_planner, "device_capacity", lambda device: budget)
     ran, _, said = train_saying(lora, batch, budget, StandInMeter(error=0), monkeypatch, steps=6)
@@ -437,6 +439,8 @@ def test_a_full_fine_tune_keeps_to_the_allocator_headroom_however_quiet_its_plan
     monkeypatch.setattr(budget_planner, "device_capacity", lambda device: budget)
     ran, _, said = train_saying(model, batch, budget, StandInMeter(error=0), monkeypatch, steps=6)
     headroom = int(budget * budget_planner.ALLOCATOR_HEADROOM)
-    assert all(p.budget_bytes <= headroom for p in ran)  # (its optimizer step may peak above: below the floor)
+    assert all(
+        p.budget_bytes <= headroom for p in ran
+    )  # (its optimizer step may peak above: below the floor)
     assert ran[-1].budget_bytes == headroom  # the margin given back, up to the headroom and no further
     assert not any("for a plan that copies nothing" in m for m in said)
