@@ -444,3 +444,44 @@ def test_a_full_fine_tune_keeps_to_the_allocator_headroom_however_quiet_its_plan
     )  # (its optimizer step may peak above: below the floor)
     assert ran[-1].budget_bytes == headroom  # the margin given back, up to the headroom and no further
     assert not any("for a plan that copies nothing" in m for m in said)
+
+
+class FirstStepReserveMeter(StandInMeter):
+    """Exact allocated peaks; the first step's reserved peak ``excess`` above it, none after."""
+
+    def __init__(self, excess: int) -> None:
+        super().__init__(error=0)
+        self.excess = excess
+
+    def read(self) -> tuple[int, int]:
+        allocated, _ = super().read()
+        return allocated, allocated + (self.excess if len(self.readings) == 1 else 0)
+
+
+def test_each_plan_measured_within_the_budget_is_the_one_to_fall_back_to_and_the_next_may_be_faster(
+    model, monkeypatch
+):
+    """The first step's reserve leaves room for a plan a little faster than the first; that one measured within the
+    budget with little reserve, so the fastest (nothing recomputed, within the lean target) is tried next: a plan
+    given back is not the last one tried."""
+    lora = _lora(model)
+    batch = inputs(lora)
+    profile_model = budget_planner.profile_model
+    monkeypatch.setattr(budget_planner, "profile_model", _device_like(profile_model, 0))
+    activations, _ = no_checkpoint_peak(lora, batch)
+    # static bytes that make each of the 7 blocks' activations about 1% of the budget: plans a step apart differ
+    monkeypatch.setattr(budget_planner, "profile_model", _device_like(profile_model, 14 * activations))
+    none, _ = no_checkpoint_peak(lora, batch)
+    budget = int(none / 0.93)  # nothing recomputed fits the lean target once a step measured little reserve
+    monkeypatch.setattr(budget_planner, "device_capacity", lambda device: budget)
+    meter = FirstStepReserveMeter(excess=int(0.09 * budget))
+    ran, _, _ = train_saying(lora, batch, budget, meter, monkeypatch, steps=6)
+    tried = [p for k, p in enumerate(ran) if k == 0 or not p.runs_like(ran[k - 1])]
+    assert len(tried) == 3, [
+        p.counts() for p in tried
+    ]  # the first plan, one a step's reserve allowed, the fastest
+    assert (
+        tried[0].predicted_extra_seconds > tried[1].predicted_extra_seconds > tried[2].predicted_extra_seconds
+    )
+    assert not tried[2].needed or tried[2].predicted_extra_seconds == 0
+    assert all(m <= budget for m in meter.readings)

@@ -364,8 +364,10 @@ class BudgetPlanner:
             shape.limit_steps += 1
         if allocated > self.budget_bytes or at_limit:
             self._correct(signature, shape, target, allocated, at_limit=at_limit)
-        elif shape.fallback is None:
-            # within the budget with room to spare: a faster plan may fit; the measured one is kept to fall back to
+        else:
+            # within the budget: this plan is the one to fall back to from now on; with room to spare a faster plan
+            # may fit (each one tried for a higher target than the last, so the tries end)
+            shape.fallback = None
             faster, made_for = None, target
             if target > shape.target_bytes:
                 faster = self._plan_at(shape.profile, target)
