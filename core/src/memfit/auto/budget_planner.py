@@ -365,11 +365,11 @@ class BudgetPlanner:
         if allocated > self.budget_bytes or at_limit:
             self._correct(signature, shape, target, allocated, at_limit=at_limit)
         else:
-            # within the budget: this plan is the one to fall back to from now on; with room to spare a faster plan
-            # may fit (each one tried for a higher target than the last, so the tries end)
-            shape.fallback = None
+            # within the budget with room to spare: a faster plan may fit; the measured one is kept to fall back to.
+            # One such plan is tried; a plan without copies for the lean target also after it, once a step measured
+            # the room (each for a higher target than the last, so the tries end)
             faster, made_for = None, target
-            if target > shape.target_bytes:
+            if shape.fallback is None and target > shape.target_bytes:
                 faster = self._plan_at(shape.profile, target)
             if lean is not None and lean > max(target, shape.target_bytes):
                 quieter = self._quieter(shape.profile, faster or shape.plan, lean)
