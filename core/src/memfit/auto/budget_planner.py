@@ -61,9 +61,9 @@ MEASURED_MARGIN = 0.01
 # a step that reached the process's limit (the allocator freed its cache and retried) is re-planned this share of the
 # budget leaner: a card of the budget's size had one allocation left before running out (docs/cost-model.md)
 LIMIT_STEP_BACK = 0.03
-# _plan_at's searches (see "Copy reserve"): every policy, copies weighed with their reserve, no copies
-_PLAIN, _RESERVE, _NO_OFFLOAD = "plain", "reserve", "no-offload"
-_NO_COPY = "no-copy"  # nothing parked and nothing streamed: the search LEAN_HEADROOM applies to
+# _plan_at's searches (see "Copy reserve"): every policy, copies weighed with their reserve, no parked activations;
+# and the lean target's: nothing parked and nothing streamed
+_PLAIN, _RESERVE, _NO_OFFLOAD, _NO_COPY = "plain", "reserve", "no-offload", "no-copy"
 # of what the process can hold: the most a model that starts on the host keeps resident while auto profiles it
 # (the rest is the profile's own room: one forward's working memory, one block alone forward and backward)
 PROFILE_RESIDENT_SHARE = 0.5
@@ -522,7 +522,7 @@ class BudgetPlanner:
             lean_budget = plannable_budget(self.budget_bytes, capacity, headroom=LEAN_HEADROOM)
         if budget < self.budget_bytes and not self._warned_capacity:
             self._warned_capacity = True
-            quiet = (
+            lean_note = (
                 f" ({format_bytes(lean_budget)} for a plan that copies nothing to host memory)"
                 if lean_budget is not None and lean_budget > budget
                 else ""
@@ -531,7 +531,7 @@ class BudgetPlanner:
                 f"gradient_checkpointing_backend='auto': the budget of {format_bytes(self.budget_bytes)} leaves the "
                 f"CUDA caching allocator too little room on this device ({format_bytes(capacity or 0)} usable by "
                 f"this process; its reserve runs up to {1 / ALLOCATOR_HEADROOM:.2f}x the allocated peak under "
-                f"offload): planning for {format_bytes(budget)}{quiet}. Set gradient_checkpointing_memory_budget at "
+                f"offload): planning for {format_bytes(budget)}{lean_note}. Set gradient_checkpointing_memory_budget at "
                 f"or below that to silence this.",
                 MemfitWarning,
                 stacklevel=6,
@@ -575,6 +575,7 @@ class BudgetPlanner:
         card = self._card_bytes()
         if card is not None and _card_need(plan) > card:  # not even the leanest plan fits the device
             raise self._card_error(plan, card)
+        # a plan without copies may go to the lean target (above CARD_FIT too: "Allocator headroom")
         quieter = self._quieter(profile, plan, lean) if lean is not None and lean > target else None
         return (profile, quieter, lean) if quieter is not None else (profile, plan, target)
 
