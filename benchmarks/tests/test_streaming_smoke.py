@@ -97,6 +97,16 @@ def test_an_unknown_fixed_mode_is_a_usage_error(capsys):
     assert "--fixed" in err and "offload_attention" in err
 
 
+def test_a_fixed_mode_that_is_already_a_row_is_a_usage_error(capsys):
+    from memfit_benchmarks import streaming
+
+    with pytest.raises(SystemExit):
+        streaming.main(
+            ["--backend", "torch-ffn", "--blocks", "0", "--fixed", "torch-ffn", "--out", "/tmp/unused"]
+        )
+    assert "already a row" in capsys.readouterr().err
+
+
 def test_a_card_s_size_needs_cuda(capsys):
     from memfit_benchmarks import streaming
 

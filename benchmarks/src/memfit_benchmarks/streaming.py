@@ -180,11 +180,14 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
             r["x_fastest_fixed"] = paired_ratio(r, fastest) or r["step_s"] / fastest["step_s"]
 
 
+def _unconstrained(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The measured rows of fixed modes that stream nothing (neither ``auto`` nor the fixed knob)."""
+    return [r for r in rows if measured(r) and "budget_bytes" not in r and not r.get("streamed_blocks")]
+
+
 def _fastest_unconstrained(rows: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """The fastest measured row that is neither ``auto`` nor streams anything: the fastest fixed mode on a card
-    with room for it."""
-    fixed = [r for r in rows if measured(r) and "budget_bytes" not in r and not r.get("streamed_blocks")]
-    return min(fixed, key=lambda r: r["step_s"], default=None)
+    """The fastest fixed mode on a card with room for it."""
+    return min(_unconstrained(rows), key=lambda r: r["step_s"], default=None)
 
 
 def _fewest_fitting(rows: list[dict[str, Any]], budget: int) -> dict[str, Any] | None:
@@ -338,7 +341,7 @@ def render(payload: dict[str, Any]) -> str:
     for r in payload["rows"]:
         if r.get("fixed_knob"):
             lines.append(fixed_knob_note(r))
-        if r.get("fastest_fixed") and len([row for row in payload["rows"] if "budget_bytes" not in row]) > 1:
+        if r.get("fastest_fixed") and len(_unconstrained(payload["rows"])) > 1:
             lines.append(
                 f"- {r['mode']}: {r['x_fastest_fixed']:.3f}× the step of `{r['fastest_fixed']}`, the fastest fixed "
                 "mode measured here unconstrained (paired by round)"
@@ -536,6 +539,10 @@ def main(argv: list[str] | None = None) -> Path | None:
         parser.error(f"--budgets / --card-budgets: {exc}")
     try:
         args.fixed = fixed_modes(args.fixed)
+        rows = {mode_for(args.backend, t).name for t in args.blocks}
+        twice = [m.name for m in args.fixed if m.name in rows]
+        if twice:
+            raise ValueError(f"{twice[0]!r} is already a row of --backend/--blocks; leave it out of --fixed")
     except ValueError as exc:
         parser.error(f"--fixed: {exc}")
     if args.card_budgets and torch.device(args.device).type != "cuda":
