@@ -163,6 +163,37 @@ def test_profiled_attention_copy_bytes_equal_what_offload_attention_copies():
     )
 
 
+def test_profiled_park_bytes_are_what_parking_the_blocks_copies(monkeypatch):
+    """BlockPolicy.PARK copies every view a block saves of its own storages (each once); what a parked block
+    copies beyond that is what it alone saw first of the step's shared tensors (copied once for all)."""
+    peft = pytest.importorskip("peft")
+    from helpers import force_auto_plan
+
+    torch.manual_seed(0)
+    lora_model = TINY.build(dtype=torch.float32, device="cpu").requires_grad_(False)
+    lora_model.add_adapter(peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    batch = inputs(lora_model)
+    profile = profile_model(lora_model, ADAPTER, (), batch, min_offload_bytes=0, copy_bytes_per_second=1e9)
+    for b in profile.blocks:
+        # (a view narrower than its storage copies less than parking frees)
+        assert 0 < b.park_bytes <= b.saved_bytes and b.park_copy_bytes > 0
+        assert b.park_hook_calls > b.attention_hook_calls > 0  # every save in the block, its attention's too
+    force_auto_plan(monkeypatch, lambda names: [BlockPolicy.PARK] * len(names))
+    with memfit.apply(
+        lora_model, auto_config("1GiB"), copy_engine=cpu_copy_engine(), min_offload_bytes=0
+    ) as handle:
+        ADAPTER.loss(lora_model(**batch)).backward()
+        stats = handle.stats()
+    lora_model.zero_grad(set_to_none=True)
+    copied = stats["bytes_offloaded"] + stats["bytes_kept_on_device"]  # (the last two blocks keep theirs)
+    own = sum(b.park_copy_bytes for b in profile.blocks)
+    assert own <= copied <= own + profile.outside_bytes + profile.attention_shared_copy_bytes
+    nothing = profile_model(
+        lora_model, ADAPTER, (), batch, min_offload_bytes=1 << 40, copy_bytes_per_second=1e9
+    )
+    assert all(b.park_copy_bytes == b.park_bytes == 0 for b in nothing.blocks)
+
+
 def test_the_first_block_keeps_no_more_than_the_others():
     """Inputs are judged after the forward: the rotary tables, text context and time embedding reach Wan's
     first block before anything saved them, and are held for every block anyway. Counted as the first

@@ -493,3 +493,44 @@ def test_a_suggested_card_holds_the_plan_once_workspaces_appear(profiled, copied
     workspaces the allowances stand for (the plan read at the suggested budget then peaks higher)."""
     later = int(profiled * (1 + FLOOR_ALLOWANCE)) + WORKSPACE_ALLOWANCE
     assert card_need(later, copied) <= CARD_FIT * suggested_budget(profiled, copied_bytes=copied)
+
+
+def parkable(b: BlockProfile, park: int, copy: int | None = None, hooks: int = 20) -> BlockProfile:
+    """``b`` with ``park`` MiB of its own saves worth a copy (copied as ``copy`` MiB of views)."""
+    return dataclasses.replace(
+        b,
+        park_bytes=park * MiB,
+        park_copy_bytes=(park if copy is None else copy) * MiB,
+        park_hook_calls=hooks,
+    )
+
+
+def test_parking_a_block_keeps_what_is_not_worth_a_copy_and_pays_what_its_forward_and_backward_do_not_hide():
+    """A parked block holds only what is not worth a copy; its copy is charged where it outlasts the block's
+    forward (device to host) and the backward its reload hides behind, plus its tensors' hooks; nothing is
+    recomputed. A block with nothing worth a copy is not offered it."""
+    b = parkable(block(0, 100, 40, 40, flops=10**12), park=90, copy=95)  # forward 10 ms
+    fast = {c.policy: c for c in block_choices(b, profile([b], bandwidth=1e12), everything(b))}
+    park, keep = fast[BlockPolicy.PARK], fast[BlockPolicy.KEEP]
+    assert park.kept == 10 * MiB and park.copied == 95 * MiB
+    assert park.own - keep.own == 5 * MiB  # the views reloaded beyond the storages parking freed
+    assert park.seconds < fast[BlockPolicy.FFN].seconds  # a 0.1 ms copy against half a forward recomputed
+    slow = {c.policy: c for c in block_choices(b, profile([b], bandwidth=1e9), everything(b))}
+    copy = 95 * MiB / 1e9  # ~0.1 s against 10 ms of forward and 20 of backward
+    assert slow[BlockPolicy.PARK].seconds >= (copy - 0.01) + (copy - 0.02)
+    assert slow[BlockPolicy.PARK].seconds > slow[BlockPolicy.BLOCK].seconds  # recompute is cheaper there
+    bare = block(0, 100, 40, 40)
+    assert BlockPolicy.PARK not in {c.policy for c in block_choices(bare, profile([bare]), everything(bare))}
+
+
+def test_the_planner_parks_blocks_where_that_is_cheapest_and_never_without_a_copy_engine():
+    blocks = [parkable(block(i, 200, 40, 40, flops=10**13), park=195) for i in range(4)]
+    prof = profile(blocks, bandwidth=1e12)
+    tight = prof.static_bytes + prof.outside_bytes + prof.workspace_bytes + 500 * MiB
+    plan = plan_policies(prof, tight, allowed=everything)
+    assert BlockPolicy.PARK in {p for _, p in plan.blocks} and plan.predicted_peak_bytes <= tight
+    assert plan.copied_bytes >= 195 * MiB
+    no_copies = plan_policies(
+        prof, tight, allowed=lambda b: allowed_policies(has_ffn=True, has_attention=True, can_offload=False)
+    )
+    assert BlockPolicy.PARK not in {p for _, p in no_copies.blocks}

@@ -491,3 +491,45 @@ def test_parking_keeps_no_graph_alive_across_steps(backend):
             step(model, x)
         assert handle.stats()["bytes_offloaded"] > 0
         assert live_tensors() == before
+
+
+def test_auto_blocks_parked_whole_give_the_same_gradients_and_are_reloaded_ahead(monkeypatch):
+    """``BlockPolicy.PARK``: everything a block saves waits in host memory, nothing is recomputed. Mixed with
+    whole-block recompute, input offload and keeping, on Flux (double- and single-stream blocks, LoRA): every
+    gradient bitwise equal to the unmodified model's, each parked block a region of the timeline whose tensors
+    come back before its backward starts (never on demand), and only the recomputed blocks recompute."""
+    flux = pytest.importorskip("memfit_flux").ADAPTER
+    peft = pytest.importorskip("peft")
+    from memfit.auto import BlockPolicy
+
+    mix = (BlockPolicy.PARK, BlockPolicy.BLOCK, BlockPolicy.PARK, BlockPolicy.BLOCK_OFFLOAD, BlockPolicy.KEEP)
+    force_auto_plan(monkeypatch, lambda names: [mix[i % len(mix)] for i in range(len(names))])
+    torch.manual_seed(0)
+    model = flux.presets["tiny"].build(dtype=torch.float32, device="cpu").requires_grad_(False)
+    model.add_adapter(peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v", "to_out.0", "proj_mlp"]))
+    batch = flux.presets["tiny"].inputs(model, tokens=64, generator=torch.Generator().manual_seed(1))
+    flux.loss(model(**batch)).backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    assert reference
+    model.zero_grad(set_to_none=True)
+    config = {**ON, "gradient_checkpointing_backend": "auto", "gradient_checkpointing_memory_budget": "1GiB"}
+    sizes, started, first = _log_backward_reloads(
+        monkeypatch, model, flux, batch, flux.loss, None, config=config
+    )
+    assert (
+        sum(1 for size in sizes if size) >= 2
+    )  # parked and input-offloaded blocks (the last two keep theirs)
+    assert first  # reloads happened, each before its region's backward started (the helper checks)
+    assert all(torch.equal(p.grad, reference[n]) for n, p in model.named_parameters() if p.grad is not None)
+    assert reference.keys() == {n for n, p in model.named_parameters() if p.grad is not None}
+
+    with memfit.apply(model, config, adapter=flux, copy_engine=make_engine(), min_offload_bytes=0) as handle:
+        flux.loss(model(**batch)).backward()
+        stats = handle.stats()
+        plan = handle.region_plan
+    model.zero_grad(set_to_none=True)
+    policies = [b.policy for b in plan.blocks]
+    recomputed = sum(1 for p in policies if p.recompute == "block")
+    assert stats["recomputes"] == recomputed  # parked blocks never recompute
+    assert stats["attention_calls_offloaded"] == policies.count(BlockPolicy.PARK)  # one parked call each
+    assert stats["attention_tensors_parked"] > 0 and stats["bytes_offloaded"] > 0

@@ -154,8 +154,11 @@ def install(
                     _add_site(sites, module, site)
         return sites
 
-    attention = _attention_modules(model, adapter, lists, plan)
-    offloader = AttentionOffloader(session, attention) if attention and session is not None else None
+    # the calls whose saves are parked whole: declared attention regions, and the blocks the plan parks
+    parked_calls = _attention_modules(model, adapter, lists, plan) + [
+        lists[b.path][b.index] for b in plan.blocks if b.policy.parks_block
+    ]
+    offloader = AttentionOffloader(session, parked_calls) if parked_calls and session is not None else None
     listeners: list[StepListener] = [session] if session is not None else []
     if offloader is not None:
         listeners.append(offloader)

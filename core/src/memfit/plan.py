@@ -43,6 +43,7 @@ class BlockPolicy(enum.StrEnum):
     FFN_OFFLOAD_ATTENTION_OFFLOAD = "ffn-offload+attention-offload"  # unsloth-ffn with attention offload
     BLOCK = "block"  # whole block recomputed
     BLOCK_OFFLOAD = "block-offload"  # whole block recomputed, its saved inputs parked in host memory
+    PARK = "park"  # nothing recomputed: everything the block saves goes to pinned host memory (auto only)
 
     @property
     def recompute(self) -> str | None:
@@ -68,8 +69,13 @@ class BlockPolicy(enum.StrEnum):
         return self.value.endswith("attention-offload")
 
     @property
+    def parks_block(self) -> bool:
+        """Every tensor the block's call saves is parked, as attention offload parks an attention call's."""
+        return self is BlockPolicy.PARK
+
+    @property
     def copies(self) -> bool:
-        return self.offloads_inputs or self.offloads_attention
+        return self.offloads_inputs or self.offloads_attention or self.parks_block
 
 
 class BlockEntry(enum.StrEnum):

@@ -11,7 +11,9 @@ from memfit.plan import BlockPolicy
 # Fixed host costs, from H200 measurements (docs/cost-model.md):
 RECOMPUTE_REGION_SECONDS = 50e-6  # per recomputed region: hooks, frame bookkeeping, replay
 OFFLOAD_REGION_SECONDS = 50e-6  # per parked region: events, pool and stream bookkeeping
-HOOKED_TENSOR_SECONDS = 10e-6  # per tensor saved inside an offloaded attention call: pack and fetch hooks
+HOOKED_TENSOR_SECONDS = (
+    10e-6  # per tensor saved inside an offloaded attention call (or parked block): pack and fetch
+)
 NOMINAL_FLOPS_PER_SECOND = {"cuda": 4e14, "cpu": 5e10}  # converts the fixed costs above to FLOPs
 
 
@@ -61,6 +63,8 @@ def block_choices(
         reload_cover = profile.backward_to_forward * forward_seconds
     out = []
     for policy in allowed:
+        if policy.parks_block and not block.park_copy_bytes:
+            continue  # nothing worth a copy: parking would be keeping, with hooks
         kept, extra, copied, flops = _effect(policy, block)
         recomputed_ffn = 0
         if policy.recompute == "ffn":  # at the FFN regions' own rate
@@ -71,6 +75,8 @@ def block_choices(
             flops += OFFLOAD_REGION_SECONDS * nominal
         if policy.offloads_attention:
             flops += HOOKED_TENSOR_SECONDS * block.attention_hook_calls * nominal
+        if policy.parks_block:
+            flops += HOOKED_TENSOR_SECONDS * block.park_hook_calls * nominal
         seconds = flops / rate + recomputed_ffn / ffn_rate
         if copied:
             if not bandwidth:
@@ -121,5 +127,12 @@ def _effect(policy: BlockPolicy, b: BlockProfile) -> tuple[int, int, int, int]:
             0,
             b.input_parkable_bytes,
             b.flops,
+        ),
+        # everything parked: a reload brings back each copied view, which can exceed the storages freed
+        BlockPolicy.PARK: (
+            b.saved_bytes - b.park_bytes,
+            max(0, b.park_copy_bytes - b.park_bytes),
+            b.park_copy_bytes,
+            0,
         ),
     }[policy]

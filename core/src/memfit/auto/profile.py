@@ -97,6 +97,12 @@ class BlockProfile:
     saved_after_bytes: int = 0
     # its frozen weights that could stream from host memory (memfit.offload.weights): what streaming it frees
     frozen_bytes: int = 0
+    # parking the whole block (BlockPolicy.PARK): its own saved storages worth a copy (what parking frees), what
+    # parking them copies (each distinct view once), and every tensor autograd saves inside its call (each goes
+    # through the pack hook in forward and the fetch hook in backward)
+    park_bytes: int = 0
+    park_copy_bytes: int = 0
+    park_hook_calls: int = 0
 
     @property
     def name(self) -> str:
@@ -178,11 +184,16 @@ class _Storage:
     scopes: set[str] = field(default_factory=set)  # "ffn", "attention", "other" within its block
     attention_views: dict[tuple, int] = field(default_factory=dict)  # saved in attention: view -> bytes
     attention_view_saves: dict[tuple, int] = field(default_factory=dict)  # view -> times saved
+    block_views: dict[tuple, int] = field(default_factory=dict)  # saved inside a block call: view -> bytes
 
     def attention_copy_bytes(self, min_bytes: int) -> int:
         """Bytes attention offload copies to park this storage's views saved inside attention calls (one copy
         per distinct view; views smaller than ``min_bytes`` or larger than the storage — broadcasts — stay)."""
         return sum(n for n in self.attention_views.values() if min_bytes <= n <= self.nbytes)
+
+    def park_copy_bytes(self, min_bytes: int) -> int:
+        """Bytes parking its block whole copies for this storage's views (as :meth:`attention_copy_bytes`)."""
+        return sum(n for n in self.block_views.values() if min_bytes <= n <= self.nbytes)
 
     def attention_saves(self, min_bytes: int) -> int:
         """How many saved tensors attention offload packs for those views (every save, repeated ones too)."""
@@ -211,6 +222,7 @@ class _Recorder:
         self.block_flops = [0] * n_blocks
         self.ffn_flops = [0] * n_blocks
         self.attention_hook_calls = [0] * n_blocks
+        self.block_hook_calls = [0] * n_blocks
         self.attention_calls = [0] * n_blocks
         self._mark: list[int] = []
 
@@ -246,12 +258,17 @@ class _Recorder:
         return self.live[key]
 
     def pack(self, tensor: torch.Tensor) -> None:
-        if self.block is not None and self.scope and self.scope[-1] == "attention":
-            self.attention_hook_calls[self.block] += 1
+        if self.block is not None:
+            self.block_hook_calls[self.block] += 1
+            if self.scope and self.scope[-1] == "attention":
+                self.attention_hook_calls[self.block] += 1
         i = self._lookup(tensor, saved=True)
         if i is not None:
             s = self.storages[i]
             s.blocks.add(self.block)
+            if self.block is not None:
+                view = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+                s.block_views[view] = tensor.numel() * tensor.element_size()
             if self.scope and self.scope[-1] == "attention":
                 view = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
                 s.attention_views[view] = tensor.numel() * tensor.element_size()
@@ -435,6 +452,9 @@ def profile_model(
                 saved_after_bytes=rec.saved_after(b),
                 trainable_bytes=_trainable_bytes(block.parameters()),
                 frozen_bytes=_streamable_bytes(block),
+                park_bytes=sum(s.nbytes for s in own if s.park_copy_bytes(min_offload_bytes)),
+                park_copy_bytes=sum(s.park_copy_bytes(min_offload_bytes) for s in own),
+                park_hook_calls=rec.block_hook_calls[b],
             )
         )
     # (an input of several blocks counts too: every checkpointed region among them holds it; what is saved

@@ -3,7 +3,7 @@
 Each attention call outside a recomputed region is a region of the step's timeline (:class:`SavedGroup`):
 its saved tensors are parked with it, two regions later (:mod:`memfit.offload.session`), and come back when
 backward unpacks them. Inside a region call or a recompute the hooks do nothing, so nothing is ever copied
-twice.
+twice. A block an ``auto`` plan parks (``BlockPolicy.PARK``) is one such call: everything it saves.
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ class SavedGroup(TimelineRegion):
         if tensor._version != handle.version:
             # parked two regions after the call (or kept): what backward would get is not what was saved
             raise MemfitError(
-                "a tensor an attention call saved for backward was modified in place after the call (autograd "
-                "rejects that too, at backward); make the edit out of place, or do not offload this attention "
-                "(gradient_checkpointing_offload_attention: false)."
+                "a tensor an attention call (or a block parked whole) saved for backward was modified in place "
+                "after the call (autograd rejects that too, at backward); make the edit out of place, or do not "
+                "offload this attention (gradient_checkpointing_offload_attention: false)."
             )
         source = handle.source() if handle.source is not None else None
         return source if source is not None else tensor
@@ -87,11 +87,11 @@ class SavedHandle:
 
 
 class AttentionOffloader:
-    """Removable hooks that park everything an attention call saves for backward.
+    """Removable hooks that park everything an attention call (or a parked block's call) saves for backward.
 
     Args:
         session: the model's :class:`OffloadSession`.
-        modules: the attention modules (declared attention regions).
+        modules: the attention modules (declared attention regions) and the blocks a plan parks whole.
     """
 
     def __init__(self, session: OffloadSession, modules: list[nn.Module]) -> None:
