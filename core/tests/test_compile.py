@@ -168,3 +168,31 @@ def test_a_forward_without_grad_is_not_checked():
         with torch.no_grad():
             model(x)
         assert handle.stats()["recomputes"] == 0
+
+
+def test_compiled_blocks_parked_whole_same_gradients_no_recompiles(monkeypatch, eager_reference):
+    """``BlockPolicy.PARK`` wraps the compiled block call as whole-block regions do: the compiled block packs
+    every tensor it saves through the parking hooks."""
+    from torch._dynamo.utils import counters
+
+    from memfit.auto import BlockPolicy
+
+    from helpers import force_auto_plan
+
+    force_auto_plan(monkeypatch, lambda names: [BlockPolicy.PARK] * len(names))
+    model = TINY.build()
+    config = {**ON, "gradient_checkpointing_backend": "auto", "gradient_checkpointing_memory_budget": "1GiB"}
+    torch._dynamo.reset()
+    counters.clear()
+    with memfit.apply(model, config, copy_engine=cpu_copy_engine(), min_offload_bytes=0) as handle:
+        model.compile_repeated_blocks(backend="aot_eager")
+        compiled: list[int] = []
+        for _ in range(3):
+            got = grads(model)
+            compiled.append(counters["stats"]["unique_graphs"])
+            for n, ref in eager_reference.items():  # (the tolerance: see the test above)
+                torch.testing.assert_close(got[n], ref, rtol=1e-6, atol=1e-7, msg=n)
+        stats = handle.stats()
+    assert compiled[0] > 0 and compiled[1] == compiled[2] == compiled[0], compiled
+    assert not counters["recompiles"], dict(counters["recompiles"])
+    assert stats["recomputes"] == 0 and stats["bytes_offloaded"] > 0
