@@ -440,3 +440,32 @@ def test_the_bandwidth_probe_takes_the_fastest_of_samples_spread_in_time():
     best = fastest_of_spaced(lambda: next(timings), samples=6, spacing_s=0.01, sleep=slept.append)
     assert best == 0.0012
     assert slept == [0.01] * 5  # between samples, not before the first or after the last
+
+
+def test_blocks_are_not_parked_whole_past_what_host_ram_can_pin(monkeypatch):
+    """Parked blocks hold what they copy in host memory until backward: a plan whose copies (and streamed
+    weights) would not fit in host RAM is searched again without parking blocks whole."""
+    from memfit.auto import budget_planner
+    from memfit.auto.planner import Plan
+
+    def parking_where_allowed(profile, budget, *, allowed, streamed=None, memo=None, copy_reserve=0.0):
+        def pick(b):
+            return BlockPolicy.PARK if BlockPolicy.PARK in allowed(b) else BlockPolicy.BLOCK
+
+        policies = tuple((b.name, pick(b)) for b in profile.blocks)
+        copied = 1 << 20 if any(p is BlockPolicy.PARK for _, p in policies) else 0
+        return Plan(policies, budget, 0, 0.0, 0, 0, copied_bytes=copied, metric="held activations")
+
+    monkeypatch.setattr(budget_planner, "plan_policies", parking_where_allowed)
+
+    def planned(host_bytes: int) -> set[BlockPolicy]:
+        monkeypatch.setattr(budget_planner.hostmem, "available_host_bytes", lambda: host_bytes)
+        monkeypatch.setattr(budget_planner.hostmem, "default_host_reserve", lambda: 0)
+        with memfit.apply(model, auto_config("1GiB"), copy_engine=cpu_copy_engine(), min_offload_bytes=0) as h:
+            step(model, inputs(model))
+            return {policy for _, policy in h.plan.blocks}
+
+    torch.manual_seed(0)
+    model = TINY.build(dtype=torch.float32, device="cpu")
+    assert planned(1 << 40) == {BlockPolicy.PARK}
+    assert planned(1 << 19) == {BlockPolicy.BLOCK}  # 1 MiB of copies over 512 KiB of host RAM

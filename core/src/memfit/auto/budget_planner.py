@@ -618,22 +618,32 @@ class BudgetPlanner:
         return dataclasses.replace(quiet, budget_bytes=lean, smallest_peak_bytes=than.smallest_peak_bytes)
 
     def _cheapest(
-        self, profile: ModelProfile, target: int, *, at_least: int | None = None, variant: str = _PLAIN
+        self,
+        profile: ModelProfile,
+        target: int,
+        *,
+        at_least: int | None = None,
+        variant: str = _PLAIN,
+        park: bool = True,
     ) -> Plan:
         """:meth:`_plan_at`'s search for one ``variant``: every policy (plain), copies weighed with their reserve
         (the budget counts :data:`COPY_RESERVE` per byte copied), no parked activations, or no copies at all (nor
-        streamed weights)."""
+        streamed weights). A plan that parks blocks whole where its copies and streamed weights would not fit in
+        host RAM is searched again without parking blocks (``park=False``)."""
         can_offload = self.can_offload and variant not in (_NO_OFFLOAD, _NO_COPY)
 
         def allowed(b: BlockProfile) -> tuple[BlockPolicy, ...]:
-            return allowed_policies(has_ffn=b.has_ffn, has_attention=b.has_attention, can_offload=can_offload)
+            policies = allowed_policies(
+                has_ffn=b.has_ffn, has_attention=b.has_attention, can_offload=can_offload
+            )
+            return policies if park else tuple(p for p in policies if not p.parks_block)
 
         # once: the fallback below plans with the same host RAM
         max_count = 0 if variant == _NO_COPY else self._streamable(profile)
         held = self._memos.get(id(profile))
         if held is None or held[0] is not profile:  # held with its profile: an id is never reused under it
             held = self._memos[id(profile)] = (profile, {})
-        memo = held[1].setdefault(variant, {})
+        memo = held[1].setdefault((variant, park), {})
         copy_reserve = COPY_RESERVE if variant == _RESERVE else 0.0
 
         def plan(bytes_: int) -> Plan:
@@ -654,12 +664,21 @@ class BudgetPlanner:
                 raise
             # below what any plan reaches: the smallest plan, or the BudgetError that names the user's budget
             chosen = plan(exc.smallest_peak_bytes if exc.smallest_peak_bytes <= limit else limit)
+        if park and self._parks_past_host_memory(chosen):
+            return self._cheapest(profile, target, at_least=at_least, variant=variant, park=False)
         step = _optimizer_step_peak(profile, chosen)
         return (
             dataclasses.replace(chosen, predicted_peak_bytes=step)
             if step > chosen.predicted_peak_bytes
             else chosen
         )
+
+    def _parks_past_host_memory(self, plan: Plan) -> bool:
+        """``plan`` parks blocks whole, and what it copies in a step (parked until backward) with the weights it
+        streams is more than host RAM can pin."""
+        if not any(policy.parks_block for _, policy in plan.blocks):
+            return False
+        return plan.copied_bytes + plan.streamed_bytes > self._host_bytes()
 
     def _card_bytes(self) -> int | None:
         """What a plan's peak and its copies' reserve may reach on this process's device (None: no cap)."""
