@@ -461,7 +461,9 @@ def test_blocks_are_not_parked_whole_past_what_host_ram_can_pin(monkeypatch):
     def planned(host_bytes: int) -> set[BlockPolicy]:
         monkeypatch.setattr(budget_planner.hostmem, "available_host_bytes", lambda: host_bytes)
         monkeypatch.setattr(budget_planner.hostmem, "default_host_reserve", lambda: 0)
-        with memfit.apply(model, auto_config("1GiB"), copy_engine=cpu_copy_engine(), min_offload_bytes=0) as h:
+        with memfit.apply(
+            model, auto_config("1GiB"), copy_engine=cpu_copy_engine(), min_offload_bytes=0
+        ) as h:
             step(model, inputs(model))
             return {policy for _, policy in h.plan.blocks}
 
