@@ -120,6 +120,8 @@ class MemfitHandle:
         }
         offloader = installation.offloader  # None when no block offloads attention (or all are recomputed)
         out["attention_calls_offloaded"] = offloader.calls if offloader is not None else 0
+        out["block_calls_parked"] = offloader.block_calls if offloader is not None else 0  # BlockPolicy.PARK
+        # saved tensors parked by either (attention calls, blocks parked whole)
         out["attention_tensors_parked"] = offloader.tensors_parked if offloader is not None else 0
         return out
 
@@ -134,7 +136,8 @@ class MemfitHandle:
             session.copy.reset_stats()
             session.copy.pool.reset_counters()
         if installation.offloader is not None:
-            installation.offloader.calls = installation.offloader.tensors_parked = 0
+            offloader = installation.offloader
+            offloader.calls = offloader.block_calls = offloader.tensors_parked = 0
 
     def describe(self) -> str:
         """What is checkpointed or offloaded where: one line per kind of region, and ``auto``'s plan."""

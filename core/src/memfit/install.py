@@ -155,10 +155,13 @@ def install(
         return sites
 
     # the calls whose saves are parked whole: declared attention regions, and the blocks the plan parks
-    parked_calls = _attention_modules(model, adapter, lists, plan) + [
-        lists[b.path][b.index] for b in plan.blocks if b.policy.parks_block
-    ]
-    offloader = AttentionOffloader(session, parked_calls) if parked_calls and session is not None else None
+    parked_blocks = [lists[b.path][b.index] for b in plan.blocks if b.policy.parks_block]
+    parked_calls = _attention_modules(model, adapter, lists, plan) + parked_blocks
+    offloader = (
+        AttentionOffloader(session, parked_calls, blocks=frozenset(parked_blocks))
+        if parked_calls and session is not None
+        else None
+    )
     listeners: list[StepListener] = [session] if session is not None else []
     if offloader is not None:
         listeners.append(offloader)

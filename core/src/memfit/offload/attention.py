@@ -92,12 +92,17 @@ class AttentionOffloader:
     Args:
         session: the model's :class:`OffloadSession`.
         modules: the attention modules (declared attention regions) and the blocks a plan parks whole.
+        blocks: which of ``modules`` are blocks parked whole (their calls are counted apart).
     """
 
-    def __init__(self, session: OffloadSession, modules: list[nn.Module]) -> None:
+    def __init__(
+        self, session: OffloadSession, modules: list[nn.Module], *, blocks: frozenset[nn.Module] = frozenset()
+    ) -> None:
         self.session = session
         self.modules = modules
-        self.calls = 0
+        self.blocks = blocks
+        self.calls = 0  # attention calls parked
+        self.block_calls = 0  # calls of blocks parked whole
         self.tensors_parked = 0
         self.hooks = HookRuns("attention")  # runs of the pre-hook, offloading or not
         self._handles: list[Any] = []
@@ -136,7 +141,10 @@ class AttentionOffloader:
         hooks.__enter__()
         state.enter_region_call(functools.partial(self._undo, module, hooks))
         self._active.append((module, hooks, group))
-        self.calls += 1
+        if module in self.blocks:
+            self.block_calls += 1
+        else:
+            self.calls += 1
 
     def _post(self, module: nn.Module, args: tuple, output: Any) -> None:
         if not self._active or self._active[-1][0] is not module:
