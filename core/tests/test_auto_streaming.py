@@ -871,3 +871,34 @@ def test_the_budget_a_budget_error_suggests_plans_even_after_a_few_more_bytes_st
     for left in (int(0.001 * exc.smallest_peak_bytes), 70 * MiB):  # a share, and cuBLAS's workspaces
         later = dataclasses.replace(prof, static_bytes=prof.static_bytes + left)
         assert plan_policies(later, plain, allowed=allowed).predicted_peak_bytes <= plain
+
+
+def test_resident_blocks_park_whole_where_their_forward_hides_it_and_streamed_blocks_recompute():
+    """A long-sequence video shape (Wan 14B at 14040 tokens): each block's forward is long against the copy of
+    all it saves, so the blocks that keep their weights park everything instead of recomputing, while the
+    streamed ones recompute whole (their recompute brings their weights back). Cheaper than the same budget
+    without parking, and within it."""
+    blocks = tuple(
+        dataclasses.replace(
+            block(i, flops=10**13), park_bytes=38 * MiB, park_copy_bytes=38 * MiB, park_hook_calls=40
+        )
+        for i in range(12)
+    )
+    prof = dataclasses.replace(profile(), blocks=blocks)
+    budget = prof.static_bytes - 6 * WEIGHTS + 200 * MiB  # six blocks' weights must stream
+    plan = plan_for(prof, budget)
+    policies = dict(plan.blocks)
+    assert plan.predicted_peak_bytes <= budget and len(plan.streamed) >= 6
+    assert all(policies[name].recompute == "block" for name in plan.streamed)
+    assert BlockPolicy.PARK in {policies[n] for n in policies if n not in plan.streamed}
+
+    def without_parking(b: BlockProfile) -> tuple[BlockPolicy, ...]:
+        return tuple(p for p in allowed(b) if not p.parks_block)
+
+    recomputing = choose_streaming(
+        prof,
+        lambda streamed: plan_policies(prof, budget, allowed=without_parking, streamed=streamed),
+        seconds=lambda p: p.predicted_extra_seconds,
+        max_count=len(prof.blocks),
+    )
+    assert plan.predicted_extra_seconds < recomputing.predicted_extra_seconds
