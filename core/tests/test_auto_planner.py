@@ -534,3 +534,35 @@ def test_the_planner_parks_blocks_where_that_is_cheapest_and_never_without_a_cop
         prof, tight, allowed=lambda b: allowed_policies(has_ffn=True, has_attention=True, can_offload=False)
     )
     assert BlockPolicy.PARK not in {p for _, p in no_copies.blocks}
+
+
+def test_the_last_two_blocks_never_park_and_a_parked_block_holds_its_tensors_through_the_next_forward():
+    """The step's last two regions never park (backward needs them first): parking the last two blocks would keep
+    everything, with hooks, so it is not offered. A parked block's tensors are parked once the region after the
+    next one starts: the next block's forward runs over them, a term of the parked block's own."""
+    blocks = [
+        dataclasses.replace(
+            parkable(block(i, 200, 40, 40, flops=10**13), park=195), forward_peak_bytes=300 * MiB
+        )
+        for i in range(5)
+    ]
+    prof = profile(blocks, bandwidth=1e12)
+    budget = prof.static_bytes + prof.outside_bytes + prof.workspace_bytes + 700 * MiB
+    plan = plan_policies(prof, budget, allowed=everything)
+    policies = [policy for _, policy in plan.blocks]
+    assert BlockPolicy.PARK in policies[:3] and BlockPolicy.PARK not in policies[3:]
+    assert plan.predicted_peak_bytes <= budget
+    parked = next(i for i, p in enumerate(policies) if p is BlockPolicy.PARK)
+    held_before = sum(
+        {c.policy: c for c in block_choices(b, prof, everything(b))}[p].kept
+        for b, p in zip(blocks[:parked], policies[:parked], strict=True)
+    )
+    park = {c.policy: c for c in block_choices(blocks[parked], prof, everything(blocks[parked]))}[
+        BlockPolicy.PARK
+    ]
+    # (the model's base, then what the blocks before keep, then the parked block's tensors and the next forward)
+    assert (
+        plan.predicted_peak_bytes
+        >= prof.static_bytes + prof.outside_bytes + held_before + 200 * MiB + 300 * MiB
+    )
+    assert park.kept + 195 * MiB == 200 * MiB

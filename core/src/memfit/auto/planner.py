@@ -221,6 +221,7 @@ def plan_policies(
         )
         for i, (b, g) in enumerate(zip(profile.blocks, grads_after, strict=True))
     ]
+    options = _parking_terms(options, profile)
     if options and profile.blocks[-1].attention_calls < 2:
         # the step's last two regions keep their tensors on the device: before a last block whose attention
         # is one region, the block before it is never reloaded, its tensors stay through the whole backward
@@ -369,6 +370,29 @@ def _streaming_options(
                 dataclasses.replace(
                     c, own=max(c.own, start), own_late=c.own if c.own_late is None else c.own_late
                 )
+                for c in opts
+            ]
+        out.append(opts)
+    return out
+
+
+def _parking_terms(options: list[list[Choice]], profile: ModelProfile) -> list[list[Choice]]:
+    """What parking a block whole holds beyond its choice's own terms (see "Parking a block whole" in
+    docs/cost-model.md): the step's last two regions never park, so the last two blocks are not offered it (it
+    would keep everything, with hooks); and a parked block's tensors are still on the device while the next
+    block's forward runs (parked once the region after that starts), so its own term covers that forward."""
+    last = len(options) - 1
+    out = []
+    for i, opts in enumerate(options):
+        if i >= last - 1:
+            opts = [c for c in opts if not c.policy.parks_block]
+        elif profile.counts_transient:
+            pending = profile.blocks[i].park_bytes
+            after = profile.blocks[i + 1].forward_peak_bytes
+            opts = [
+                dataclasses.replace(c, own=max(c.own, c.kept + pending + after))
+                if c.policy.parks_block
+                else c
                 for c in opts
             ]
         out.append(opts)
