@@ -36,8 +36,9 @@ def test_diagnose_tiny_cpu(tmp_path, target):
     rows = [line for line in md.splitlines() if line.startswith("| ") and not line.startswith("| mode")]
     assert [r.split("|")[1].strip() for r in rows] == ["none", "torch"]  # offload modes need CUDA: skipped
     for r in rows:
-        step, host_fwd, host_bwd = (float(c) for c in r.split("|")[2:5])
+        step, forward, host_fwd, host_bwd = (float(c) for c in r.split("|")[2:6])
         assert step > 0 and host_fwd > 0 and host_bwd > 0
+        assert 0 < forward < step  # the forward's part of the step
     assert (
         "## torch" in md and '"recomputes":' in md and "Host (cProfile, one step)" in md
     )  # the handle's stats and the profiler's table per mode
