@@ -118,7 +118,7 @@ class MemfitHandle:
             # regions of the latest step's timeline (the last two of them never park)
             "step_regions": session.regions_started,
         }
-        offloader = installation.offloader  # None when no block offloads attention (or all are recomputed)
+        offloader = installation.offloader  # None when no block offloads attention or parks whole
         out["attention_calls_offloaded"] = offloader.calls if offloader is not None else 0
         out["block_calls_parked"] = offloader.block_calls if offloader is not None else 0  # BlockPolicy.PARK
         # saved tensors parked by either (attention calls, blocks parked whole)

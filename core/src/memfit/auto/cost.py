@@ -11,9 +11,7 @@ from memfit.plan import BlockPolicy
 # Fixed host costs, from H200 measurements (docs/cost-model.md):
 RECOMPUTE_REGION_SECONDS = 50e-6  # per recomputed region: hooks, frame bookkeeping, replay
 OFFLOAD_REGION_SECONDS = 50e-6  # per parked region: events, pool and stream bookkeeping
-HOOKED_TENSOR_SECONDS = (
-    10e-6  # per tensor saved inside an offloaded attention call (or parked block): pack and fetch
-)
+HOOKED_TENSOR_SECONDS = 10e-6  # per tensor saved in an offloaded attention call or a parked block: its hooks
 NOMINAL_FLOPS_PER_SECOND = {"cuda": 4e14, "cpu": 5e10}  # converts the fixed costs above to FLOPs
 
 
