@@ -62,14 +62,20 @@ def run(model, batch, config):
         model.zero_grad(set_to_none=True)
 
 
-def test_auto_peaks_stay_within_budgets_with_exact_gradients():
-    model = build()
+def reference(model):
+    """The inputs at 4096 tokens on the GPU, and the unmodified model's peak, gradients and own run-to-run
+    difference (0 where the kernels are deterministic)."""
     batch = ADAPTER.presets["tiny"].inputs(model, tokens=4096, generator=torch.Generator().manual_seed(0))
     batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
     none_peak, ref, _, _ = run(model, batch, None)
     _, again, _, _ = run(model, batch, None)
-    # the unmodified model's own run-to-run difference (0 where the kernels are deterministic)
     noise = max(float((again[n] - g).abs().max()) for n, g in ref.items())
+    return batch, none_peak, ref, noise
+
+
+def test_auto_peaks_stay_within_budgets_with_exact_gradients():
+    model = build()
+    batch, none_peak, ref, noise = reference(model)
     static = torch.cuda.memory_allocated()
     for fraction in (0.35, 0.55, 0.8):
         budget = int(static + (none_peak - static) * fraction)
@@ -117,11 +123,7 @@ def test_blocks_parked_whole_on_the_copy_engine_give_exact_gradients_and_hold_le
         lambda names: [BlockPolicy.PARK if i % 2 else BlockPolicy.KEEP for i in range(len(names))],
     )
     model = build()
-    batch = ADAPTER.presets["tiny"].inputs(model, tokens=4096, generator=torch.Generator().manual_seed(0))
-    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
-    none_peak, ref, _, _ = run(model, batch, None)
-    _, again, _, _ = run(model, batch, None)
-    noise = max(float((again[n] - g).abs().max()) for n, g in ref.items())
+    batch, none_peak, ref, noise = reference(model)
     handle = memfit.apply(model, auto_config("100GiB"), adapter=ADAPTER)
     try:
         allocations = []

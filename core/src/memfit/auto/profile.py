@@ -266,12 +266,12 @@ class _Recorder:
         if i is not None:
             s = self.storages[i]
             s.blocks.add(self.block)
+            view = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
+            nbytes = tensor.numel() * tensor.element_size()
             if self.block is not None:
-                view = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-                s.block_views[view] = tensor.numel() * tensor.element_size()
+                s.block_views[view] = nbytes
             if self.scope and self.scope[-1] == "attention":
-                view = (tensor.storage_offset(), tuple(tensor.shape), tensor.stride(), tensor.dtype)
-                s.attention_views[view] = tensor.numel() * tensor.element_size()
+                s.attention_views[view] = nbytes
                 s.attention_view_saves[view] = s.attention_view_saves.get(view, 0) + 1
             if self.block is not None and self.block == s.block:
                 s.scopes.add(self.scope[-1] if self.scope else "other")
