@@ -172,6 +172,8 @@ def test_budget_promise_runs_on_cpu(tmp_path):
             "1",
             "--steps",
             "1",
+            "--floor-steps",
+            "2",
             "--out",
             str(tmp_path),
         ]
@@ -187,6 +189,9 @@ def test_budget_promise_runs_on_cpu(tmp_path):
     assert [r["mode"] for r in below["rows"]] == ["auto"]  # no fixed mode below the floor
     assert floor["is_floor"] and floor["budget_bytes"] == config["floor_bytes"] and floor["auto"] == "ok"
     by = {r["mode"]: r for r in floor["rows"]}
+    # at the floor every measurement times --floor-steps steps, elsewhere --steps
+    assert floor["timed_steps"] == 2 and {r["timed_steps"] for r in floor["rows"]} == {2}
+    assert below["timed_steps"] == 1
     assert list(by) == ["auto", "none", "torch"] and len(by["auto"]["step_s_rounds"]) == 2
     assert by["auto"]["plan_counts"]
     # which fixed modes run round 2 depends on round 1's CPU timings (a mode 1.15x behind the fastest is dropped):
@@ -273,11 +278,14 @@ def test_the_headline_says_how_many_of_auto_s_steps_reached_the_process_s_limit(
         **{"rounds": 3, "warmup": 1, "steps": 1, "auto_warmup": 2},
     }
     assert "| 2 (1 step(s) at the process's limit) |" in markdown(result)
+    assert "1 timed steps per measurement; auto" in markdown(result)
+    assert "1 timed steps per measurement, 3 at the floor; auto" in markdown({**result, "floor_steps": 3})
 
 
-def _run(commit, configs, rounds=3):
+def _run(commit, configs, rounds=3, steps=None, floor_steps=None):
     return {
         "rounds": rounds,
+        **({"steps": steps, "floor_steps": floor_steps} if steps else {}),
         "modes": ["auto", "torch"],
         "environment": {"date": f"day of {commit}", "git_commit": commit},
         "targets": [{"target": "synthetic-16384", "configs": configs}],
@@ -294,7 +302,9 @@ def test_a_later_run_replaces_the_floor_and_the_sizes_it_measured_and_each_row_n
     from memfit_benchmarks.budget_promise import _runs_note, merge_runs
 
     base = _run("old", [_budgets("full", 25.1, 16, 24, 32), _budgets("attn", 4.3, 16)])
-    later = _run("new", [_budgets("full", 23.2, 48, floor_status="BudgetError")], rounds=1)
+    later = _run(
+        "new", [_budgets("full", 23.2, 48, floor_status="BudgetError")], rounds=1, steps=1, floor_steps=3
+    )
     merged = merge_runs(base, later)
     full, attn = merged["targets"][0]["configs"]
     assert [(b["budget_bytes"] / GIB, b["run"]["commit"]) for b in full["budgets"]] == [
@@ -310,6 +320,10 @@ def test_a_later_run_replaces_the_floor_and_the_sizes_it_measured_and_each_row_n
     # a config the later run left alone
     assert [b["run"]["commit"] for b in attn["budgets"]] == ["old", "old"]
     note = "\n".join(_runs_note(merged))
-    assert "commit old, 3 round(s)" in note and "commit new, 1 round(s)" in note
+    # a run that recorded its steps says how many were timed, and how many at the floor
+    assert (
+        "commit old, 3 round(s), modes" in note
+        and "commit new, 1 round(s) of 1 timed step(s) (3 at the floor)" in note
+    )
     assert "full @ 48.00 GiB" in note and base["targets"][0]["configs"][0]["floor_bytes"] == int(25.1 * GIB)
     assert _runs_note(base) == []  # one run: nothing to say

@@ -44,6 +44,7 @@ def test_the_budget_part_dry_run_checks_its_command(tmp_path):
     assert "['synthetic-16384', 'flux'] (full): configs ['full', 'attn', 'all']" in budget
     assert "['16.00 GiB', '24.00 GiB', '32.00 GiB', '48.00 GiB', 'floor']" in budget
     assert "fixed ['none', 'torch-ffn', 'torch', 'unsloth-ffn', 'unsloth'] in 3 rounds" in budget
+    assert "+ 1 timed steps (3 at the floor)" in budget
     files = sorted(p.name for p in tmp_path.rglob("*") if p.is_file())
     assert files == ["budget.log", "env.txt"]  # + budget-promise.json/.md on the GPU
 

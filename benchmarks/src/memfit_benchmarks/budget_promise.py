@@ -168,7 +168,7 @@ class _Target:
 
         return skip_reason(mode, self.adapter, self.device) is None
 
-    def measure(self, mode: Mode, budget: int | None = None) -> dict[str, Any]:
+    def measure(self, mode: Mode, budget: int | None = None, *, steps: int | None = None) -> dict[str, Any]:
         from memfit_benchmarks.runner import measure_mode
 
         is_auto = mode.name == "auto"
@@ -180,7 +180,7 @@ class _Target:
                 mode,
                 adapter=self.adapter,
                 warmup=self.job["auto_warmup"] if is_auto else self.job["warmup"],
-                steps=self.job["steps"],
+                steps=steps or self.job["steps"],
                 optimizer_factory=self.optimizer_factory,
                 inspect=_auto_fields if is_auto else None,
                 settle=self.job.get("auto_settle", 0) if is_auto else 0,
@@ -217,10 +217,12 @@ class _Target:
         fixed = [] if below else [m for m in MODES if m.name in self.job["fixed"] and self.runs(m)]
         modes = [_auto(budget), *fixed]
         rounds: dict[str, list[dict[str, Any]]] = {m.name: [] for m in modes}
+        steps = self.job.get("floor_steps") if is_floor else None  # near the limit one step is noise
+        entry["timed_steps"] = steps or self.job["steps"]
 
         def one(mode: Mode) -> dict[str, Any]:
             with card_of(self.model, budget, self.device) if mode.options else contextlib.nullcontext():
-                row = self.measure(mode, budget)
+                row = self.measure(mode, budget, steps=steps)
             rounds[mode.name].append(row)
             return row
 
@@ -305,6 +307,11 @@ def _one_target(job: dict[str, Any]) -> dict[str, Any]:
 
 
 # -- what a budget's rows say ------------------------------------------------------------------------------------
+
+
+def _floor_steps_note(result: dict[str, Any]) -> str:
+    floor_steps = result.get("floor_steps") or result["steps"]
+    return f", {floor_steps} at the floor" if floor_steps != result["steps"] else ""
 
 
 def resolve_budgets(spec: list[int | str], floor: int | None) -> list[tuple[int, bool]]:
@@ -574,7 +581,7 @@ def markdown(result: dict[str, Any]) -> str:
     lines += [
         f"Device: {', '.join(names) or env.get('device')}; torch {env.get('torch')}; {result['date']}; "
         f"commit {env.get('git_commit')}. {result['rounds']} round-robin rounds per budget ({result['warmup']} "
-        f"warm-up + {result['steps']} timed steps per measurement; auto {result['auto_warmup']} warm-up steps, the "
+        f"warm-up + {result['steps']} timed steps per measurement{_floor_steps_note(result)}; auto {result['auto_warmup']} warm-up steps, the "
         f"first with its planning forward, then up to {result.get('auto_settle', 0)} more until its closed loop "
         "settled); a mode out of memory is not measured again at that budget, and after the first round only "
         f"auto and the fixed modes that fit within {CONTENDER_SPAN:.2f}x of the fastest one that fits are timed "
@@ -593,6 +600,13 @@ def markdown(result: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _steps_of(run: dict[str, Any]) -> str:
+    if not run.get("steps"):  # a run recorded before the steps were
+        return ""
+    floor = run.get("floor_steps") or run["steps"]
+    return f" of {run['steps']} timed step(s)" + (f" ({floor} at the floor)" if floor != run["steps"] else "")
+
+
 def _runs_note(result: dict[str, Any]) -> list[str]:
     """Where :func:`merge_runs` joined several runs: which budgets each one measured, and how."""
     runs: dict[str, tuple[dict[str, Any], list[str]]] = {}
@@ -607,7 +621,7 @@ def _runs_note(result: dict[str, Any]) -> list[str]:
         "",
         "Merged from several runs, each budget from one (rounds and modes as that run measured them):",
         *(
-            f"- {run['date']}, commit {run['commit']}, {run['rounds']} round(s), modes "
+            f"- {run['date']}, commit {run['commit']}, {run['rounds']} round(s){_steps_of(run)}, modes "
             f"{', '.join(run.get('modes') or [])}: {', '.join(where)}"
             for run, where in runs.values()
         ),
@@ -641,6 +655,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         help="then at most this many more auto warm-up steps, until its closed loop has settled",
     )
     parser.add_argument("--steps", type=int, default=1, help="timed steps per measurement")
+    parser.add_argument(
+        "--floor-steps",
+        type=int,
+        default=None,
+        help="timed steps per measurement at the floor, where every mode runs near the process's limit and one "
+        "step's time varies most (default: --steps)",
+    )
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--stop-at", type=float, default=None, metavar="UNIX_TIME")
     parser.add_argument("--stem", default="budget-promise", help="file name of the results, without suffix")
@@ -685,6 +706,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--device cuda needs CUDA (use --device cpu --preset tiny for a smoke run)")
     if ns.rounds < 1 or ns.steps < 1 or ns.warmup < 0 or ns.auto_warmup < 1:
         parser.error("--rounds and --steps at least 1, --warmup at least 0, --auto-warmup at least 1")
+    if ns.floor_steps is not None and ns.floor_steps < 1:
+        parser.error("--floor-steps at least 1")
     return ns
 
 
@@ -724,6 +747,8 @@ def _run_of(result: dict[str, Any]) -> dict[str, Any]:
         "date": env.get("date", result.get("date")),
         "commit": env.get("git_commit"),
         "rounds": result.get("rounds"),
+        "steps": result.get("steps"),
+        "floor_steps": result.get("floor_steps") or result.get("steps"),
         "modes": result.get("modes"),
     }
 
@@ -778,7 +803,8 @@ def main(argv: list[str] | None = None) -> int:
     plan = (
         f"would measure {ns.targets} ({ns.preset}): configs {ns.configs}, budgets "
         f"{[b if b == FLOOR else format_bytes(b) for b in ns.budgets]}, auto and fixed {ns.fixed} in {ns.rounds} "
-        f"rounds of {ns.warmup} warm-up (auto {ns.auto_warmup}) + {ns.steps} timed steps, one process per target "
+        f"rounds of {ns.warmup} warm-up (auto {ns.auto_warmup}) + {ns.steps} timed steps"
+        f"{f' ({ns.floor_steps} at the floor)' if ns.floor_steps else ''}, one process per target "
         "and config"
     )
     if ns.dry_run:
@@ -796,6 +822,7 @@ def main(argv: list[str] | None = None) -> int:
         "auto_warmup": ns.auto_warmup,
         "auto_settle": ns.auto_settle,
         "steps": ns.steps,
+        "floor_steps": ns.floor_steps or ns.steps,
         "noise_tolerance": AUTO_NOISE,
         "date": time.strftime("%Y-%m-%d"),
         # no CUDA in this process: each target's child has the card to itself (it reports the device name)
