@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import json
 
 import pytest
 from hypothesis import example, given, settings
@@ -11,7 +12,14 @@ from hypothesis import strategies as st
 
 from memfit.auto import BlockPolicy, BlockProfile, ModelProfile, plan_policies
 from memfit.auto.cost import block_choices
-from memfit.auto.planner import CARD_FIT, FLOOR_ALLOWANCE, WORKSPACE_ALLOWANCE, card_need, suggested_budget
+from memfit.auto.planner import (
+    CARD_FIT,
+    FLOOR_ALLOWANCE,
+    WORKSPACE_ALLOWANCE,
+    block_options,
+    card_need,
+    suggested_budget,
+)
 from memfit.auto.policy import allowed_policies
 from memfit.errors import BudgetError
 from memfit.offload.ahead import PREFETCH_DEPTH, bytes_ahead
@@ -566,3 +574,34 @@ def test_the_last_two_blocks_never_park_and_a_parked_block_holds_its_tensors_thr
         >= prof.static_bytes + prof.outside_bytes + held_before + 200 * MiB + 300 * MiB
     )
     assert park.kept + 195 * MiB == 200 * MiB
+
+
+def test_a_profile_written_as_json_reads_back_equal_and_old_or_new_fields_do_not_break_it():
+    """``ModelProfile.to_json`` / ``from_json``: a GPU run's profile is planned again offline. A field the writing
+    version lacked keeps its default; a field this version does not know is dropped."""
+    prof = profile([parkable(block(i, 200, 40, 40), park=195) for i in range(3)])
+    data = json.loads(json.dumps(prof.to_json()))
+    assert ModelProfile.from_json(data) == prof
+    old = {
+        **data,
+        "blocks": [{k: v for k, v in b.items() if not k.startswith("park")} for b in data["blocks"]],
+    }
+    assert all(b.park_bytes == 0 for b in ModelProfile.from_json(old).blocks)
+    newer = {**data, "future_field": 1, "blocks": [{**b, "future_block_field": 2} for b in data["blocks"]]}
+    assert ModelProfile.from_json(newer) == prof
+    with pytest.raises(TypeError):  # not a profile
+        ModelProfile.from_json({"blocks": []})
+
+
+def test_the_plan_picks_each_block_s_policy_from_the_priced_options_block_options_gives():
+    blocks = [block(i, 200, 40, 40, flops=10**13) for i in range(6)]
+    prof = profile(blocks)
+    budget = prof.static_bytes + prof.outside_bytes + prof.workspace_bytes + 700 * MiB
+    plan = plan_policies(prof, budget, allowed=everything)
+    options = block_options(prof, allowed=everything)
+    picked = [
+        next(c for c in opts if c.policy is policy)
+        for (_, policy), opts in zip(plan.blocks, options, strict=True)
+    ]
+    assert plan.predicted_extra_seconds == pytest.approx(sum(c.seconds for c in picked))
+    assert {p for _, p in plan.blocks} != {BlockPolicy.KEEP}  # the budget made it choose

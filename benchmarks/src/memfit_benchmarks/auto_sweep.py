@@ -46,6 +46,7 @@ from memfit_benchmarks.auto_report import AUTO_NOISE, auto_checks, fmt_bytes
 from memfit_benchmarks.environment import environment
 from memfit_benchmarks.families import _progress, build_lora_model, family_payload, skip_reason
 from memfit_benchmarks.modes import MODES, Mode
+from memfit_benchmarks.replan import planned
 from memfit_benchmarks.results import write_json
 from memfit_benchmarks.runner import add_ratios, measure_mode
 from memfit_benchmarks.shapes import SYNTHETIC_TARGETS
@@ -157,18 +158,6 @@ def _held_bytes(model, batch, adapter: FamilyAdapter, config: dict[str, Any] | N
     ).held_bytes
 
 
-def _plan_fields(handle: Any) -> dict[str, Any]:
-    plan = getattr(handle, "plan", None)
-    profile = getattr(
-        handle, "profile", None
-    )  # per-block bytes and measured peaks: what the prediction came from
-    return {
-        "plan": None if plan is None else plan.to_json(),
-        "plan_counts": None if plan is None else plan.counts(),
-        "profile": None if profile is None else profile.to_json(),
-    }
-
-
 class _Measure:
     """Measures rows on one built target (model, inputs, adapter) with the run's steps/warm-up."""
 
@@ -206,7 +195,7 @@ class _Measure:
         from memfit.errors import BudgetError
 
         try:
-            row = self.row(Mode("auto", auto_config(budget)), inspect=_plan_fields)
+            row = self.row(Mode("auto", auto_config(budget)), inspect=planned)
         except BudgetError as exc:
             row = {
                 "mode": "auto",

@@ -58,6 +58,7 @@ from memfit_benchmarks.card import card_of
 from memfit_benchmarks.environment import run_stamp
 from memfit_benchmarks.modes import MODES, Mode
 from memfit_benchmarks.options import deadline
+from memfit_benchmarks.replan import planned
 from memfit_benchmarks.rounds import FAILED, NOT_MEASURED, measured, per_round_ratios, round_robin
 from memfit_benchmarks.shapes import SYNTHETIC_TARGETS
 from memfit_benchmarks.training import TrainingConfig, prepare
@@ -122,7 +123,7 @@ def _auto_fields(handle: Any) -> dict[str, Any]:
     stats = handle.stats()
     shapes = stats.get("shapes") or []
     return {
-        "plan_counts": None if plan is None else plan.counts(),
+        **planned(handle),  # the plan and its profile, to plan again offline (memfit_benchmarks.replan)
         "predicted_peak_bytes": None if plan is None else plan.predicted_peak_bytes,
         "shapes": shapes,
         "corrections": sum(s.get("corrections", 0) for s in shapes),

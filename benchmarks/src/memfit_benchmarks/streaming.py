@@ -46,6 +46,7 @@ from memfit_benchmarks.environment import environment
 from memfit_benchmarks.families import build_lora_model
 from memfit_benchmarks.modes import MODES, Mode
 from memfit_benchmarks.options import deadline
+from memfit_benchmarks.replan import planned
 from memfit_benchmarks.results import write_results
 from memfit_benchmarks.rounds import measured, paired_ratio, round_robin
 from memfit_benchmarks.runner import measure_mode
@@ -145,6 +146,7 @@ def weight_row(handle: memfit.MemfitHandle, steps: int) -> dict[str, Any]:
         # auto: what its cost and peak models predicted for the plan it ran (None for a fixed backend)
         "predicted_extra_seconds": getattr(handle.plan, "predicted_extra_seconds", None),
         "predicted_peak_bytes": getattr(handle.plan, "predicted_peak_bytes", None),
+        **planned(handle),
         "weight_pinned_bytes": s["weight_pinned_bytes"],
         "weight_bytes_uploaded_per_step": s["weight_bytes_uploaded"] / steps,
         "weight_uploads_per_step": s["weight_uploads"] / steps,

@@ -206,22 +206,7 @@ def plan_policies(
     Raises:
         BudgetError: no plan reaches the budget (the message and ``smallest_peak_bytes`` give the smallest).
     """
-    grads_after = _gradients_after(profile)
-    last = len(profile.blocks) - 1
-    # where weights stream, the reloads share the link with the uploads (memfit.auto.streaming, "Link")
-    covers = streamed.reload_cover if streamed is not None else ()
-    options = [
-        block_choices(
-            b,
-            profile,
-            allowed(b),
-            grads_after=g,
-            saved_after=b.saved_after_bytes if i < last else 0,
-            reload_cover=covers[i] if covers else None,
-        )
-        for i, (b, g) in enumerate(zip(profile.blocks, grads_after, strict=True))
-    ]
-    options = _parking_terms(options, profile)
+    options = block_options(profile, allowed=allowed, streamed=streamed)
     if options and profile.blocks[-1].attention_calls < 2:
         # the step's last two regions keep their tensors on the device: before a last block whose attention
         # is one region, the block before it is never reloaded, its tensors stay through the whole backward
@@ -343,6 +328,34 @@ def _check_forward_start(
         smallest_peak_bytes=base + least,
         suggested_budget_bytes=suggested_budget(base + least),
     )
+
+
+def block_options(
+    profile: ModelProfile,
+    *,
+    allowed: Callable[[BlockProfile], tuple[BlockPolicy, ...]],
+    streamed: StreamedSet | None = None,
+) -> list[list[Choice]]:
+    """Per block (forward order), what each allowed policy keeps, copies and costs there, as the search weighs it
+    before the streamed set's own terms: its gradients and the bytes saved after it counted, its reloads hidden
+    behind what the weight uploads leave of its backward, and parking's terms (see "Parking a block whole" in
+    docs/cost-model.md)."""
+    grads_after = _gradients_after(profile)
+    last = len(profile.blocks) - 1
+    # where weights stream, the reloads share the link with the uploads (memfit.auto.streaming, "Link")
+    covers = streamed.reload_cover if streamed is not None else ()
+    options = [
+        block_choices(
+            b,
+            profile,
+            allowed(b),
+            grads_after=g,
+            saved_after=b.saved_after_bytes if i < last else 0,
+            reload_cover=covers[i] if covers else None,
+        )
+        for i, (b, g) in enumerate(zip(profile.blocks, grads_after, strict=True))
+    ]
+    return _parking_terms(options, profile)
 
 
 def _streaming_options(

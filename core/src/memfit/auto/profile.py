@@ -33,8 +33,8 @@ from __future__ import annotations
 import math
 import time
 import weakref
-from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable, Mapping
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import torch
@@ -153,6 +153,21 @@ class ModelProfile:
         out = asdict(self)
         out["blocks"] = [asdict(b) for b in self.blocks]
         return out
+
+    @classmethod
+    def from_json(cls, data: Mapping[str, Any]) -> ModelProfile:
+        """The profile :meth:`to_json` wrote, to plan again offline (``memfit_benchmarks.replan``). Fields the
+        writing version did not have keep their defaults; fields this version does not know are dropped.
+
+        Raises:
+            TypeError: a field without a default is missing (not a profile).
+        """
+        block_fields = {f.name for f in fields(BlockProfile)}
+        blocks = tuple(
+            BlockProfile(**{k: v for k, v in b.items() if k in block_fields}) for b in data["blocks"]
+        )
+        own = {f.name for f in fields(cls)} - {"blocks"}
+        return cls(blocks=blocks, **{k: v for k, v in data.items() if k in own})
 
 
 RATE_STEPS_PER_OCTAVE = 4  # measured rates snap to 2**(k/4): within 9% of the measurement
