@@ -75,9 +75,14 @@ def auto_config(budget: int | str, **extra) -> dict:
     }
 
 
-def force_auto_plan(monkeypatch, choose: Callable[[list[str]], Sequence[BlockPolicy]]) -> None:
+def force_auto_plan(
+    monkeypatch,
+    choose: Callable[[list[str]], Sequence[BlockPolicy]],
+    stream: Callable[[list[str]], Sequence[str]] = lambda names: (),
+) -> None:
     """``auto`` plans the policies ``choose`` gives for its blocks' names, whatever the budget (it still profiles
-    the model and runs its closed loop): a plan the planner would not pick at a test's size, copies on CPU."""
+    the model and runs its closed loop): a plan the planner would not pick at a test's size, copies on CPU. The
+    blocks ``stream`` names stream their weights (a GPU's plan: on CPU ``auto`` never streams)."""
     from memfit.auto import budget_planner
     from memfit.auto.planner import Plan
 
@@ -92,6 +97,7 @@ def force_auto_plan(monkeypatch, choose: Callable[[list[str]], Sequence[BlockPol
             smallest_peak_bytes=0,
             copied_bytes=1,
             metric="held activations",
+            streamed=tuple(stream(names)),
         )
 
     monkeypatch.setattr(budget_planner, "plan_policies", forced)

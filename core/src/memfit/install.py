@@ -158,7 +158,7 @@ def install(
     parked_blocks = [lists[b.path][b.index] for b in plan.blocks if b.policy.parks_block]
     parked_calls = _attention_modules(model, adapter, lists, plan) + parked_blocks
     offloader = (
-        AttentionOffloader(session, parked_calls, blocks=frozenset(parked_blocks))
+        AttentionOffloader(session, parked_calls, blocks=frozenset(parked_blocks), weights=streamer)
         if parked_calls and session is not None
         else None
     )
@@ -183,6 +183,10 @@ def install(
         switch_off_model_checkpointing=plan.needed,  # a plan that installs nothing leaves the model untouched
     )
     if streamer is not None:
+        # streamed blocks not recomputed whole save references to their weights (memfit.offload.weights)
+        streamer.reference_saves(
+            lists[b.path][b.index] for b in plan.streamed if b.policy.recompute != "block"
+        )
         streamer.install()  # its hooks first: a block's weights are in place before its region opens
     try:
         engine.install()
@@ -209,17 +213,17 @@ def streamed_modules(
     """(name, block) of the plan's streamed blocks, in call order.
 
     Raises:
-        MemfitError: a streamed block is not whole-block recomputed alone.
+        MemfitError: a streamed block shares a chunk with other blocks.
     """
     streamed = plan.streamed
     if not streamed:
         return []
     lists = block_lists(model, adapter)
     for b in streamed:
-        if b.policy.recompute != "block" or b.chunk_length != 1:
+        if b.chunk_length != 1:
             raise MemfitError(
-                f"internal error: block {b.name} streams its weights but is planned as {b.policy.value} in a chunk "
-                f"of {b.chunk_length}; a streamed block must be whole-block recomputed alone"
+                f"internal error: block {b.name} streams its weights but is planned in a chunk of "
+                f"{b.chunk_length}; a streamed block is a region of its own"
             )
     return [(b.name, lists[b.path][b.index]) for b in streamed]
 

@@ -11,9 +11,10 @@ turns it into hooks and frames. Where the choices come from:
 * :meth:`RegionPlan.from_policies` — one policy per block by name (``auto``), no chunks.
 
 Weight streaming is orthogonal to the policy (:attr:`PlannedBlock.stream_weights`): a block whose frozen weights
-stream from host memory is whole-block recomputed (``BLOCK``, or ``BLOCK_OFFLOAD`` where the backend parks
-inputs) and a chunk of its own, so nothing but its parameters refers to its uploaded weights between its forward
-and its recompute (:mod:`memfit.offload.weights`).
+stream from host memory is a chunk of its own. The fixed knob recomputes it whole (``BLOCK``, or ``BLOCK_OFFLOAD``
+where the backend parks inputs), so nothing but its parameters refers to its uploaded weights between its forward
+and its recompute; under ``auto`` it may take any policy, its forward then saving references to its weights
+instead of the weights ("Saved weights" in :mod:`memfit.offload.weights`).
 """
 
 from __future__ import annotations
@@ -227,7 +228,7 @@ class RegionPlan:
         entry: BlockEntry = BlockEntry.AUTO,
     ) -> RegionPlan:
         """One policy per block name (``"transformer_blocks.3"``), each block its own region; the blocks named in
-        ``streamed`` stream their frozen weights (their policy must recompute the whole block), the forward
+        ``streamed`` stream their frozen weights (any policy: see "Saved weights"), the forward
         uploading them ``forward_uploads_ahead`` ahead, the first ``kept_uploads`` of them on the uploads of their
         last recompute."""
         blocks = []
@@ -245,8 +246,10 @@ class RegionPlan:
 
     @property
     def needed(self) -> bool:
-        """False when every block keeps everything (nothing to install)."""
-        return self.checkpoint_routed or any(b.policy is not BlockPolicy.KEEP for b in self.blocks)
+        """False when every block keeps everything and no weight streams (nothing to install)."""
+        return self.checkpoint_routed or any(
+            b.policy is not BlockPolicy.KEEP or b.stream_weights for b in self.blocks
+        )
 
     def policy_of(self, path: str, index: int) -> BlockPolicy:
         """The block's policy (``KEEP`` for a block the plan does not list)."""

@@ -120,8 +120,8 @@ class Plan:
 
     @property
     def needed(self) -> bool:
-        """False when every block keeps everything (the budget needs no checkpointing)."""
-        return any(p is not BlockPolicy.KEEP for _, p in self.blocks)
+        """False when every block keeps everything and no weight streams (the budget needs no checkpointing)."""
+        return bool(self.streamed) or any(p is not BlockPolicy.KEEP for _, p in self.blocks)
 
     def policy(self, name: str) -> BlockPolicy:
         return dict(self.blocks)[name]

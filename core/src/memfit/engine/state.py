@@ -25,7 +25,7 @@ def recomputing() -> bool:
 
 
 def in_region_call() -> bool:
-    return bool(getattr(_local, "open_calls", None))
+    return getattr(_local, "region_calls", 0) > 0
 
 
 @contextlib.contextmanager
@@ -42,29 +42,36 @@ def recompute_scope() -> Iterator[None]:
 # raises. A ``KeyboardInterrupt`` skips the forward hooks that pop them (``always_call`` hooks run for
 # ``Exception`` only), and the thread would go on packing every saved tensor into a dead region. So each open
 # call registers how to undo itself, and whatever finds calls left open where none can be (the model's next
-# forward, ``handle.remove()``) undoes them, innermost first.
+# forward, ``handle.remove()``) undoes them, innermost first. A streamed block's saving scope
+# (``memfit.offload.weights``) registers the same way but is no region: regions still open inside it.
 
 
-def enter_region_call(undo: Callable[[], None]) -> None:
-    """A region call starts on this thread; ``undo`` pops what it pushed if it is never ended."""
+def enter_region_call(undo: Callable[[], None], *, region: bool = True) -> None:
+    """A region call (or, ``region=False``, another call with saved-tensor hooks) starts on this thread; ``undo``
+    pops what it pushed if it is never ended."""
     calls = getattr(_local, "open_calls", None)
     if calls is None:
         calls = _local.open_calls = []
-    calls.append(undo)
+    calls.append((undo, region))
+    if region:
+        _local.region_calls = getattr(_local, "region_calls", 0) + 1
 
 
 def exit_region_call() -> None:
-    _local.open_calls.pop()
+    _, region = _local.open_calls.pop()
+    if region:
+        _local.region_calls -= 1
 
 
 def undo_open_calls() -> int:
-    """Undo every region call left open on this thread (interrupted), innermost first; returns how many."""
+    """Undo every call left open on this thread (interrupted), innermost first; returns how many."""
     calls = getattr(_local, "open_calls", None) or []
     undone = 0
     while calls:
-        undo = calls.pop()
+        undo, _ = calls.pop()
         undo()
         undone += 1
+    _local.region_calls = 0
     return undone
 
 

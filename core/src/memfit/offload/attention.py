@@ -21,6 +21,7 @@ from memfit.errors import MemfitError
 from memfit.offload.copy import Parked, without_history
 from memfit.offload.regions import TimelineRegion
 from memfit.offload.session import OffloadSession
+from memfit.offload.weights import WeightRef, WeightStreamer
 
 
 class SavedGroup(TimelineRegion):
@@ -93,14 +94,22 @@ class AttentionOffloader:
         session: the model's :class:`OffloadSession`.
         modules: the attention modules (declared attention regions) and the blocks a plan parks whole.
         blocks: which of ``modules`` are blocks parked whole (their calls are counted apart).
+        weights: the weight streamer, if any: a saved tensor over a streamed block's uploaded weights is kept as a
+            reference to them, never parked.
     """
 
     def __init__(
-        self, session: OffloadSession, modules: list[nn.Module], *, blocks: frozenset[nn.Module] = frozenset()
+        self,
+        session: OffloadSession,
+        modules: list[nn.Module],
+        *,
+        blocks: frozenset[nn.Module] = frozenset(),
+        weights: WeightStreamer | None = None,
     ) -> None:
         self.session = session
         self.modules = modules
         self.blocks = blocks
+        self.weights = weights
         self.calls = 0  # attention calls parked
         self.block_calls = 0  # calls of blocks parked whole
         self.tensors_parked = 0
@@ -158,7 +167,11 @@ class AttentionOffloader:
         hooks.__exit__(None, None, None)
         self._active = [a for a in self._active if a[0] is not module]
 
-    def _pack(self, group: SavedGroup, tensor: torch.Tensor) -> SavedHandle:
+    def _pack(self, group: SavedGroup, tensor: torch.Tensor) -> SavedHandle | WeightRef:
+        if self.weights is not None:  # a streamed block's weights: referenced, never parked
+            ref = self.weights.reference(tensor)
+            if ref is not None:
+                return ref
         if not self.session.worth_parking(tensor):
             state.note_held(tensor)  # stays on its device: the held-bytes meters must still see it
             return SavedHandle(None, tensor)
@@ -167,7 +180,10 @@ class AttentionOffloader:
         self.tensors_parked += 1
         return handle
 
-    def _unpack(self, handle: SavedHandle) -> torch.Tensor:
+    def _unpack(self, handle: SavedHandle | WeightRef) -> torch.Tensor:
+        if type(handle) is WeightRef:
+            assert self.weights is not None
+            return self.weights.unpack(handle)
         group = handle.group
         # its backward starts (parked, or kept as one of the step's last two calls: that one too reloads the
         # calls before it ahead of need; not while still pending, when a backward runs inside the forward)

@@ -28,6 +28,16 @@ forward is a third of its backward, so where the forward's uploads do not hide o
 lead them further (its plan says how far: :mod:`memfit.auto.streaming`); the link copies one at a time either
 way.
 
+Saved weights.  A streamed block whose plan does not recompute it whole (``auto``: keep, FFN recompute, attention
+offload, parked whole) saves its weights for backward like any layer: a linear keeps its weight, or a view of it.
+Held, they would hold the upload from the forward to the backward. So while such a block's forward runs (outside
+a recompute, with gradients) the streamer's saved-tensor hooks are on: a saved tensor over the running upload is
+kept as a :class:`WeightRef` (which weights, which view), everything else as it is; inner regions' hooks (attention
+offload, a parked block) ask :meth:`WeightStreamer.reference` first. In backward the first reference of the block
+unpacked uploads its weights (or takes the upload issued ahead) and issues the uploads of the ``ahead`` streamed
+blocks before it; the reference becomes the same view of that upload. A region recomputed inside such a block (its
+FFN) runs with its layers' weights pointed at that upload by hooks on each layer that owns streamed weights.
+
 Turnarounds.  Two uploads would have nothing to hide behind: the last streamed block's for the backward that
 starts with it, and the first one's for the next step's forward. Both blocks have just used those weights, and
 the weights are frozen. With ``keep_last`` the last streamed block's forward upload is kept for its recompute
@@ -59,6 +69,7 @@ from __future__ import annotations
 
 import collections
 import contextlib
+import functools
 import itertools
 import math
 import warnings
@@ -225,6 +236,8 @@ class _Block:
     handles: list[Any] = field(default_factory=list)  # its hooks while it streams
     # calls of the block made while it runs (a profiler measuring it alone): they share its upload
     nested: int = 0
+    referenced: bool = False  # its forward saves references to its weights, not the weights ("Saved weights")
+    scope: Any = None  # the saved-tensor hooks of its forward while they are on
 
 
 @dataclass(eq=False)
@@ -234,9 +247,22 @@ class _Upload:
     block: _Block
     views: list[torch.Tensor]
     storage: weakref.ref  # the device buffer's storage: alive while any view of it is
+    buffer: torch.Tensor | None = None  # the buffer itself (a reference unpacked in backward is viewed in it)
     done: Any = None  # the upload stream's event after the copy (None: synchronous)
     started: Any = None  # a timing event before the copy (CUDA timing)
     waited: bool = False
+
+
+@dataclass(frozen=True, eq=False)
+class WeightRef:
+    """A tensor a streamed block's forward saved over its uploaded weights, kept as where it lies ("Saved
+    weights"): backward views the same place of the block's next upload."""
+
+    block: _Block
+    dtype: torch.dtype
+    shape: torch.Size
+    stride: tuple[int, ...]
+    offset: int  # elements of ``dtype`` from the start of the block's buffer
 
 
 @dataclass
@@ -249,6 +275,7 @@ class WeightStats:
     uploads_kept: int = 0  # kept at a turnaround for the block's next use instead of uploading again
     max_alive: int = 0  # most streamed blocks on the device at once (uploads alive)
     held_after_forward: int = 0  # forward uploads still referenced when the forward returned (should stay 0)
+    weights_referenced: int = 0  # saved tensors over an upload kept as a WeightRef ("Saved weights")
     wait_events: list[tuple[Any, Any]] = field(default_factory=list)
     copy_events: list[tuple[Any, Any]] = field(default_factory=list)
     wait_ms: float = 0.0
@@ -327,17 +354,22 @@ class WeightStreamer:
         self._fixed_device = device is not None
         self.device = device if device is not None else first_weight_device(blocks)
         self.blocks = self._plan(blocks)
-        self._by_module = {b.module: b for b in self.blocks}
+        self._index()
         self.stats = WeightStats()
         self.pinned_bytes = 0
         self.host_allocations = 0  # host buffers allocated (at installation only: none in the steady state)
         self._pending: dict[_Block, _Upload] = {}  # uploaded ahead, not used yet
         self._active: dict[_Block, _Upload] = {}  # the block is running on it
+        self._backward: dict[_Block, _Upload] = {}  # a referenced block's backward runs on it
+        self._pointed: dict[
+            nn.Module, _Upload
+        ] = {}  # layers pointed at an upload for a recompute inside a block
         self._alive: list[weakref.ref] = []  # storages of uploads (dead ones pruned as uploads are issued)
         self._forward_uploads: list[tuple[_Block, weakref.ref]] = []  # this forward's, checked as it returns
         self._training = False
         self._prefetch = True  # off while ``auto`` profiles (:meth:`profiling`)
         self._warned_held = False
+        self._end_queued = False  # a callback at the end of the running backward is queued
         self._h2d: Any = None
         self.installed = False
 
@@ -399,13 +431,18 @@ class WeightStreamer:
             module.register_state_dict_post_hook(_StateDictHook(self._state_dict)),
             module.register_load_state_dict_pre_hook(Attached(self._refuse_load)),
         ]
+        for layer in _layers_with(block):  # a region recomputed inside the block ("Saved weights")
+            block.handles.append(layer.register_forward_pre_hook(attached_hook(self._layer_pre)))
+            block.handles.append(
+                layer.register_forward_hook(attached_hook(self._layer_post), always_call=True)
+            )
 
     def _restore(
         self, block: _Block, *, home: bool = False, homes: Mapping[int, torch.device] | None = None
     ) -> None:
         """``block``'s weights back on the device (``home``: where each was when it began streaming, or where
         ``homes`` says by parameter id) from their host master (kept), its hooks off."""
-        for uploads in (self._pending, self._active):
+        for uploads in (self._pending, self._active, self._backward):
             upload = uploads.pop(block, None)
             if upload is not None:
                 self._settle(upload)
@@ -500,9 +537,24 @@ class WeightStreamer:
                 self._restore(block)
             self._release(block)
         self.blocks = planned
-        self._by_module = {b.module: b for b in planned}
+        self._index()
         if planned and not self._fixed_device:
             self.device = planned[0].weights[0].param.device
+
+    def _index(self) -> None:
+        self._by_module = {b.module: b for b in self.blocks}
+        # each layer that owns streamed weights: its block and which of the block's weights are its own
+        self._by_layer: dict[nn.Module, tuple[_Block, list[int]]] = {
+            layer: (b, own) for b in self.blocks for layer, own in _layers_with(b).items()
+        }
+
+    def reference_saves(self, modules: Iterable[nn.Module]) -> None:
+        """The streamed blocks among ``modules`` save references to their weights from now on, not the weights
+        ("Saved weights": their plan does not recompute them whole); every other streamed block saves nothing of
+        them past its forward (it is recomputed whole)."""
+        chosen = set(modules)
+        for block in self.blocks:
+            block.referenced = block.module in chosen
 
     def _release(self, block: _Block) -> None:
         """Free ``block``'s host master (its weights are on the device)."""
@@ -536,6 +588,8 @@ class WeightStreamer:
             self.wait_ms()
             self.copy_ms()
         self._forward_uploads.clear()
+        self._end_backward()
+        self._end_interrupted_calls()
         first = self.blocks[: self.forward_ahead]
         # the first ones' uploads wait: issued ahead, or kept from their last recompute ("Turnarounds")
         waiting = self.blocks[: max(self.forward_ahead, self.keep_first)]
@@ -543,6 +597,18 @@ class WeightStreamer:
             self._settle(self._pending.pop(block))
         for block in first:
             self._ensure(block)
+
+    def _end_interrupted_calls(self) -> None:
+        """A forward interrupted inside a streamed block (a ``KeyboardInterrupt`` skips its post-hook) left it
+        running: its weights go back to their placeholders, its upload is dropped."""
+        for layer in list(self._pointed):
+            self._layer_post(layer, (), None)
+        for block in list(self._active):
+            self._settle(self._active.pop(block))
+            self._close_scope(block)  # (already undone with the thread's open calls)
+            block.nested = 0
+            for w in block.weights:
+                w.param.data = w.placeholder
 
     def end_forward(self, *, failed: bool) -> None:
         """The model's forward returned (or raised): check nothing kept a forward upload; upload for backward."""
@@ -576,17 +642,17 @@ class WeightStreamer:
             block.nested += 1
             return
         recomputing = state.recomputing()
-        upload = self._pending.pop(block, None)
-        if upload is None:
-            upload = self._issue(block)
-            self.stats.uploads_on_demand += 1
-        self._wait(upload)
+        if recomputing:
+            self._backward_reaches(block)
+        upload = self._take(block)
         for w, view in zip(block.weights, upload.views, strict=True):
             self._check(block, w)
             w.param.data = view
         self._active[block] = upload
         if not recomputing and self._training:
             self._forward_uploads.append((block, upload.storage))
+        if block.referenced and not recomputing and torch.is_grad_enabled():
+            self._open_scope(block)
         step, lead = (-1, self.ahead) if recomputing else (1, self.forward_ahead)
         for k in range(1, lead + 1 if self._prefetch else 1):
             position = block.position + step * k
@@ -598,6 +664,9 @@ class WeightStreamer:
         if block.nested:
             block.nested -= 1
             return
+        if block.scope is not None:
+            state.exit_region_call()
+            self._close_scope(block)
         for w in block.weights:
             w.param.data = w.placeholder
         upload = self._active.pop(block, None)
@@ -613,6 +682,103 @@ class WeightStreamer:
         if state.recomputing():
             return block.position < self.keep_first
         return self.keep_last and self._training and block.position == len(self.blocks) - 1
+
+    # -- saved weights ("Saved weights") ---------------------------------------------------------------------
+
+    def _open_scope(self, block: _Block) -> None:
+        hooks = torch.autograd.graph.saved_tensors_hooks(self._pack_saved, self._unpack_saved)
+        hooks.__enter__()
+        block.scope = hooks
+        # no region: attention offload and FFN regions still open inside the block
+        state.enter_region_call(functools.partial(self._close_scope, block), region=False)
+
+    @staticmethod
+    def _close_scope(block: _Block) -> None:
+        if block.scope is not None:
+            block.scope.__exit__(None, None, None)
+            block.scope = None
+
+    def _pack_saved(self, tensor: torch.Tensor) -> Any:
+        ref = self.reference(tensor)
+        if ref is not None:
+            return ref
+        state.note_held(tensor)  # an activation the block keeps: the held-bytes meters must still see it
+        return tensor
+
+    def _unpack_saved(self, saved: Any) -> torch.Tensor:
+        return self.unpack(saved) if type(saved) is WeightRef else saved
+
+    def reference(self, tensor: torch.Tensor) -> WeightRef | None:
+        """A :class:`WeightRef` for ``tensor`` when it lies in the upload of a running streamed block that saves
+        references (else None: the caller keeps or parks it as any saved tensor)."""
+        if not self._active:
+            return None
+        ptr = tensor.untyped_storage().data_ptr()
+        for block, upload in self._active.items():
+            if block.referenced and upload.buffer is not None and upload.buffer.data_ptr() == ptr:
+                self.stats.weights_referenced += 1
+                return WeightRef(block, tensor.dtype, tensor.shape, tensor.stride(), tensor.storage_offset())
+        return None
+
+    def unpack(self, ref: WeightRef) -> torch.Tensor:
+        """The tensor ``ref`` stands for, in the upload of its block's backward."""
+        upload = self._for_backward(ref.block)
+        assert upload.buffer is not None
+        return upload.buffer.view(ref.dtype).as_strided(ref.shape, ref.stride, ref.offset)
+
+    def _for_backward(self, block: _Block) -> _Upload:
+        """The upload ``block``'s backward runs on: taken from the uploads issued ahead (or uploaded now) when its
+        backward begins, which also issues the uploads of the blocks backward reaches next."""
+        upload = self._backward.get(block) or self._active.get(block)  # (a backward inside its forward)
+        if upload is not None:
+            return upload
+        self._backward_reaches(block)
+        upload = self._backward[block] = self._take(block)
+        if self._prefetch:
+            for k in range(1, self.ahead + 1):
+                if block.position - k >= 0:
+                    self._ensure(self.blocks[block.position - k])
+        if not self._end_queued:  # the uploads of the backward's last blocks are released when it ends
+            self._end_queued = _at_backward_end(self._end_backward)
+        return upload
+
+    def _backward_reaches(self, block: _Block) -> None:
+        """Backward reached ``block``: the blocks after it in call order are done with their uploads."""
+        for done in [b for b in self._backward if b.position > block.position]:
+            self._settle(self._backward.pop(done))
+
+    def _end_backward(self) -> None:
+        """The backward is over (or the next forward begins): the uploads its last blocks ran on are dropped, but
+        for the first ``keep_first`` streamed blocks, whose uploads serve the next forward ("Turnarounds")."""
+        self._end_queued = False
+        for block in list(self._backward):
+            upload = self._backward.pop(block)
+            if block.position < self.keep_first and self._prefetch and block not in self._pending:
+                self._pending[block] = upload
+                self.stats.uploads_kept += 1
+            else:
+                self._settle(upload)
+
+    def _layer_pre(self, layer: nn.Module, args: tuple) -> None:
+        """A layer of a streamed block runs in a recompute that is not its block's: its weights point at the
+        upload of the block's backward ("Saved weights")."""
+        if not state.recomputing():
+            return
+        block, own = self._by_layer[layer]
+        if block in self._active or layer in self._pointed:
+            return
+        upload = self._for_backward(block)
+        for i in own:
+            self._check(block, block.weights[i])
+            block.weights[i].param.data = upload.views[i]
+        self._pointed[layer] = upload
+
+    def _layer_post(self, layer: nn.Module, args: tuple, output: Any) -> None:
+        if self._pointed.pop(layer, None) is None:
+            return
+        block, own = self._by_layer[layer]
+        for i in own:
+            block.weights[i].param.data = block.weights[i].placeholder
 
     @staticmethod
     def _check(block: _Block, w: _Weight) -> None:
@@ -655,6 +821,15 @@ class WeightStreamer:
 
     # -- uploads -----------------------------------------------------------------------------------------------
 
+    def _take(self, block: _Block) -> _Upload:
+        """``block``'s upload issued ahead (or issued now, on demand), the compute stream waiting for it."""
+        upload = self._pending.pop(block, None)
+        if upload is None:
+            upload = self._issue(block)
+            self.stats.uploads_on_demand += 1
+        self._wait(upload)
+        return upload
+
     def _ensure(self, block: _Block) -> None:
         """``block``'s weights are uploaded or on their way (unless it is running now)."""
         if block not in self._pending and block not in self._active:
@@ -666,7 +841,7 @@ class WeightStreamer:
         api = self.streams
         if api is None:
             buffer.copy_(block.host)
-            upload = _Upload(block, _views(buffer, block), weakref.ref(buffer.untyped_storage()))
+            upload = _Upload(block, _views(buffer, block), weakref.ref(buffer.untyped_storage()), buffer)
         else:
             compute = api.current_stream(self.device)
             ready = api.new_event()
@@ -682,7 +857,7 @@ class WeightStreamer:
             if started is not None:
                 self.stats.copy_events.append((started, done))
             upload = _Upload(
-                block, _views(buffer, block), weakref.ref(buffer.untyped_storage()), done, started
+                block, _views(buffer, block), weakref.ref(buffer.untyped_storage()), buffer, done, started
             )
         self.stats.uploads += 1
         self.stats.bytes_uploaded += block.payload
@@ -728,7 +903,7 @@ class WeightStreamer:
         return [b.name for b, ref in unique.values() if ref() is not None]
 
     def _uploads_by_block(self) -> Iterable[tuple[_Block, weakref.ref]]:
-        for upload in [*self._pending.values(), *self._active.values()]:
+        for upload in [*self._pending.values(), *self._active.values(), *self._backward.values()]:
             yield upload.block, upload.storage
         yield from self._forward_uploads
 
@@ -834,6 +1009,28 @@ def _view(buffer: torch.Tensor, w: _Weight, typed: dict[torch.dtype, torch.Tenso
 def _views(buffer: torch.Tensor, block: _Block) -> list[torch.Tensor]:
     typed: dict[torch.dtype, torch.Tensor] = {}
     return [_view(buffer, w, typed) for w in block.weights]
+
+
+def _layers_with(block: _Block) -> dict[nn.Module, list[int]]:
+    """The layers of ``block`` that own streamed weights (directly), each with the indices of its own among the
+    block's."""
+    index = {id(w.param): i for i, w in enumerate(block.weights)}
+    out: dict[nn.Module, list[int]] = {}
+    for layer in block.module.modules():
+        own = [index[id(p)] for p in layer.parameters(recurse=False) if id(p) in index]
+        if own and layer is not block.module:
+            out[layer] = own
+    return out
+
+
+def _at_backward_end(callback: Callable[[], None]) -> bool:
+    """Queue ``callback`` for the end of the backward running now (the autograd engine's own hook, as
+    DistributedDataParallel uses it); False where none runs or the engine cannot (the next forward calls it)."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):
+        return False
+    return True
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
