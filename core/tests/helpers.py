@@ -103,6 +103,26 @@ def force_auto_plan(
     monkeypatch.setattr(budget_planner, "plan_policies", forced)
 
 
+# Every policy ``auto`` may give a streamed block (memfit.offload.weights, "Saved weights"), cycled over the blocks
+STREAMED_POLICIES = (
+    BlockPolicy.KEEP,
+    BlockPolicy.PARK,
+    BlockPolicy.FFN,
+    BlockPolicy.ATTENTION_OFFLOAD,
+    BlockPolicy.FFN_ATTENTION_OFFLOAD,
+    BlockPolicy.FFN_OFFLOAD,
+    BlockPolicy.BLOCK_OFFLOAD,
+)
+
+
+def every_streamed_policy(names: list[str]) -> list[BlockPolicy]:
+    """:data:`STREAMED_POLICIES` cycled over ``names`` (the step's last two regions never park: kept instead)."""
+    out = [STREAMED_POLICIES[i % len(STREAMED_POLICIES)] for i in range(len(names))]
+    return [
+        BlockPolicy.KEEP if p is BlockPolicy.PARK and i >= len(names) - 2 else p for i, p in enumerate(out)
+    ]
+
+
 # The policies of the ``auto`` plan whose out-of-memory forward kept its activations on an H200, cycled over the
 # blocks (test_failed_steps, test_gpu_failed_steps)
 AUTO_MIX = (

@@ -19,7 +19,7 @@ import memfit
 import memfit.controller
 from memfit import BudgetError, ConfigError, MemfitWarning
 from memfit.auto import BlockPolicy, BlockProfile, ModelProfile, budget_planner, plan_policies
-from memfit.auto.cost import OFFLOAD_REGION_SECONDS, block_choices
+from memfit.auto.cost import HOOKED_TENSOR_SECONDS, OFFLOAD_REGION_SECONDS, block_choices
 from memfit.auto.policy import allowed_policies
 from memfit.auto.streaming import StreamedSet, choose_streaming, streamable_counts, streamed_set
 
@@ -114,8 +114,6 @@ def test_a_budget_activations_alone_cannot_meet_streams_blocks_and_fits():
     assert len(plan.streamed) >= fewest
     at_fewest = plan_policies(prof, budget, allowed=allowed, streamed=streamed_set(prof, fewest))
     assert plan.predicted_extra_seconds <= at_fewest.predicted_extra_seconds
-    policies = dict(plan.blocks)
-    assert all(policies[name].recompute == "block" for name in plan.streamed)
     assert plan.streamed_bytes == len(plan.streamed) * WEIGHTS
 
 
@@ -146,14 +144,8 @@ def test_the_peak_counts_the_uploads_alive_during_each_backward():
     assert streamed.total_bytes == 2 * WEIGHTS
     no_copies = lambda b: allowed_policies(has_ffn=True, has_attention=True, can_offload=False)  # noqa: E731
     plan = plan_policies(prof, 1 << 40, allowed=no_copies, streamed=streamed)
-    assert [p for _, p in plan.blocks] == [
-        BlockPolicy.KEEP,
-        BlockPolicy.BLOCK,
-        BlockPolicy.KEEP,
-        BlockPolicy.KEEP,
-        BlockPolicy.BLOCK,
-        BlockPolicy.KEEP,
-    ]
+    # the streamed blocks too keep everything (their forward saves references to their weights)
+    assert [p for _, p in plan.blocks] == [BlockPolicy.KEEP] * 6
     # the peak model written out: each block's own term on top of what the blocks before it keep, or all that is
     # kept plus the forward's working memory and uploads
     choices = [
@@ -274,23 +266,22 @@ def test_a_longer_lead_that_hides_nothing_more_is_not_planned():
 
 def test_the_planner_leads_further_where_adjacent_uploads_wait_and_there_is_room():
     prof = profile(bandwidth=WEIGHTS / 0.015)  # uploads of 15 ms against 10 ms of forward per block
-    floor = floor_without_streaming(prof)
-    roomy, tight = plan_for(prof, floor - 5 * WEIGHTS), plan_for(prof, floor - 6 * WEIGHTS)
-    assert roomy.streamed == tight.streamed and len(roomy.streamed) == 9  # adjacent blocks among them
+    budget = floor_without_streaming(prof) - 5 * WEIGHTS
+    roomy = plan_for(prof, budget)
     assert roomy.streamed_forward_ahead == 2 and "uploaded 2 ahead in forward" in roomy.describe()
-    # 100 MiB less: the upload led ahead would take room from the activations, which costs more than it hides
-    indices = [int(name.rpartition(".")[2]) for name in tight.streamed]
+    # the same set (and kept uploads) led one ahead waits on adjacent uploads the longer lead hides
+    indices = [int(name.rpartition(".")[2]) for name in roomy.streamed]
     one, led = (
         plan_policies(
             prof,
-            floor - 6 * WEIGHTS,
+            budget,
             allowed=allowed,
-            streamed=StreamedSet.of(prof, indices, forward_ahead=lead),
+            streamed=StreamedSet.of(prof, indices, forward_ahead=lead, kept_first=roomy.streamed_kept_first),
         )
         for lead in (1, 2)
     )
-    assert one.predicted_extra_seconds < led.predicted_extra_seconds
-    assert tight.predicted_extra_seconds <= one.predicted_extra_seconds
+    assert led.predicted_extra_seconds < one.predicted_extra_seconds
+    assert roomy.predicted_extra_seconds <= led.predicted_extra_seconds
 
 
 def test_kept_uploads_leave_the_forward_queue_and_are_held_through_the_turnaround():
@@ -645,6 +636,21 @@ def test_auto_streams_weights_where_the_budget_needs_it_and_gradients_stay_exact
     assert_same(step(model, x), reference)
 
 
+def watch_backward_of_referenced_blocks(monkeypatch, streamer, watch) -> None:
+    """``watch(module, ())`` as the backward of each streamed block not recomputed whole begins (its upload taken,
+    the one before it issued), where a recomputed one's forward pre-hook would see it."""
+    first_use = streamer._for_backward
+
+    def recorded(block):
+        begins = block not in streamer._backward and block not in streamer._active
+        upload = first_use(block)
+        if begins:
+            watch(block.module, ())
+        return upload
+
+    monkeypatch.setattr(streamer, "_for_backward", recorded)
+
+
 @contextlib.contextmanager
 def auto_with_every_set(monkeypatch, **made_with):
     """``auto`` on an 8-block toy at a budget that streams, every streamed set made ``made_with`` (``forward_ahead``,
@@ -677,6 +683,7 @@ def test_the_forward_lead_auto_plans_is_the_one_installed(streaming_on_cpu, monk
             seen.append((names[[b.module for b in streamer.blocks].index(module)], set(streamer.alive())))
 
         hooks = [b.module.register_forward_pre_hook(watch) for b in streamer.blocks]
+        watch_backward_of_referenced_blocks(monkeypatch, streamer, watch)
         assert_same(step(model, x), reference)
         for h in hooks:
             h.remove()
@@ -873,11 +880,10 @@ def test_the_budget_a_budget_error_suggests_plans_even_after_a_few_more_bytes_st
         assert plan_policies(later, plain, allowed=allowed).predicted_peak_bytes <= plain
 
 
-def test_resident_blocks_park_whole_where_their_forward_hides_it_and_streamed_blocks_recompute():
-    """A long-sequence video shape (Wan 14B at 14040 tokens): each block's forward is long against the copy of
-    all it saves, so the blocks that keep their weights park everything instead of recomputing, while the
-    streamed ones recompute whole (their recompute brings their weights back). Cheaper than the same budget
-    without parking, and within it."""
+def test_blocks_park_whole_where_their_forward_hides_it_streamed_ones_too():
+    """A long-sequence video shape: each block's forward is long against the copy of all it saves, so blocks park
+    everything instead of recomputing, streamed ones among them (their forward saves references to their weights,
+    uploaded again for their backward). Cheaper than the same budget without parking, and within it."""
     blocks = tuple(
         dataclasses.replace(
             block(i, flops=10**13), park_bytes=38 * MiB, park_copy_bytes=38 * MiB, park_hook_calls=40
@@ -885,12 +891,11 @@ def test_resident_blocks_park_whole_where_their_forward_hides_it_and_streamed_bl
         for i in range(12)
     )
     prof = dataclasses.replace(profile(), blocks=blocks)
-    budget = prof.static_bytes - 6 * WEIGHTS + 200 * MiB  # six blocks' weights must stream
+    budget = prof.static_bytes - 12 * WEIGHTS + 370 * MiB  # every block streams, and half the activations go
     plan = plan_for(prof, budget)
     policies = dict(plan.blocks)
     assert plan.predicted_peak_bytes <= budget and len(plan.streamed) >= 6
-    assert all(policies[name].recompute == "block" for name in plan.streamed)
-    assert BlockPolicy.PARK in {policies[n] for n in policies if n not in plan.streamed}
+    assert BlockPolicy.PARK in {policies[n] for n in plan.streamed}
 
     def without_parking(b: BlockProfile) -> tuple[BlockPolicy, ...]:
         return tuple(p for p in allowed(b) if not p.parks_block)
@@ -902,3 +907,23 @@ def test_resident_blocks_park_whole_where_their_forward_hides_it_and_streamed_bl
         max_count=len(prof.blocks),
     )
     assert plan.predicted_extra_seconds < recomputing.predicted_extra_seconds
+
+
+def test_a_streamed_block_not_recomputed_pays_the_upload_its_recompute_hid_and_its_hooks():
+    """Blocks 3 and 4 stream, each upload 25 ms. In backward block 3's upload hides behind block 4's recompute
+    (10 ms) and backward (20 ms); block 4 kept, not recomputed, leaves it 20 ms: 5 ms exposed, charged to block
+    4's policies that do not recompute it whole, with 10 us for each tensor its forward saves through hooks."""
+    prof = profile(bandwidth=WEIGHTS / 0.025)
+    prof = dataclasses.replace(
+        prof, blocks=tuple(dataclasses.replace(b, park_hook_calls=30) for b in prof.blocks)
+    )
+    streamed = StreamedSet.of(prof, [3, 4])
+    assert streamed.unrecomputed_seconds == pytest.approx([0.0] * 4 + [0.005] + [0.0] * 7)
+
+    def keep_or_block(b: BlockProfile) -> tuple[BlockPolicy, ...]:
+        return (BlockPolicy.KEEP, BlockPolicy.BLOCK)
+
+    plan = plan_policies(prof, 1 << 40, allowed=keep_or_block, streamed=streamed)
+    assert [p for _, p in plan.blocks] == [BlockPolicy.KEEP] * 12  # kept: 5.3 ms against a 10 ms recompute
+    hooks = 2 * 30 * HOOKED_TENSOR_SECONDS
+    assert plan.predicted_extra_seconds == pytest.approx(streamed.seconds + 0.005 + hooks)

@@ -39,17 +39,26 @@ def build():
     return build_model(FluxTransformer2DModel, config, dtype=torch.float32, device="cuda", seed=0)
 
 
+def train_steps(model, batch, steps: int, after_each) -> tuple[list, dict]:
+    """``steps`` training steps on ``model`` (math SDPA); ``after_each()`` once each step has synchronized; the last
+    step's gradients."""
+    seen = []
+    for _ in range(steps):
+        model.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+            ADAPTER.loss(model(**batch)).backward()
+        torch.cuda.synchronize()
+        seen.append(after_each())
+    return seen, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
 def run(model, batch, config):
     handle = memfit.apply(model, config, adapter=ADAPTER) if config else None
     try:
-        for _ in range(2):  # the first step plans; the second runs the installed plan only
-            model.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-                ADAPTER.loss(model(**batch)).backward()
-            torch.cuda.synchronize()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        # the first step plans; the second runs the installed plan only
+        _, grads = train_steps(model, batch, 2, lambda: None)
         return (
             torch.cuda.max_memory_allocated(),
             grads,
@@ -126,18 +135,9 @@ def test_blocks_parked_whole_on_the_copy_engine_give_exact_gradients_and_hold_le
     batch, none_peak, ref, noise = reference(model)
     handle = memfit.apply(model, auto_config("100GiB"), adapter=ADAPTER)
     try:
-        allocations = []
-        for _ in range(3):
-            model.zero_grad(set_to_none=True)
-            torch.cuda.synchronize()
-            torch.cuda.reset_peak_memory_stats()
-            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-                ADAPTER.loss(model(**batch)).backward()
-            torch.cuda.synchronize()
-            allocations.append(handle.stats()["pinned_allocations"])
+        allocations, grads = train_steps(model, batch, 3, lambda: handle.stats()["pinned_allocations"])
         peak = torch.cuda.max_memory_allocated()
         stats = handle.stats()
-        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     finally:
         handle.remove()
         model.zero_grad(set_to_none=True)
@@ -271,3 +271,29 @@ def test_on_a_card_of_the_budget_s_size_auto_keeps_its_copies_reserve_and_runs_c
         torch.cuda.set_per_process_memory_fraction(1.0, device)
         model.zero_grad(set_to_none=True)
         torch.cuda.empty_cache()
+
+
+def test_streamed_blocks_take_every_policy_on_cuda_with_the_unmodified_gradients(monkeypatch):
+    """Every block's frozen weights stream (CUDA's upload stream and events) and the blocks cycle through every
+    policy ``auto`` may give a streamed block: those not recomputed whole save references to their weights, freed
+    after the forward and uploaded again for backward. Gradients within the unmodified model's own run-to-run
+    difference; no forward upload held; none issued on demand after the first step."""
+    peft = pytest.importorskip("peft")
+    from helpers import every_streamed_policy, force_auto_plan
+
+    model = build().requires_grad_(False)
+    model.add_adapter(peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    batch, _, ref, noise = reference(model)
+    force_auto_plan(monkeypatch, every_streamed_policy, lambda names: names)
+    handle = memfit.apply(model, auto_config("100GiB"), adapter=ADAPTER)
+    try:
+        on_demand, grads = train_steps(model, batch, 3, lambda: handle.stats()["weight_uploads_on_demand"])
+        stats = handle.stats()
+    finally:
+        handle.remove()
+        model.zero_grad(set_to_none=True)
+    assert grads.keys() == ref.keys()
+    assert max(float((grads[n] - g).abs().max()) for n, g in ref.items()) <= 2 * noise
+    assert stats["streamed_blocks"] == 9 and stats["weight_held_after_forward"] == 0
+    assert stats["block_calls_parked"] > 0
+    assert on_demand[1] == on_demand[2], on_demand  # the uploads run ahead from the second step on

@@ -15,24 +15,13 @@ from memfit.auto import BlockPolicy
 from memfit.offload.weights import WeightStreamer
 from memfit_conformance.base import cpu_copy_engine
 
-from helpers import auto_config, force_auto_plan
+from helpers import auto_config, every_streamed_policy, force_auto_plan
 
 memfit_flux = pytest.importorskip("memfit_flux")
 peft = pytest.importorskip("peft")
 ADAPTER = memfit_flux.ADAPTER
 TINY = ADAPTER.presets["tiny"]
 LORA = ["to_q", "to_k", "to_v", "to_out.0", "proj_mlp", "proj_out", "ff.net.2"]
-
-# every policy a streamed block may take under auto, cycled over the blocks (the last two never park)
-POLICIES = (
-    BlockPolicy.KEEP,
-    BlockPolicy.PARK,
-    BlockPolicy.FFN,
-    BlockPolicy.ATTENTION_OFFLOAD,
-    BlockPolicy.FFN_ATTENTION_OFFLOAD,
-    BlockPolicy.FFN_OFFLOAD,
-    BlockPolicy.BLOCK_OFFLOAD,
-)
 
 
 def lora_model() -> torch.nn.Module:
@@ -53,13 +42,6 @@ def train_step(model, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def cycled(names: list[str]) -> list[BlockPolicy]:
-    out = [POLICIES[i % len(POLICIES)] for i in range(len(names))]
-    return [
-        BlockPolicy.KEEP if p is BlockPolicy.PARK and i >= len(names) - 2 else p for i, p in enumerate(out)
-    ]
-
-
 def streamer_of(handle) -> WeightStreamer:
     streamer = handle._controller.streamer
     assert streamer is not None
@@ -70,7 +52,7 @@ def test_every_policy_on_streamed_blocks_gives_the_unmodified_gradients_bitwise(
     model = lora_model()
     inputs = batch(model)
     ref = train_step(model, inputs)
-    force_auto_plan(monkeypatch, cycled, lambda names: names)  # every block streams
+    force_auto_plan(monkeypatch, every_streamed_policy, lambda names: names)  # every block streams
     with memfit.apply(
         model, auto_config("1GiB"), copy_engine=cpu_copy_engine(), min_offload_bytes=0
     ) as handle:
@@ -85,7 +67,7 @@ def test_every_policy_on_streamed_blocks_gives_the_unmodified_gradients_bitwise(
         referenced = [b for b in streamer.blocks if b.referenced]
         # every block but the whole-block recomputed ones saves references
         assert len(referenced) == sum(
-            p.recompute != "block" for p in cycled([b.name for b in streamer.blocks])
+            p.recompute != "block" for p in every_streamed_policy([b.name for b in streamer.blocks])
         )
         assert streamer.stats.weights_referenced > 0
     assert stats["weight_held_after_forward"] == 0
@@ -130,7 +112,7 @@ def test_a_referenced_block_s_upload_is_freed_after_its_forward_and_back_for_its
 def test_remove_restores_the_weights_exactly(monkeypatch):
     model = lora_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    force_auto_plan(monkeypatch, cycled, lambda names: names[::2])
+    force_auto_plan(monkeypatch, every_streamed_policy, lambda names: names[::2])
     with memfit.apply(model, auto_config("1GiB"), copy_engine=cpu_copy_engine(), min_offload_bytes=0):
         train_step(model, batch(model))
     after = model.state_dict()

@@ -62,7 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import memfit.auto.search as search
-from memfit.auto.cost import Choice, block_choices
+from memfit.auto.cost import HOOKED_TENSOR_SECONDS, Choice, block_choices
 from memfit.auto.profile import BlockProfile, ModelProfile
 from memfit.auto.streaming import StreamedSet
 from memfit.errors import BudgetError
@@ -230,7 +230,7 @@ def plan_policies(
     no_checkpoint = peak(keep_all, base)
     forward = 0
     if streamed is not None:
-        options = _streaming_options(options, streamed, profile.workspace_bytes)
+        options = _streaming_options(options, streamed, profile)
         base -= streamed.total_bytes
         forward = streamed.forward_bytes
         _check_forward_start(options, base, budget_bytes, streamed)
@@ -359,16 +359,24 @@ def block_options(
 
 
 def _streaming_options(
-    options: list[list[Choice]], streamed: StreamedSet, workspace: int
+    options: list[list[Choice]], streamed: StreamedSet, profile: ModelProfile
 ) -> list[list[Choice]]:
-    """The choices with ``streamed`` in place: a streamed block is whole-block recomputed, every block's own term
-    carries the uploads alive during its backward, and a block whose forward starts with kept uploads alive has
-    that start as a term of its own (see "Forward's start")."""
+    """The choices with ``streamed`` in place: a streamed block not recomputed whole pays what
+    :mod:`memfit.auto.streaming` says ("Saved weights"), every block's own term carries the uploads alive during
+    its backward, and a block whose forward starts with kept uploads alive has that start as a term of its own (see
+    "Forward's start")."""
     starts = dict(streamed.start_holds)
     out = []
     for i, opts in enumerate(options):
         if i in streamed.indices:
-            opts = [c for c in opts if c.policy.recompute == "block"]
+            opts = [
+                c
+                if c.policy.recompute == "block"
+                else dataclasses.replace(
+                    c, seconds=c.seconds + _referencing_seconds(profile.blocks[i], c, streamed, i)
+                )
+                for c in opts
+            ]
         extra = streamed.backward_bytes[i]
         if extra:
             opts = [
@@ -378,7 +386,7 @@ def _streaming_options(
                 for c in opts
             ]
         if i in starts:  # need() becomes max(start, what it was)
-            start = starts[i] + workspace
+            start = starts[i] + profile.workspace_bytes
             opts = [
                 dataclasses.replace(
                     c, own=max(c.own, start), own_late=c.own if c.own_late is None else c.own_late
@@ -387,6 +395,16 @@ def _streaming_options(
             ]
         out.append(opts)
     return out
+
+
+def _referencing_seconds(block: BlockProfile, choice: Choice, streamed: StreamedSet, index: int) -> float:
+    """What a streamed block not recomputed whole adds to ``choice``'s seconds (:mod:`memfit.auto.streaming`, "Saved
+    weights"): the upload its recompute no longer hides, and the hooks of its forward's saves (a parked block's and
+    an offloaded attention's are priced already)."""
+    hooked = 0 if choice.policy.parks_block else block.park_hook_calls
+    if choice.policy.offloads_attention:
+        hooked -= block.attention_hook_calls
+    return streamed.unrecomputed_seconds[index] + HOOKED_TENSOR_SECONDS * max(0, hooked)
 
 
 def _parking_terms(options: list[list[Choice]], profile: ModelProfile) -> list[list[Choice]]:

@@ -4,8 +4,9 @@ Design notes (``docs/weight-streaming.md``, "Planning it with auto", has the lon
 -------------------------------------------------------------------------------------------
 A set.  For a count *n*, the streamed blocks are the spread rule's (:func:`memfit.offload.weights.
 choose_streamed_blocks`): with the set fixed, streaming is per-block constants the planner's search takes as
-they are (:class:`StreamedSet`), and the streamed blocks may only be whole-block recomputed (``block`` or
-``block-offload``).
+they are (:class:`StreamedSet`). A streamed block may take any policy: one not recomputed whole saves references to
+its weights (:mod:`memfit.offload.weights`, "Saved weights"), and costs what "Cost" and "Saved weights" below
+say.
 
 Peak.  The static bytes drop by the streamed frozen bytes. While block *i*'s backward runs, the uploads alive
 are its own (if it streams: its recomputed saved tensors hold it) and the nearest streamed block before it
@@ -19,6 +20,11 @@ block *L* places before it starts, and the link copies one at a time: the forwar
 that queue against the blocks' forward times (with *L* = 1 each upload hides behind the forward of the blocks
 from the streamed block before up to it). The other blocks' own recompute (more compute to hide behind) is not
 counted. The turnarounds' kept uploads cost nothing ("Turnarounds").
+
+Saved weights.  A streamed block that is not recomputed whole takes its recompute's forward out of the window
+that hides the upload of the streamed block before it: the extra exposure is charged to its other policies
+(:attr:`StreamedSet.unrecomputed_seconds`), with the hooks its forward's saves pass through (every tensor its call
+saves, those of an offloaded attention already priced: ``HOOKED_TENSOR_SECONDS`` each).
 
 Turnarounds.  The last streamed block's recompute runs on its forward's upload; the first *K* streamed blocks'
 last recompute uploads serve the next forward (:mod:`memfit.offload.weights`, "Turnarounds"), which takes them
@@ -62,7 +68,9 @@ from memfit.offload.weights import choose_streamed_blocks
 
 P = TypeVar("P")
 WAIT_RESOLUTION_S = 1e-4  # forward waits below this are none: keeping more uploads would hide nothing more
-EXTRA_COUNTS = (1, 2, 4, 8)  # counts tried above the fewest that fit (or above none), for a cheaper plan
+# counts tried above the fewest that fit (or above none), for a cheaper plan, and every block that may stream: where
+# streamed blocks need not recompute, streaming more frees room for cheaper policies all the way up
+EXTRA_COUNTS = (1, 2, 4, 8, 16, 32)
 # streamed blocks the forward's uploads are led ahead, tried for each count (see "Search")
 FORWARD_LEADS = (1, 2)
 
@@ -86,6 +94,8 @@ class StreamedSet:
     # per block: seconds of backward compute its activation reloads may hide behind, what the uploads on the same
     # link leave of their window (see "Link"); None outside every upload's window (its own backward)
     reload_cover: tuple[float | None, ...] = ()
+    # per block: the upload time a streamed block exposes more when it is not recomputed whole (see "Saved weights")
+    unrecomputed_seconds: tuple[float, ...] = ()
 
     @classmethod
     def of(
@@ -117,7 +127,7 @@ class StreamedSet:
         starts = tuple(
             (chosen[k], sum(sizes[k : max(kept_first, k + forward_ahead + 1)])) for k in range(kept_first)
         )
-        seconds, cover = _uploads(profile, chosen, forward_ahead, kept_first)
+        seconds, cover, unrecomputed = _uploads(profile, chosen, forward_ahead, kept_first)
         transient = profile.counts_transient
         return cls(
             indices=tuple(chosen),
@@ -131,6 +141,7 @@ class StreamedSet:
             kept_bytes=sum(sizes[:kept_first]) if transient else 0,
             start_holds=starts if transient else (),
             reload_cover=cover,
+            unrecomputed_seconds=unrecomputed,
         )
 
 
@@ -169,13 +180,15 @@ def _forward_seconds(profile: ModelProfile) -> list[float]:
 
 def _uploads(
     profile: ModelProfile, chosen: list[int], lead: int = 1, kept_first: int = 0
-) -> tuple[float, tuple[float | None, ...]]:
-    """Upload time not hidden behind compute per step, plus the host's bookkeeping per upload (see "Cost"); and per
-    block, the backward compute its reloads may hide behind (see "Link")."""
+) -> tuple[float, tuple[float | None, ...], tuple[float, ...]]:
+    """Upload time not hidden behind compute per step, plus the host's bookkeeping per upload (see "Cost"); per
+    block, the backward compute its reloads may hide behind (see "Link"); and per block, what more a streamed
+    block's window exposes when the streamed block after it is not recomputed (see "Saved weights")."""
     bandwidth = profile.copy_bytes_per_second
     cover: list[float | None] = [None] * len(profile.blocks)
+    unrecomputed = [0.0] * len(profile.blocks)
     if not chosen:
-        return 0.0, tuple(cover)
+        return 0.0, tuple(cover), tuple(unrecomputed)
     fwd = _forward_seconds(profile)
     bwd = [f * profile.backward_to_forward for f in fwd]
     # the turnarounds keep uploads: the last block's forward one for its recompute, and the first kept_first
@@ -184,7 +197,7 @@ def _uploads(
     kept_backward = {len(chosen) - 1}
     seconds = (2 * len(chosen) - len(kept_forward) - len(kept_backward)) * OFFLOAD_REGION_SECONDS
     if not bandwidth:
-        return seconds, tuple(cover)
+        return seconds, tuple(cover), tuple(unrecomputed)
     copies = [profile.blocks[i].frozen_bytes / bandwidth for i in chosen]
     seconds += _forward_waits(
         fwd, chosen, [0.0 if k in kept_forward else c for k, c in enumerate(copies)], lead
@@ -196,6 +209,9 @@ def _uploads(
         after = ends[k]
         backward_hide = sum(bwd[i + 1 : after + 1]) + (fwd[after] if after < len(fwd) else 0.0)
         seconds += max(0.0, backward_copy - backward_hide)
+        if after < len(fwd):  # the streamed block after it not recomputed: its forward leaves the window
+            without = max(0.0, backward_copy - (backward_hide - fwd[after]))
+            unrecomputed[after] = without - max(0.0, backward_copy - backward_hide)
         if not backward_copy:
             continue  # no upload in this window: its reloads hide behind their own backward, as unstreamed
         # reloads due before block i's recompute
@@ -203,7 +219,7 @@ def _uploads(
         weight = sum(bwd[j] for j in due)
         for j in due:
             cover[j] = min(bwd[j], left * bwd[j] / weight) if weight else 0.0
-    return seconds, tuple(cover)
+    return seconds, tuple(cover), tuple(unrecomputed)
 
 
 def streamable_counts(profile: ModelProfile, max_bytes: int) -> int:
@@ -310,9 +326,7 @@ def choose_streaming(
         best, first = plan(best_set), lo
     if seconds(best) <= 0:
         return best
-    for count in [first, *(first + extra for extra in EXTRA_COUNTS)]:
-        if count > max_count:
-            break
+    for count in sorted({first, *(min(first + extra, max_count) for extra in EXTRA_COUNTS)}):
         shortest = streamed_set(profile, count, forward_ahead=FORWARD_LEADS[0])
         for lead in FORWARD_LEADS:
             led = shortest if lead == FORWARD_LEADS[0] else streamed_set(profile, count, forward_ahead=lead)

@@ -745,19 +745,23 @@ class WeightStreamer:
     def _backward_reaches(self, block: _Block) -> None:
         """Backward reached ``block``: the blocks after it in call order are done with their uploads."""
         for done in [b for b in self._backward if b.position > block.position]:
-            self._settle(self._backward.pop(done))
+            self._done_with(done)
 
     def _end_backward(self) -> None:
-        """The backward is over (or the next forward begins): the uploads its last blocks ran on are dropped, but
-        for the first ``keep_first`` streamed blocks, whose uploads serve the next forward ("Turnarounds")."""
+        """The backward is over (or the next forward begins): its last blocks are done with their uploads."""
         self._end_queued = False
         for block in list(self._backward):
-            upload = self._backward.pop(block)
-            if block.position < self.keep_first and self._prefetch and block not in self._pending:
-                self._pending[block] = upload
-                self.stats.uploads_kept += 1
-            else:
-                self._settle(upload)
+            self._done_with(block)
+
+    def _done_with(self, block: _Block) -> None:
+        """``block``'s backward is over: its upload is dropped, but for the first ``keep_first`` streamed blocks,
+        whose uploads serve the next forward ("Turnarounds")."""
+        upload = self._backward.pop(block)
+        if block.position < self.keep_first and self._prefetch and block not in self._pending:
+            self._pending[block] = upload
+            self.stats.uploads_kept += 1
+        else:
+            self._settle(upload)
 
     def _layer_pre(self, layer: nn.Module, args: tuple) -> None:
         """A layer of a streamed block runs in a recompute that is not its block's: its weights point at the
