@@ -13,10 +13,10 @@ frozen parameter that is a tensor subclass (quantized weights, DTensor): its byt
 
 Upload.  A forward pre-hook on the block points its parameters at views of one device buffer holding the block's
 bytes, uploaded in one copy; a forward post-hook puts the placeholders back. The hooks run for the forward and
-for the recompute alike. A streamed block is always whole-block recomputed (:mod:`memfit.plan`), so its forward
-saves holders only: once it returns, nothing but the parameters pointed at the upload, and it is freed. In
+for the recompute alike. A streamed block recomputed whole (the fixed knob's, and ``auto``'s where cheapest) saves
+holders only: once its forward returns, nothing but the parameters pointed at the upload, and it is freed. In
 backward the recompute uploads again; the recomputed saved tensors (views of the upload) keep it until the
-block's backward has used them.
+block's backward has used them. Any other policy saves references instead ("Saved weights").
 
 Ahead of need.  In forward, when streamed block ``k`` starts, the next ``forward_ahead`` streamed blocks in call
 order are uploaded (the first ones when the forward starts); at the end of a forward with gradients, the last
@@ -621,8 +621,8 @@ class WeightStreamer:
                 warnings.warn(
                     f"the weights of streamed block(s) {', '.join(held)} stayed on the device after their forward "
                     f"(something outside a recomputed region saved them for backward), so streaming saves "
-                    f"nothing there. Streamed blocks must be whole-block recomputed regions. This warning is shown "
-                    f"once.",
+                    f"nothing there. A streamed block must be recomputed whole or save references to its weights "
+                    f"(memfit's plans do one or the other). This warning is shown once.",
                     MemfitWarning,
                     stacklevel=2,
                 )
