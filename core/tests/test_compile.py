@@ -170,51 +170,12 @@ def test_a_forward_without_grad_is_not_checked():
         assert handle.stats()["recomputes"] == 0
 
 
-def test_compiled_blocks_parked_whole_same_gradients_no_recompiles(monkeypatch, eager_reference):
-    """``BlockPolicy.PARK`` wraps the compiled block call as whole-block regions do: the compiled block packs
-    every tensor it saves through the parking hooks."""
+def compiled_auto_steps(model, reference: dict[str, torch.Tensor]) -> dict:
+    """``auto`` (a forced plan) on ``model`` with its repeated blocks compiled (aot_eager): three steps, each with
+    ``reference``'s gradients (the tolerance: see the first test) and no graph compiled after the first; the
+    handle's stats."""
     from torch._dynamo.utils import counters
 
-    from memfit.auto import BlockPolicy
-
-    from helpers import force_auto_plan
-
-    force_auto_plan(monkeypatch, lambda names: [BlockPolicy.PARK] * len(names))
-    model = TINY.build()
-    config = {**ON, "gradient_checkpointing_backend": "auto", "gradient_checkpointing_memory_budget": "1GiB"}
-    torch._dynamo.reset()
-    counters.clear()
-    with memfit.apply(model, config, copy_engine=cpu_copy_engine(), min_offload_bytes=0) as handle:
-        model.compile_repeated_blocks(backend="aot_eager")
-        compiled: list[int] = []
-        for _ in range(3):
-            got = grads(model)
-            compiled.append(counters["stats"]["unique_graphs"])
-            for n, ref in eager_reference.items():  # (the tolerance: see the test above)
-                torch.testing.assert_close(got[n], ref, rtol=1e-6, atol=1e-7, msg=n)
-        stats = handle.stats()
-    assert compiled[0] > 0 and compiled[1] == compiled[2] == compiled[0], compiled
-    assert not counters["recompiles"], dict(counters["recompiles"])
-    assert stats["recomputes"] == 0 and stats["bytes_offloaded"] > 0
-
-
-def test_compiled_streamed_blocks_taking_every_policy_same_gradients_no_recompiles(monkeypatch):
-    """Streamed blocks not recomputed whole save references to their weights through saved-tensor hooks around
-    the compiled block call, as parked blocks do; the layers a recompute calls are pointed at the upload by hooks
-    outside the compiled graph. Frozen base, the attention's q/k norms train (a LoRA stand-in)."""
-    from torch._dynamo.utils import counters
-
-    from helpers import every_streamed_policy, force_auto_plan
-
-    def frozen_model():
-        model = TINY.build().requires_grad_(False)
-        for name, p in model.named_parameters():
-            p.requires_grad_(".norm_q." in name or ".norm_k." in name)
-        return model
-
-    reference = grads(frozen_model())
-    force_auto_plan(monkeypatch, every_streamed_policy, lambda names: names)
-    model = frozen_model()
     config = {**ON, "gradient_checkpointing_backend": "auto", "gradient_checkpointing_memory_budget": "1GiB"}
     torch._dynamo.reset()
     counters.clear()
@@ -225,9 +186,39 @@ def test_compiled_streamed_blocks_taking_every_policy_same_gradients_no_recompil
             got = grads(model)
             compiled.append(counters["stats"]["unique_graphs"])
             assert got.keys() == reference.keys()
-            for n, ref in reference.items():  # (the tolerance: see the first test)
+            for n, ref in reference.items():
                 torch.testing.assert_close(got[n], ref, rtol=1e-6, atol=1e-7, msg=n)
         stats = handle.stats()
     assert compiled[0] > 0 and compiled[1] == compiled[2] == compiled[0], compiled
     assert not counters["recompiles"], dict(counters["recompiles"])
+    return stats
+
+
+def test_compiled_blocks_parked_whole_same_gradients_no_recompiles(monkeypatch, eager_reference):
+    """``BlockPolicy.PARK`` wraps the compiled block call as whole-block regions do: the compiled block packs
+    every tensor it saves through the parking hooks."""
+    from memfit.auto import BlockPolicy
+
+    from helpers import force_auto_plan
+
+    force_auto_plan(monkeypatch, lambda names: [BlockPolicy.PARK] * len(names))
+    stats = compiled_auto_steps(TINY.build(), eager_reference)
+    assert stats["recomputes"] == 0 and stats["bytes_offloaded"] > 0
+
+
+def test_compiled_streamed_blocks_taking_every_policy_same_gradients_no_recompiles(monkeypatch):
+    """Streamed blocks not recomputed whole save references to their weights through saved-tensor hooks around
+    the compiled block call, as parked blocks do; the layers a recompute calls are pointed at the upload by hooks
+    outside the compiled graph. Frozen base, the attention's q/k norms train (a LoRA stand-in)."""
+    from helpers import every_streamed_policy, force_auto_plan
+
+    def frozen_model():
+        model = TINY.build().requires_grad_(False)
+        for name, p in model.named_parameters():
+            p.requires_grad_(".norm_q." in name or ".norm_k." in name)
+        return model
+
+    reference = grads(frozen_model())
+    force_auto_plan(monkeypatch, every_streamed_policy, lambda names: names)
+    stats = compiled_auto_steps(frozen_model(), reference)
     assert stats["streamed_blocks"] == 7 and stats["weight_held_after_forward"] == 0
