@@ -5,6 +5,7 @@ unmodified model's, on the synchronous copy engine."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 
 import pytest
@@ -150,3 +151,41 @@ def test_the_next_step_after_an_interrupt_inside_a_referenced_block_is_exact(mon
         assert handle.stats()["weight_held_after_forward"] == 0
     linear = torch.nn.Linear(4, 4)
     linear(torch.randn(2, 4, requires_grad=True)).sum().backward()  # the thread's autograd state is clean
+
+
+def test_while_auto_profiles_a_referenced_block_saves_through_the_profile_s_hooks():
+    """``auto`` profiles a new shape with the streamer's hooks on (a card that cannot hold the weights): its own
+    saved-tensor hooks must see every tensor a streamed block saves, so the block's saving scope stays off."""
+    from toy import build
+
+    model = build(blocks=3).requires_grad_(False)
+    streamer = WeightStreamer(model, [("blocks.1", model.blocks[1])])
+    streamer.install()
+    streamer.reference_saves([model.blocks[1]])
+    x = torch.randn(2, 8, 16, requires_grad=True)
+    try:
+        for profiling, seen_inside in ((True, True), (False, False)):
+            seen = []
+
+            def pack(t, seen=seen):
+                seen.append(t.untyped_storage().data_ptr())
+                return t
+
+            upload_ptrs: list[int] = []
+
+            def note_upload(module, args, upload_ptrs=upload_ptrs):  # after the streamer's pre-hook
+                upload_ptrs.append(streamer.upload_of(module).buffer.data_ptr())
+
+            hook = model.blocks[1].register_forward_pre_hook(note_upload)
+            with (
+                streamer.profiling() if profiling else contextlib.nullcontext(),
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t),
+            ):
+                streamer.begin_forward()
+                model(x)
+                streamer.end_forward(failed=False)
+            hook.remove()
+            # the block's weights were saved through the outer hooks only while profiling
+            assert (upload_ptrs[0] in seen) is seen_inside, profiling
+    finally:
+        streamer.remove()

@@ -651,7 +651,8 @@ class WeightStreamer:
         self._active[block] = upload
         if not recomputing and self._training:
             self._forward_uploads.append((block, upload.storage))
-        if block.referenced and not recomputing and torch.is_grad_enabled():
+        # (not while auto profiles: its own hooks must see every saved tensor, and keep none)
+        if block.referenced and not recomputing and torch.is_grad_enabled() and self._prefetch:
             self._open_scope(block)
         step, lead = (-1, self.ahead) if recomputing else (1, self.forward_ahead)
         for k in range(1, lead + 1 if self._prefetch else 1):
