@@ -22,9 +22,10 @@
 #   streaming-host  where a streamed step's extra time goes: the pinning probe (does an upload hold the host, does
 #                the host slow beside uploads; pinning.{json,md}, ~1 min) and diagnose on Flux full size, unsloth
 #                with and without 20 blocks streamed (diagnose-flux.md, ~2.5 min; DIAGNOSE_MODES changes the modes)
-#   wan-park     the GPU tests of auto (test_gpu_auto.py, parked blocks among them), then Wan 2.1 14B at its preset's
-#                14040 tokens: auto at 24 GiB against torch-ffn and offload_attention unconstrained, two paired rounds
-#                (streaming.{json,md}; ~5 min: the model ~1.5 min, each round ~1.5 min)
+#   wan-park     the GPU tests of auto and of weight streaming (test_gpu_auto.py, test_gpu_weights.py: parked blocks
+#                and streamed blocks under every policy among them), then Wan 2.1 14B at its preset's 14040 tokens: auto
+#                at 24 GiB against torch-ffn and offload_attention unconstrained, two paired rounds (streaming.{json,md};
+#                ~7 min: the tests ~1.5 min, the model ~1.5 min, each round ~1.5 min)
 # Each part's exit status is printed; the script exits non-zero if any part failed.
 set -uo pipefail
 START=$(date +%s)
@@ -60,8 +61,8 @@ for part in ${PARTS:-gpu}; do
         streaming-host) run_part pinning python3 -m memfit_benchmarks.pinning --out "$OUT"
             run_part diagnose python3 -m memfit_benchmarks.diagnose --family flux --no-traces --steps 2 --warmup 2 \
                 --modes "${DIAGNOSE_MODES:-unsloth,unsloth+stream20,auto@16GiB}" --out "$OUT" ;;
-        wan-park) run_part gpu-auto env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest core/tests/test_gpu_auto.py -m gpu -q \
-                -p no:cacheprovider
+        wan-park) run_part gpu-auto env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest core/tests/test_gpu_auto.py \
+                core/tests/test_gpu_weights.py -m gpu -q -p no:cacheprovider
             run_part streaming-wan python3 -m memfit_benchmarks.streaming --family wan --backend torch-ffn --blocks 0 \
                 --fixed offload_attention --budgets 24GiB --rounds 2 --warmup 2 --steps 2 --out "$OUT" ;;
         *) echo "unknown part $part" >&2; status=1 ;;
