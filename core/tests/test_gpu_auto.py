@@ -54,6 +54,24 @@ def train_steps(model, batch, steps: int, after_each) -> tuple[list, dict]:
     return seen, {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+def forced_plan_steps(model, batch, stat: str) -> tuple[list, dict, dict, int]:
+    """Three steps of ``auto`` under a forced plan (``helpers.force_auto_plan``, installed by the caller), the
+    handle's ``stat`` after each: what each step recorded, the last step's gradients, the stats and the peak."""
+    handle = memfit.apply(model, auto_config("100GiB"), adapter=ADAPTER)
+    try:
+        recorded, grads = train_steps(model, batch, 3, lambda: handle.stats()[stat])
+        return recorded, grads, handle.stats(), torch.cuda.max_memory_allocated()
+    finally:
+        handle.remove()
+        model.zero_grad(set_to_none=True)
+
+
+def assert_within_noise(grads: dict, ref: dict, noise: float) -> None:
+    """The same gradients as ``ref``, each within twice the unmodified model's own run-to-run difference."""
+    assert grads.keys() == ref.keys()
+    assert max(float((grads[n] - g).abs().max()) for n, g in ref.items()) <= 2 * noise
+
+
 def run(model, batch, config):
     handle = memfit.apply(model, config, adapter=ADAPTER) if config else None
     try:
@@ -133,16 +151,8 @@ def test_blocks_parked_whole_on_the_copy_engine_give_exact_gradients_and_hold_le
     )
     model = build()
     batch, none_peak, ref, noise = reference(model)
-    handle = memfit.apply(model, auto_config("100GiB"), adapter=ADAPTER)
-    try:
-        allocations, grads = train_steps(model, batch, 3, lambda: handle.stats()["pinned_allocations"])
-        peak = torch.cuda.max_memory_allocated()
-        stats = handle.stats()
-    finally:
-        handle.remove()
-        model.zero_grad(set_to_none=True)
-    assert grads.keys() == ref.keys()
-    assert max(float((grads[n] - g).abs().max()) for n, g in ref.items()) <= 2 * noise
+    allocations, grads, stats, peak = forced_plan_steps(model, batch, "pinned_allocations")
+    assert_within_noise(grads, ref, noise)
     assert stats["recomputes"] == 0 and stats["block_calls_parked"] > 0 and stats["bytes_offloaded"] > 0
     assert peak < none_peak, (peak, none_peak)
     assert allocations[1] == allocations[2], allocations  # the pool reuses its buffers from the second step
@@ -285,15 +295,8 @@ def test_streamed_blocks_take_every_policy_on_cuda_with_the_unmodified_gradients
     model.add_adapter(peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
     batch, _, ref, noise = reference(model)
     force_auto_plan(monkeypatch, every_streamed_policy, lambda names: names)
-    handle = memfit.apply(model, auto_config("100GiB"), adapter=ADAPTER)
-    try:
-        on_demand, grads = train_steps(model, batch, 3, lambda: handle.stats()["weight_uploads_on_demand"])
-        stats = handle.stats()
-    finally:
-        handle.remove()
-        model.zero_grad(set_to_none=True)
-    assert grads.keys() == ref.keys()
-    assert max(float((grads[n] - g).abs().max()) for n, g in ref.items()) <= 2 * noise
+    on_demand, grads, stats, _ = forced_plan_steps(model, batch, "weight_uploads_on_demand")
+    assert_within_noise(grads, ref, noise)
     assert stats["streamed_blocks"] == 9 and stats["weight_held_after_forward"] == 0
     assert stats["block_calls_parked"] > 0
     assert on_demand[1] == on_demand[2], on_demand  # the uploads run ahead from the second step on

@@ -10,6 +10,7 @@ import gc
 
 import pytest
 import torch
+from test_weights import streamer_of
 
 import memfit
 from memfit.auto import BlockPolicy
@@ -41,12 +42,6 @@ def train_step(model, inputs) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     loss = ADAPTER.loss(model(**inputs))
     loss.backward()
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
-
-def streamer_of(handle) -> WeightStreamer:
-    streamer = handle._controller.streamer
-    assert streamer is not None
-    return streamer
 
 
 def test_every_policy_on_streamed_blocks_gives_the_unmodified_gradients_bitwise(monkeypatch):

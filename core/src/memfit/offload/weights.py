@@ -654,7 +654,12 @@ class WeightStreamer:
         # (not while auto profiles: its own hooks must see every saved tensor, and keep none)
         if block.referenced and not recomputing and torch.is_grad_enabled() and self._prefetch:
             self._open_scope(block)
-        step, lead = (-1, self.ahead) if recomputing else (1, self.forward_ahead)
+        self._upload_ahead(block, backward=recomputing)
+
+    def _upload_ahead(self, block: _Block, *, backward: bool) -> None:
+        """Issue the uploads of the streamed blocks the pass reaches next after ``block`` ("Ahead of need"; none
+        while ``auto`` profiles)."""
+        step, lead = (-1, self.ahead) if backward else (1, self.forward_ahead)
         for k in range(1, lead + 1 if self._prefetch else 1):
             position = block.position + step * k
             if 0 <= position < len(self.blocks):
@@ -735,10 +740,7 @@ class WeightStreamer:
             return upload
         self._backward_reaches(block)
         upload = self._backward[block] = self._take(block)
-        if self._prefetch:
-            for k in range(1, self.ahead + 1):
-                if block.position - k >= 0:
-                    self._ensure(self.blocks[block.position - k])
+        self._upload_ahead(block, backward=True)
         if not self._end_queued:  # the uploads of the backward's last blocks are released when it ends
             self._end_queued = _at_backward_end(self._end_backward)
         return upload
