@@ -11,8 +11,8 @@
 #             at its full size (4096 tokens), each target and config in its own process (BUDGET_TARGETS); configs full fine-tune, LoRA
 #             r16 on the attention projections, LoRA r16 on every block linear, in that order (BUDGET_CONFIGS);
 #             budgets 16, 24, 32, 48 GiB and each target's floor (BUDGET_SIZES), the process limited to the budget; auto and the
-#             fixed modes none, torch-ffn, torch, unsloth-ffn, unsloth in 3 paired rounds, one timed step per
-#             measurement (FLOOR_STEPS, default 3, at the floor). Writes
+#             fixed modes none, torch-ffn, torch, unsloth-ffn, unsloth in 3 paired rounds, BUDGET_STEPS timed steps
+#             per measurement (default 1; FLOOR_STEPS, default 3, at the floor). Writes
 #             $BUDGET_STEM.{json,md} (default budget-promise) and budget.log.
 #   families-image   flux, krea2        } memfit_benchmarks.families at each family's published size, LoRA on
 #   families-video   wan, ltxvideo2     } every block linear and on the attention projections, 3 paired rounds:
@@ -67,6 +67,7 @@ BUDGET_TARGETS="${BUDGET_TARGETS:-synthetic-16384,flux}"
 BUDGET_CONFIGS="${BUDGET_CONFIGS:-full,attn,all}"
 BUDGET_STEM="${BUDGET_STEM:-budget-promise}"
 BUDGET_SIZES="${BUDGET_SIZES:-16GiB,24GiB,32GiB,48GiB,floor}"
+BUDGET_STEPS="${BUDGET_STEPS:-1}"  # Flux LoRA on every linear: one mode's single steps ranged 0.65-0.94 s over rounds
 FLOOR_STEPS="${FLOOR_STEPS:-3}"  # timed steps per measurement at a floor: one step near the limit varied 0.80-0.95 s
 source "$(dirname "$0")/device_env.sh"
 elapsed() { echo "[$(( $(date +%s) - START )) s] $*"; }
@@ -105,7 +106,7 @@ for part in ${PARTS:-budget}; do
     case "$part" in
         budget) run_part budget python3 -m memfit_benchmarks.budget_promise --device cuda --targets "$BUDGET_TARGETS" \
             --configs "$BUDGET_CONFIGS" --stem "$BUDGET_STEM" --budgets "$BUDGET_SIZES" \
-            --fixed none,torch-ffn,torch,unsloth-ffn,unsloth --rounds 3 --warmup 1 --auto-warmup 2 --steps 1 \
+            --fixed none,torch-ffn,torch,unsloth-ffn,unsloth --rounds 3 --warmup 1 --auto-warmup 2 --steps "$BUDGET_STEPS" \
             --floor-steps "$FLOOR_STEPS" --stop-at "$(stop_at "$BUDGET_PART_S")" --out "$OUT" $dry ;;
         families-image) families_part "$part" flux,krea2 "$FAMILY_MODES" "" ;;
         families-video) families_part "$part" wan,ltxvideo2 "$FAMILY_MODES" "wan=4680,ltxvideo2=3072" ;;
