@@ -20,6 +20,7 @@ import memfit.controller
 from memfit import BudgetError, ConfigError, MemfitWarning
 from memfit.auto import BlockPolicy, BlockProfile, ModelProfile, budget_planner, plan_policies
 from memfit.auto.cost import HOOKED_TENSOR_SECONDS, OFFLOAD_REGION_SECONDS, block_choices
+from memfit.auto.planner import block_options, priced_options
 from memfit.auto.policy import allowed_policies
 from memfit.auto.streaming import StreamedSet, choose_streaming, streamable_counts, streamed_set
 
@@ -927,3 +928,14 @@ def test_a_streamed_block_not_recomputed_pays_the_upload_its_recompute_hid_and_i
     assert [p for _, p in plan.blocks] == [BlockPolicy.KEEP] * 12  # kept: 5.3 ms against a 10 ms recompute
     hooks = 2 * 30 * HOOKED_TENSOR_SECONDS
     assert plan.predicted_extra_seconds == pytest.approx(streamed.seconds + 0.005 + hooks)
+    # priced as the search weighs them (what `memfit_benchmarks.replan` shows): block 4's keep carries the charge,
+    # its whole-block recompute and every policy of a block that does not stream do not
+    priced = priced_options(prof, allowed=keep_or_block, streamed=streamed)
+    bare = block_options(prof, allowed=keep_or_block, streamed=streamed)
+    charged = [
+        [p.seconds - b.seconds for p, b in zip(ps, bs, strict=True)]
+        for ps, bs in zip(priced, bare, strict=True)
+    ]
+    assert charged[4] == pytest.approx([0.005 + 30 * HOOKED_TENSOR_SECONDS, 0.0])
+    assert charged[3] == pytest.approx([30 * HOOKED_TENSOR_SECONDS, 0.0])
+    assert all(c == [0.0, 0.0] for i, c in enumerate(charged) if i not in (3, 4))

@@ -11,8 +11,8 @@ the search plans for: the budget less the closed loop's margins (a row's ``plan.
 with). The plan is :func:`memfit.auto.planner.plan_policies` under the streaming search the budget planner runs
 (every block with frozen weights may stream; ``--no-stream``: none), with every policy the profile's device
 offered. Per block the table gives each policy's extra milliseconds, the bytes it keeps between forward and
-backward and the bytes it copies, as the search weighs them before the streamed set's own terms
-(:func:`memfit.auto.planner.block_options`), the chosen one marked. What a model change would do to a plan can
+backward and the bytes it copies, as the search weighs them, a streamed block's own charge included
+(:func:`memfit.auto.planner.priced_options`), the chosen one marked. What a model change would do to a plan can
 so be asked of a GPU's profile without the GPU: change the cost model, run this again.
 """
 
@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from memfit.auto.planner import Plan, block_options, plan_policies
+from memfit.auto.planner import Plan, plan_policies, priced_options
 from memfit.auto.policy import allowed_policies
 from memfit.auto.profile import BlockProfile, ModelProfile
 from memfit.auto.streaming import choose_streaming, streamable_counts, streamed_set
@@ -94,7 +94,7 @@ def replan(
     )
     # the search's sets are built by count: the plan's is the one of its size
     streamed = streamed_set(profile, len(plan.streamed)) if plan.streamed else None
-    return plan, block_options(profile, allowed=allowed, streamed=streamed)
+    return plan, priced_options(profile, allowed=allowed, streamed=streamed)
 
 
 def report(plan: Plan, options: list[list[Any]], profile: ModelProfile, blocks: list[int] | None) -> str:
@@ -106,8 +106,8 @@ def report(plan: Plan, options: list[list[Any]], profile: ModelProfile, blocks: 
         f"{', '.join(f'{p} {n}' for p, n in counts.most_common())}; "
         f"{len(plan.streamed)} of {len(profile.blocks)} blocks stream ({format_bytes(plan.streamed_bytes)})",
         "",
-        "| block | streams | policy | extra ms | kept GiB | copied GiB | note |",
-        "|---|---|---|---|---|---|---|",
+        "| block | streams | policy | extra ms | kept GiB | copied GiB |",
+        "|---|---|---|---|---|---|",
     ]
     streamed = set(plan.streamed)
     for i, ((name, picked), opts) in enumerate(zip(plan.blocks, options, strict=True)):
@@ -115,11 +115,9 @@ def report(plan: Plan, options: list[list[Any]], profile: ModelProfile, blocks: 
             continue
         for c in opts:
             mark = "**" if c.policy is picked else ""
-            # a streamed block's forward keeps nothing that holds its upload (memfit.plan)
-            note = "not for a streamed block" if name in streamed and c.policy.recompute != "block" else ""
             lines.append(
                 f"| {name} | {'yes' if name in streamed else ''} | {mark}{c.policy.value}{mark} | "
-                f"{c.seconds * 1e3:.1f} | {c.kept / GIB:.3f} | {c.copied / GIB:.3f} | {note} |"
+                f"{c.seconds * 1e3:.1f} | {c.kept / GIB:.3f} | {c.copied / GIB:.3f} |"
             )
     return "\n".join(lines)
 

@@ -195,8 +195,9 @@ def plan_policies(
 ) -> Plan:
     """The fastest plan (by the cost model) whose predicted peak is within ``budget_bytes``.
 
-    ``streamed``: blocks whose frozen weights stream from host memory (:mod:`memfit.auto.streaming`): they are
-    whole-block recomputed, the static bytes drop by their weights, and their uploads count where they are alive.
+    ``streamed``: blocks whose frozen weights stream from host memory (:mod:`memfit.auto.streaming`): the static
+    bytes drop by their weights, their uploads count where they are alive, and one not recomputed whole pays what
+    "Saved weights" there says.
     ``memo``: a dict the caller keeps across calls with the same profile, ``allowed`` and ``copy_reserve``: the
     least peak of each streamed set does not depend on the budget, and is searched once (the closed loop re-plans
     every step).
@@ -356,6 +357,18 @@ def block_options(
         for i, (b, g) in enumerate(zip(profile.blocks, grads_after, strict=True))
     ]
     return _parking_terms(options, profile)
+
+
+def priced_options(
+    profile: ModelProfile,
+    *,
+    allowed: Callable[[BlockProfile], tuple[BlockPolicy, ...]],
+    streamed: StreamedSet | None = None,
+) -> list[list[Choice]]:
+    """Per block, each allowed policy as the search prices it: :func:`block_options` with ``streamed``'s own terms
+    (a streamed block not recomputed whole pays the upload its recompute hid, and its saves' hooks)."""
+    options = block_options(profile, allowed=allowed, streamed=streamed)
+    return options if streamed is None else _streaming_options(options, streamed, profile)
 
 
 def _streaming_options(
