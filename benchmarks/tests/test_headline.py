@@ -204,3 +204,24 @@ def test_a_summary_of_one_sweep_leaves_the_other_out(tmp_path):
     out = tmp_path / "families.md"
     assert headline.main(["--results", str(tmp_path), "--suite", "families", "--summary", str(out)]) == 0
     assert out.read_text() == families_only
+
+
+def test_a_peer_that_checkpoints_fewer_regions_is_said_so(tmp_path):
+    """Krea 2's case: memfit checkpoints the text-fusion blocks too, diffusers routes only its main blocks through
+    its checkpoint function; the cell gives both counts. Equal counts add nothing."""
+    rows = _rows(
+        {"torch": [1.01] * 3, "ckpt-block": [1.0] * 3, "unsloth": [1.0] * 3},
+        {"torch": 94, "ckpt-block": 100, "unsloth": 90},
+    )
+    by = {r["mode"]: r for r in rows}
+    by["torch"]["frames_per_step"] = by["unsloth"]["frames_per_step"] = 32.0
+    by["ckpt-block"]["checkpointed_calls_per_step"] = 28.0
+    _synthetic_file(tmp_path, "synthetic.json", rows)
+    cells = _line(headline.headline(tmp_path, tmp_path), "| 3072w x15, 4096 tok | all linears")
+    assert cells[2] == "**1.010** / 0.94 (memfit 32 regions, peer 28)"
+    assert cells[4] == "1.000 / 0.90 (memfit 32 regions, peer 28)"
+
+    by["ckpt-block"]["checkpointed_calls_per_step"] = 32.0
+    _synthetic_file(tmp_path, "synthetic.json", rows)
+    cells = _line(headline.headline(tmp_path, tmp_path), "| 3072w x15, 4096 tok | all linears")
+    assert cells[2] == "**1.010** / 0.94"

@@ -118,8 +118,10 @@ def test_diffusers_checkpointing_changes_no_gradient_and_is_undone():
     out, grads, saved = _step(model, batch, adapter)
     installation = peers.install(Peer.DIFFUSERS, model, adapter)
     try:
-        assert model.is_gradient_checkpointing
+        assert model.is_gradient_checkpointing and installation.checkpointed_calls() == 0
         peer_out, peer_grads, peer_saved = _step(model, batch, adapter)
+        # the model's own checkpoint function ran once per block in the forward (its recompute calls the block)
+        assert installation.checkpointed_calls() == len(list(adapter.iter_blocks(model)))
     finally:
         installation.remove()
     assert torch.equal(out, peer_out) and all(torch.equal(g, peer_grads[n]) for n, g in grads.items())
@@ -160,9 +162,19 @@ def test_the_ffn_peer_and_diffusers_checkpointing_on_every_family(name):
     installation = peers.install(Peer.DIFFUSERS, model, adapter)
     try:
         _, _, checkpointed_saved = _step(model, batch, adapter)
+        checkpointed = installation.checkpointed_calls()
     finally:
         installation.remove()
     assert checkpointed_saved < saved
+    # the blocks the model routes through diffusers' checkpoint function: every declared one, but Krea 2's text
+    # fusion; Mage-Flow checkpoints through a branch of its own, which is not counted
+    declared = list(adapter.iter_blocks(model))
+    outside = [b for path, _, b in declared if path.startswith("text_fusion.")]
+    assert bool(outside) == (name == "krea2")
+    if name == "mageflow":
+        assert checkpointed is None
+    else:
+        assert checkpointed == len(declared) - len(outside) > 0
     assert _instance_state(model) == before
     assert ffn_peer()[1] == calls  # not nested inside the model's own block checkpoints
 

@@ -144,7 +144,17 @@ def _cell(entry: dict[str, Any] | None, mode: str, peer: str) -> str:
         text += " (unpaired)"
     if row["vs_peer"] != peer:
         text += f" vs {row['vs_peer']}"
-    return text
+    return text + _coverage(row, rows.get(row["vs_peer"]))
+
+
+def _coverage(row: dict[str, Any], peer_row: dict[str, Any] | None) -> str:
+    """Where memfit and its peer checkpoint a different number of regions per step, both counts (a model may route
+    only some of its blocks through its own checkpointing): the two rows do different work."""
+    ours = row.get("frames_per_step")
+    theirs = (peer_row or {}).get("checkpointed_calls_per_step")
+    if ours is None or theirs is None or ours == theirs:
+        return ""
+    return f" (memfit {ours:g} regions, peer {theirs:g})"
 
 
 def _bound_cell(found: Measured | None) -> str:

@@ -131,14 +131,18 @@ class PeerInstallation:
         chains: list[CheckpointedChain] | None = None,
         context: Callable[[], contextlib.AbstractContextManager[Any]] = contextlib.nullcontext,
         undo: Callable[[], None] = lambda: None,
+        calls: Callable[[], int] | None = None,
     ) -> None:
         self.chains = chains or []
         self.step_context = context
         self._undo = undo
+        self._calls = calls
 
     def checkpointed_calls(self) -> int | None:
         """Forward calls run under a checkpoint so far (None: not counted for this peer)."""
-        return sum(c.calls for c in self.chains) if self.chains else None
+        if self.chains:
+            return sum(c.calls for c in self.chains)
+        return self._calls() if self._calls is not None else None
 
     def remove(self) -> None:
         for chain in self.chains:
@@ -152,7 +156,25 @@ def _diffusers_checkpointing(model: nn.Module) -> PeerInstallation:
     # attribute and config key): whatever it changes is put back, or every later row would run checkpointed too.
     snapshot = ModelSnapshot.take(model)
     model.enable_gradient_checkpointing()
-    return PeerInstallation(undo=snapshot.changes().restore)
+    # Its own checkpoint function stays; each module's reference to it is wrapped to count the calls, so a row can
+    # say how many regions the model itself checkpoints (a family may route only some of its blocks through it).
+    calls = [0]
+
+    def counted(function: Callable[..., Any]) -> Callable[..., Any]:
+        def checkpointing(*args: Any, **kwargs: Any) -> Any:
+            calls[0] += 1
+            return function(*args, **kwargs)
+
+        return checkpointing
+
+    wrapped = 0
+    for module in model.modules():
+        function = module.__dict__.get("_gradient_checkpointing_func")
+        if getattr(module, "gradient_checkpointing", False) and callable(function):
+            module._gradient_checkpointing_func = counted(function)
+            wrapped += 1
+    # a model that checkpoints through a branch of its own (Mage-Flow's) is not counted
+    return PeerInstallation(undo=snapshot.changes().restore, calls=(lambda: calls[0]) if wrapped else None)
 
 
 def install(peer: Peer, model: nn.Module, adapter: FamilyAdapter | None) -> PeerInstallation:
