@@ -21,17 +21,24 @@ ADAPTER = memfit_flux.ADAPTER
 
 
 class StandInMeter:
-    """Reports ``prediction() + error`` as the step's peak (allocated and reserved), counting resets."""
+    """Reports ``prediction() + error`` as the step's peak (allocated and reserved), counting resets; ``readings``
+    are the steps' (at the next forward), ``so_far`` those at each backward's end."""
 
     def __init__(self, error: int) -> None:
         self.error = error
         self.prediction = lambda: 0
         self.resets = 0
         self.readings: list[int] = []
+        self.so_far: list[int] = []
 
     def read(self) -> tuple[int, int]:
         peak = self.prediction() + self.error
         self.readings.append(peak)
+        return peak, peak
+
+    def read_so_far(self) -> tuple[int, int]:
+        peak = self.prediction() + self.error
+        self.so_far.append(peak)
         return peak, peak
 
     def reset(self) -> None:
@@ -172,8 +179,9 @@ def test_a_faster_plan_that_runs_over_falls_back_to_the_measured_one_for_good(mo
 
 
 class ResetByTheTrainer(StandInMeter):
-    """A trainer that resets the peak statistics after each backward (to log its own peak): every reading is what
-    was allocated at that reset, below what the forward's end had allocated."""
+    """A trainer that resets the peak statistics after each backward, before the optimizer's step (to log its own
+    peak, as a step-begin callback does): every reading at the next forward is what was allocated at that reset,
+    below what the forward's end had allocated; the backward's end read the step's peak before it."""
 
     def read(self) -> tuple[int, int]:
         peak = self.prediction() // 4
@@ -184,19 +192,53 @@ class ResetByTheTrainer(StandInMeter):
         return self.prediction() // 2
 
 
-def test_a_reading_below_the_forward_end_is_no_peak_and_tries_no_faster_plan(model, monkeypatch):
-    """With an exact meter this budget lets the closed loop give the first plan's margin back (the test above);
-    when the trainer resets the statistics during the step, the readings say nothing about the peak: the first,
-    leaner plan stays and the steps are reported unreadable."""
+class ResetBeforeBackward(ResetByTheTrainer):
+    """A trainer that resets the statistics between the forward and the backward: the backward's end reads no
+    more than that reset left either."""
+
+    def read_so_far(self) -> tuple[int, int]:
+        peak = self.prediction() // 4
+        self.so_far.append(peak)
+        return peak, peak
+
+
+def test_a_reset_after_the_backward_is_measured_at_the_backward_s_end(model, monkeypatch):
+    """With an exact meter this budget lets the closed loop give the first plan's margin back (the test above); a
+    trainer that resets the statistics after each backward spoils every reading at the next forward, and the
+    backward's end, read before the reset, measures the steps instead: the margin comes back as with the exact
+    meter, and nothing is said."""
     batch = inputs(model)
     budget = budget_just_above_a_plan(model, batch)
     meter = ResetByTheTrainer(error=0)
+    ran, stats, said = train_saying(model, batch, budget, meter, monkeypatch, steps=6)
+    assert not any("peak statistics are reset" in m for m in said)
+    shape = stats["shapes"][0]
+    assert (
+        shape["unreadable_steps"] == 0 and shape["steps_read_at_backward_end"] == shape["steps_measured"] > 0
+    )
+    margin = int(budget_planner.FIRST_PLAN_MARGIN * budget)
+    assert ran[0].budget_bytes <= budget - margin < ran[-1].budget_bytes
+    assert all(m <= budget for m in meter.so_far) and shape["corrections"] == 0 and shape["settled"]
+
+
+@pytest.mark.parametrize("spoilt", ["reset before the backward", "the optimizer's step binds"])
+def test_a_reading_below_the_forward_end_is_no_peak_and_tries_no_faster_plan(model, monkeypatch, spoilt):
+    """When the backward's end cannot stand in for the step either (the statistics were reset before it, or the
+    optimizer's step, which comes after it, is where the plan peaks), the readings say nothing about the peak: the
+    first, leaner plan stays, the steps are reported unreadable and that is said once."""
+    batch = inputs(model)
+    budget = budget_just_above_a_plan(model, batch)
+    if spoilt == "reset before the backward":
+        meter = ResetBeforeBackward(error=0)
+    else:
+        meter = ResetByTheTrainer(error=0)
+        monkeypatch.setattr(budget_planner.BudgetPlanner, "_optimizer_step_binds", lambda self, shape: True)
     ran, stats, said = train_saying(model, batch, budget, meter, monkeypatch, steps=6)
     assert sum("peak statistics are reset" in m for m in said) == 1
     shape = stats["shapes"][0]
     assert all(plan is ran[0] for plan in ran)
     assert shape["unreadable_steps"] == len(meter.readings) and shape["corrections"] == 0
-    assert shape["steps_measured"] == 0 and not shape["settled"]
+    assert shape["steps_measured"] == 0 and not shape["settled"] and shape["steps_read_at_backward_end"] == 0
 
 
 def test_settled_shapes_are_not_measured_any_more(model, monkeypatch):

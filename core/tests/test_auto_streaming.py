@@ -785,6 +785,8 @@ class ResetRecorder:
         peak = self.handle.plan.predicted_peak_bytes + self.error
         return peak, peak
 
+    read_so_far = read
+
     def reset(self) -> None:
         streamer = self.handle._controller.streamer if self.handle is not None else None
         self.resets.append(streamer is not None and streamer.installed)

@@ -14,11 +14,12 @@ from __future__ import annotations
 import contextlib
 import sys
 import threading
-from collections.abc import Hashable, Mapping
+from collections.abc import Callable, Hashable, Mapping
 from typing import Any, Protocol
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from memfit.adapters.spec import FamilyAdapter
 from memfit.engine import state
@@ -49,8 +50,12 @@ class Planner(Protocol):
     def step_finished(self, signature: Hashable) -> None:
         """The step of ``signature``'s latest forward ended (a forward with gradients begins)."""
 
-    def forward_ended(self, signature: Hashable) -> None:
-        """A forward with gradients of ``signature`` ended (``auto`` notes the bytes allocated then)."""
+    def forward_ended(self, signature: Hashable) -> bool:
+        """A forward with gradients of ``signature`` ended (``auto`` notes the bytes allocated then). True: call
+        :meth:`backward_ended` when the backward through this forward's output ends."""
+
+    def backward_ended(self, signature: Hashable) -> None:
+        """The backward through the output of a forward for which :meth:`forward_ended` said True ended."""
 
     def replan_wanted(self, signature: Hashable) -> bool:
         """The plan of ``signature`` changed since it was installed (``auto``'s closed loop)."""
@@ -90,7 +95,10 @@ class FixedPlanner:
     def step_finished(self, signature: Hashable) -> None:
         return None
 
-    def forward_ended(self, signature: Hashable) -> None:
+    def forward_ended(self, signature: Hashable) -> bool:
+        return False
+
+    def backward_ended(self, signature: Hashable) -> None:
         return None
 
     def replan_wanted(self, signature: Hashable) -> bool:
@@ -250,8 +258,10 @@ class Controller:
         self._local.depth = 0
         failed = output is None and sys.exc_info()[0] is not None
         self.installation.end_forward(failed=failed)
-        if self.planner.adaptive and torch.is_grad_enabled() and not failed and self._signature is not None:
-            self.planner.forward_ended(self._signature)
+        signature = self._signature
+        measured = self.planner.adaptive and torch.is_grad_enabled() and not failed and signature is not None
+        if measured and self.planner.forward_ended(signature):
+            _when_backward_ends(output, lambda: self.planner.backward_ended(signature))
 
     def _undo_interrupted(self) -> None:
         """Undo what an interrupted forward left on this thread (``KeyboardInterrupt`` skips the hooks that
@@ -280,3 +290,20 @@ class Controller:
         self._signature = signature
         self.replans += 1
         self.planner.installed(signature)
+
+
+def _when_backward_ends(output: Any, callback: Callable[[], None]) -> None:
+    """Run ``callback`` once, when the first backward that reaches one of ``output``'s tensors ends: a hook on each
+    tensor that requires grad queues it with the autograd engine (nothing where none does; a tensor's hook goes with
+    the tensor)."""
+    fired = False
+
+    def reached(grad: torch.Tensor) -> None:
+        nonlocal fired
+        if not fired:
+            fired = True
+            torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+
+    for tensor in tree_flatten(output)[0]:
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+            tensor.register_hook(reached)

@@ -99,6 +99,10 @@ class PeakMeter(Protocol):
 
     def read(self) -> tuple[int, int]: ...
 
+    def read_so_far(self) -> tuple[int, int]:
+        """The peaks since the last reset, read inside a step (where its backward ends); nothing starts anew."""
+        ...
+
     def reset(self) -> None: ...
 
     def current(self) -> int:
@@ -120,6 +124,8 @@ class CudaPeakMeter:
 
     def read(self) -> tuple[int, int]:
         return torch.cuda.max_memory_allocated(self.device), torch.cuda.max_memory_reserved(self.device)
+
+    read_so_far = read
 
     def reset(self) -> None:
         torch.cuda.reset_peak_memory_stats(self.device)
@@ -159,7 +165,10 @@ class ShapeBudget:
     settled: bool = False  # no more measuring for this shape
     # allocated when the latest forward ended: a step's peak is at least this
     forward_end_bytes: int | None = None
+    # (allocated, reserved) peaks read when the latest measured step's backward ended
+    backward_reading: tuple[int, int] | None = None
     unreadable: int = 0  # steps whose peak reading was below that (the statistics were reset during the step)
+    backward_readings: int = 0  # steps measured at the backward's end instead (the statistics reset after it)
 
     def report(self) -> dict[str, Any]:
         return {
@@ -171,6 +180,7 @@ class ShapeBudget:
             "corrections": self.corrections,
             "settled": self.settled,
             "unreadable_steps": self.unreadable,
+            "steps_read_at_backward_end": self.backward_readings,
             "steps_at_limit": self.limit_steps,
         }
 
@@ -333,18 +343,27 @@ class BudgetPlanner:
         at_limit = self.meter.at_limit()
         self.meter.reset()
         ended, shape.forward_end_bytes = shape.forward_end_bytes, None
-        if ended is not None and allocated < ended and allocated <= self.budget_bytes:
-            # see "Readings": the peak statistics were reset during the step, so this reading is no peak
+        backward, shape.backward_reading = shape.backward_reading, None
+        spoilt = ended is not None and allocated < ended and allocated <= self.budget_bytes
+        if spoilt and backward is not None and backward[0] >= ended and not self._optimizer_step_binds(shape):
+            # see "Readings": the statistics were reset after the backward, which read them: the step's peak but
+            # for the optimizer's step, which is not what binds this plan
+            (allocated, reserved), spoilt = backward, False
+            shape.backward_readings += 1
+        if (
+            spoilt
+        ):  # see "Readings": the peak statistics were reset during the step, so this reading is no peak
             shape.unreadable += 1
             if shape.unreadable == CALIBRATION_STEPS and not self._warned_unreadable:
                 self._warned_unreadable = True
                 warnings.warn(
                     f"gradient_checkpointing_backend='auto': {CALIBRATION_STEPS} steps of one input shape read a "
                     f"peak below what their forward had allocated: CUDA's peak statistics are reset during the step "
-                    f"(torch.cuda.reset_peak_memory_stats in the training loop?). auto cannot measure its steps, so "
-                    f"it keeps its first plan, made {FIRST_PLAN_MARGIN:.0%} under the budget, and does not give "
-                    f"that margin back. Leave the statistics alone for the first steps of each input shape (auto "
-                    f"resets them itself at each forward while it measures) to let it measure.",
+                    f"(torch.cuda.reset_peak_memory_stats in the training loop?), before its backward ended or where "
+                    f"the optimizer's step is this plan's peak. auto cannot measure its steps, so it keeps its first "
+                    f"plan, made {FIRST_PLAN_MARGIN:.0%} under the budget, and does not give that margin back. Leave "
+                    f"the statistics alone for the first steps of each input shape (auto resets them itself at each "
+                    f"forward while it measures), or reset them only after the backward, to let it measure.",
                     MemfitWarning,
                     stacklevel=6,
                 )
@@ -380,11 +399,27 @@ class BudgetPlanner:
         if shape.quiet >= CALIBRATION_STEPS:
             shape.settled = True
 
-    def forward_ended(self, signature: Hashable) -> None:
-        """The forward of a measured step ended: what is allocated now is a lower bound of the step's peak."""
+    def _optimizer_step_binds(self, shape: ShapeBudget) -> bool:
+        """Whether the optimizer's step is where ``shape``'s plan is predicted to peak (not its forward or
+        backward)."""
+        return _optimizer_step_peak(shape.profile, shape.plan) >= shape.plan.predicted_peak_bytes
+
+    def forward_ended(self, signature: Hashable) -> bool:
+        """The forward of a measured step ended: what is allocated now is a lower bound of the step's peak. True:
+        the backward's end is read too (see "Readings" in docs/cost-model.md)."""
+        shape = self.shapes.get(signature)
+        if self.meter is None or shape is None or shape.settled:
+            return False
+        shape.forward_end_bytes = self.meter.current()
+        shape.backward_reading = None
+        return True
+
+    def backward_ended(self, signature: Hashable) -> None:
+        """The backward of a measured step ended: the peak so far, kept for a step whose next reading the trainer's
+        own reset of the statistics spoils."""
         shape = self.shapes.get(signature)
         if self.meter is not None and shape is not None and not shape.settled:
-            shape.forward_end_bytes = self.meter.current()
+            shape.backward_reading = self.meter.read_so_far()
 
     def replan_wanted(self, signature: Hashable) -> bool:
         """The shape's plan changed since it was installed (a correction or a faster plan to try)."""
