@@ -350,9 +350,8 @@ class BudgetPlanner:
             # for the optimizer's step, which is not what binds this plan
             (allocated, reserved), spoilt = backward, False
             shape.backward_readings += 1
-        if (
-            spoilt
-        ):  # see "Readings": the peak statistics were reset during the step, so this reading is no peak
+        if spoilt:
+            # see "Readings": the peak statistics were reset during the step, so this reading is no peak
             shape.unreadable += 1
             if shape.unreadable == CALIBRATION_STEPS and not self._warned_unreadable:
                 self._warned_unreadable = True
