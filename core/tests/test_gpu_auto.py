@@ -139,6 +139,30 @@ def test_auto_peaks_stay_within_budgets_with_exact_gradients():
     assert max(float((grads[n] - g).abs().max()) for n, g in ref.items()) <= 2 * noise
 
 
+def test_a_loop_that_resets_the_peak_statistics_each_step_is_measured_where_each_backward_ends():
+    """A training loop that resets CUDA's peak statistics at each step's start (to log its own peak, as
+    memory-logging callbacks do) spoils every reading auto takes at the next forward; the backward's end, read
+    before that reset, measures the steps instead: the shape settles on those readings, none is unreadable, every
+    step is within the budget and the gradients are the unmodified model's."""
+    model = build()
+    batch, none_peak, ref, noise = reference(model)
+    static = torch.cuda.memory_allocated()
+    budget = int(static + (none_peak - static) * 0.55)
+    handle = memfit.apply(model, auto_config(budget), adapter=ADAPTER)
+    try:
+        peaks, grads = train_steps(
+            model, batch, 8, torch.cuda.max_memory_allocated
+        )  # resets before each step
+        (shape,) = handle.stats()["shapes"]
+    finally:
+        handle.remove()
+        model.zero_grad(set_to_none=True)
+    assert shape["unreadable_steps"] == 0, shape
+    assert shape["steps_read_at_backward_end"] == shape["steps_measured"] >= 3 and shape["settled"], shape
+    assert max(peaks) <= budget, (peaks, budget, shape)
+    assert_within_noise(grads, ref, noise)
+
+
 def test_blocks_parked_whole_on_the_copy_engine_give_exact_gradients_and_hold_less(monkeypatch):
     """``BlockPolicy.PARK`` on CUDA's copy engine (side streams, events, the pinned pool): every other block
     parked whole, the rest kept. Gradients within the unmodified model's own run-to-run difference, the peak
