@@ -24,7 +24,7 @@ from torch.utils._pytree import tree_flatten
 from memfit.adapters.spec import FamilyAdapter
 from memfit.engine import state
 from memfit.engine.frame import FrameStats
-from memfit.engine.hooks import Attached
+from memfit.engine.hooks import Attached, queue_at_backward_end
 from memfit.install import Installation, install, streamed_modules
 from memfit.offload.session import OffloadSession
 from memfit.offload.weights import WeightStreamer, first_weight_device, stream_api_for
@@ -302,7 +302,7 @@ def _when_backward_ends(output: Any, callback: Callable[[], None]) -> None:
         nonlocal fired
         if not fired:
             fired = True
-            torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+            queue_at_backward_end(callback)
 
     for tensor in tree_flatten(output)[0]:
         if isinstance(tensor, torch.Tensor) and tensor.requires_grad:

@@ -119,3 +119,13 @@ def detached_forward(module: nn.Module) -> Callable[[dict], Any]:
 def attached_hook(fn: Callable[..., Any]) -> Attached:
     """A forward (pre-)hook: eager even inside a compiled module, a no-op in a deep copy of the model."""
     return Attached(eager_hook(fn))
+
+
+def queue_at_backward_end(callback: Callable[[], None]) -> bool:
+    """Queue ``callback`` for the end of the backward running now (the autograd engine's own hook, as
+    DistributedDataParallel uses it); False where none runs or the engine cannot."""
+    try:
+        torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
+    except (AttributeError, RuntimeError):
+        return False
+    return True

@@ -84,7 +84,7 @@ from torch import nn
 import memfit.offload.hostmem as hostmem
 from memfit.distributed import is_fsdp_module
 from memfit.engine import state
-from memfit.engine.hooks import Attached, attached_hook
+from memfit.engine.hooks import Attached, attached_hook, queue_at_backward_end
 from memfit.errors import HostMemoryError, MemfitError, MemfitWarning, NotAvailableError
 from memfit.offload.copy import StreamApi, dense_layout
 from memfit.units import format_bytes
@@ -742,7 +742,7 @@ class WeightStreamer:
         upload = self._backward[block] = self._take(block)
         self._upload_ahead(block, backward=True)
         if not self._end_queued:  # the uploads of the backward's last blocks are released when it ends
-            self._end_queued = _at_backward_end(self._end_backward)
+            self._end_queued = queue_at_backward_end(self._end_backward)
         return upload
 
     def _backward_reaches(self, block: _Block) -> None:
@@ -1028,16 +1028,6 @@ def _layers_with(block: _Block) -> dict[nn.Module, list[int]]:
         if own and layer is not block.module:
             out[layer] = own
     return out
-
-
-def _at_backward_end(callback: Callable[[], None]) -> bool:
-    """Queue ``callback`` for the end of the backward running now (the autograd engine's own hook, as
-    DistributedDataParallel uses it); False where none runs or the engine cannot (the next forward calls it)."""
-    try:
-        torch.autograd.Variable._execution_engine.queue_callback(callback)  # type: ignore[attr-defined]
-    except (AttributeError, RuntimeError):
-        return False
-    return True
 
 
 def _storage_ptr(t: torch.Tensor) -> int:
