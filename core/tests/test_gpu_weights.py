@@ -18,7 +18,7 @@ from test_weights import streamer_of
 import memfit
 import memfit.controller
 from memfit.offload.copy import StreamApi
-from memfit.offload.weights import frozen_block_bytes
+from memfit.offload.streamable import frozen_block_bytes
 from memfit_conformance.plugin import require_cuda
 
 from helpers import assert_same, frozen_toy, step, streamed_uploads

@@ -21,7 +21,8 @@ import memfit.controller
 from memfit import BlockPolicy, ConfigError, HostMemoryError, MemfitError, MemfitWarning, NotAvailableError
 from memfit.engine import state
 from memfit.offload import weights as weights_mod
-from memfit.offload.weights import WeightStreamer, choose_streamed_blocks, frozen_block_bytes
+from memfit.offload.streamable import choose_streamed_blocks, frozen_block_bytes
+from memfit.offload.weights import WeightStreamer
 from memfit.plan import RegionPlan
 from memfit_conformance.base import cpu_copy_engine
 from memfit_conformance.streams import RecordingStreams

@@ -29,7 +29,7 @@ from torch import nn
 from memfit.config import Backend, MemfitConfig
 from memfit.engine.schedule import plan_blocks
 from memfit.errors import ConfigError
-from memfit.offload.weights import STREAM_KEY, choose_streamed_blocks, frozen_sizes
+from memfit.offload.streamable import STREAM_KEY, choose_streamed_blocks, frozen_sizes
 from memfit.units import format_bytes, parse_bytes
 
 
@@ -266,7 +266,7 @@ class RegionPlan:
 def streamed_places(target: int | str, lists: Mapping[str, nn.ModuleList]) -> set[tuple[str, int]]:
     """(list path, index) of the blocks ``gradient_checkpointing_stream_blocks=target`` streams: a count of blocks,
     or a size (stream blocks until at least that many frozen bytes stream), chosen by
-    :func:`memfit.offload.weights.choose_streamed_blocks` (spread evenly over the frozen bytes in call order).
+    :func:`memfit.offload.streamable.choose_streamed_blocks` (spread evenly over the frozen bytes in call order).
 
     Raises:
         ConfigError: the blocks have no frozen weight, or fewer blocks/bytes than asked.

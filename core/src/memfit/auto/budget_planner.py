@@ -42,7 +42,7 @@ from memfit.auto.profile import BlockProfile, ModelProfile, profile_model, strea
 from memfit.auto.streaming import choose_streaming, streamable_counts
 from memfit.config import OPTIMIZER_STATE, OPTIMIZER_STEP_TEMPORARIES
 from memfit.errors import BudgetError, MemfitWarning
-from memfit.offload.weights import choose_streamed_blocks, frozen_sizes
+from memfit.offload.streamable import choose_streamed_blocks, frozen_sizes
 from memfit.plan import BlockPolicy, RegionPlan
 from memfit.units import format_bytes
 

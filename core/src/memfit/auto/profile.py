@@ -47,7 +47,7 @@ from memfit.adapters.spec import FamilyAdapter
 from memfit.auto.blockpeak import BlockRun, ForwardMemory
 from memfit.engine import state
 from memfit.errors import NotAvailableError
-from memfit.offload.weights import frozen_block_bytes
+from memfit.offload.streamable import frozen_block_bytes
 
 
 @dataclass(frozen=True)

@@ -2,7 +2,7 @@
 
 Design notes (``docs/weight-streaming.md``, "Planning it with auto", has the longer story)
 -------------------------------------------------------------------------------------------
-A set.  For a count *n*, the streamed blocks are the spread rule's (:func:`memfit.offload.weights.
+A set.  For a count *n*, the streamed blocks are the spread rule's (:func:`memfit.offload.streamable.
 choose_streamed_blocks`): with the set fixed, streaming is per-block constants the planner's search takes as
 they are (:class:`StreamedSet`). A streamed block may take any policy: one not recomputed whole saves references to
 its weights (:mod:`memfit.offload.weights`, "Saved weights"), and costs what "Cost" and "Saved weights" below
@@ -64,7 +64,7 @@ from typing import TypeVar
 from memfit.auto.cost import OFFLOAD_REGION_SECONDS
 from memfit.auto.profile import ModelProfile
 from memfit.errors import BudgetError
-from memfit.offload.weights import choose_streamed_blocks
+from memfit.offload.streamable import choose_streamed_blocks
 
 P = TypeVar("P")
 WAIT_RESOLUTION_S = 1e-4  # forward waits below this are none: keeping more uploads would hide nothing more
