@@ -73,6 +73,8 @@ def test_families_tiny_flux_cpu_and_render(tmp_path):
         # the checkpoint peers counted their regions: 3 double + 4 single blocks; 3 × (ff, ff_context) + 4 MLPs
         assert by["ckpt-block"]["checkpointed_calls_per_step"] == 7
         assert by["ckpt-ffn"]["checkpointed_calls_per_step"] == 10
+        # and so did diffusers' own checkpointing (every Flux block goes through its function), as many as memfit's
+        assert by["diffusers-ckpt"]["checkpointed_calls_per_step"] == 7 == by["torch"]["frames_per_step"]
 
     files = render.main([str(written[0])])
     md = (tmp_path / f"{written[0].stem}.md").read_text()
