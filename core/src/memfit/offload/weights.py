@@ -255,9 +255,8 @@ class WeightStreamer:
         self._pending: dict[_Block, _Upload] = {}  # uploaded ahead, not used yet
         self._active: dict[_Block, _Upload] = {}  # the block is running on it
         self._backward: dict[_Block, _Upload] = {}  # a referenced block's backward runs on it
-        self._pointed: dict[
-            nn.Module, _Upload
-        ] = {}  # layers pointed at an upload for a recompute inside a block
+        # layers pointed at an upload for a recompute inside a block
+        self._pointed: dict[nn.Module, _Upload] = {}
         self._alive: list[weakref.ref] = []  # storages of uploads (dead ones pruned as uploads are issued)
         self._forward_uploads: list[tuple[_Block, weakref.ref]] = []  # this forward's, checked as it returns
         self._training = False
