@@ -225,3 +225,34 @@ def test_a_peer_that_checkpoints_fewer_regions_is_said_so(tmp_path):
     _synthetic_file(tmp_path, "synthetic.json", rows)
     cells = _line(headline.headline(tmp_path, tmp_path), "| 3072w x15, 4096 tok | all linears")
     assert cells[2] == "**1.010** / 0.94"
+
+
+def test_where_diffusers_checkpoints_fewer_regions_the_like_for_like_peer_is_the_ratio(tmp_path):
+    """Krea 2's case on a family: diffusers' checkpointing skips the text-fusion blocks that memfit and the
+    per-block ``torch.utils.checkpoint`` peer both checkpoint. ``x_peer`` is the ratio to the peer doing the same
+    work; the diffusers ratio stays in the cell beside it, with both counts."""
+    rows = _rows(
+        {"torch": [1.01] * 3, "diffusers-ckpt": [1.0] * 3, "ckpt-block": [1.02] * 3},
+        {"torch": 94, "diffusers-ckpt": 100, "ckpt-block": 95},
+    )
+    by = {r["mode"]: r for r in rows}
+    by["torch"]["frames_per_step"] = 32.0
+    by["diffusers-ckpt"]["checkpointed_calls_per_step"] = 28.0
+    by["ckpt-block"]["checkpointed_calls_per_step"] = 32.0
+    add_ratios(rows)  # again, with the counts known
+    assert by["torch"]["vs_peer"] == "ckpt-block" and by["torch"]["x_peer"] == pytest.approx(1.01 / 1.02)
+    family = {
+        "suite": "families",
+        "family": "krea2",
+        "preset": "full",
+        "regime": "lora",
+        "tokens": 4096,
+        "rows": rows,
+    }
+    (tmp_path / "family-krea2-full.json").write_text(json.dumps(family))
+    cells = _line(headline.headline(tmp_path, tmp_path), "| krea2 | 4096 | all linears")
+    assert cells[3] == "0.990 / 0.99 vs ckpt-block (diffusers-ckpt 1.010: memfit 32 regions, peer 28)"
+
+    by["ckpt-block"]["checkpointed_calls_per_step"] = 30.0  # neither matches: diffusers' stays the peer
+    add_ratios(rows)
+    assert by["torch"]["vs_peer"] == "diffusers-ckpt"

@@ -4,11 +4,14 @@ for backward), and leaves the model as it found it."""
 from __future__ import annotations
 
 import contextlib
+from collections import Counter
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import memfit
+from memfit.engine import frame
 from memfit_benchmarks import peers
 from memfit_benchmarks.modes import Peer
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
@@ -32,7 +35,7 @@ def _flux():
     return model, batch, adapter
 
 
-def _family(name):
+def _family(name, config=TrainingConfig.LORA_ALL):
     pytest.importorskip(f"memfit_{name.replace('-', '_')}")
     adapter = memfit.get_adapter(name)
     preset = adapter.presets["tiny"]
@@ -40,7 +43,7 @@ def _family(name):
     batch = preset.inputs(
         model, tokens=preset.default_tokens, batch=1, generator=torch.Generator().manual_seed(0)
     )
-    prepare(model, batch, TrainingConfig.LORA_ALL, adapter, dtype=torch.float32)
+    prepare(model, batch, config, adapter, dtype=torch.float32)
     return model, batch, adapter
 
 
@@ -177,6 +180,51 @@ def test_the_ffn_peer_and_diffusers_checkpointing_on_every_family(name):
         assert checkpointed == len(declared) - len(outside) > 0
     assert _instance_state(model) == before
     assert ffn_peer()[1] == calls  # not nested inside the model's own block checkpoints
+
+
+class _ComputeOps(TorchDispatchMode):
+    """Counts the ops that run kernels (views and detaches left out: they move no data)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.counts: Counter = Counter()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket is not torch.ops.aten.detach:
+            self.counts[func.overloadpacket.__name__] += 1
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("config", [TrainingConfig.LORA_ATTENTION, TrainingConfig.LORA_ALL], ids=str)
+@pytest.mark.parametrize("name", ["chroma", "flux", "krea2", "ltxvideo2", "mageflow", "wan", "z-image"])
+def test_memfit_torch_runs_no_op_that_torch_checkpoint_per_block_does_not(name, config, monkeypatch):
+    """Op for op, a step of memfit ``torch`` runs no kernel more often than ``torch.utils.checkpoint``'s early stop
+    over the same blocks, at the sizes where memfit cuts a block's replay after its last needed tensor (its output
+    as large as at 4096 tokens: lowered here to the tiny preset's). The two differ only in host work."""
+    monkeypatch.setattr(frame, "CUT_TAIL_OUTPUT", 0)
+    model, batch, adapter = _family(name, config)
+    out, grads, _ = _step(
+        model, batch, adapter
+    )  # also fills the models' caches (rotary tables) before counting
+
+    def counted(context):
+        with _ComputeOps() as ops:
+            stepped = _step(model, batch, adapter, context)
+        return ops.counts, stepped
+
+    handle = memfit.apply(model, {"gradient_checkpointing": True}, adapter=adapter)
+    with handle:
+        ours, (our_out, our_grads, _) = counted(None)
+        assert handle.stats()["calls_cut_early_stop"] > 0
+    assert torch.equal(out, our_out) and our_grads.keys() == grads.keys()
+    assert all(torch.equal(g, grads[n]) for n, g in our_grads.items())
+    installation = peers.install(Peer.CHECKPOINT_BLOCK, model, adapter)
+    try:
+        theirs, _ = counted(installation.step_context)
+    finally:
+        installation.remove()
+    more = {op: (n, theirs[op]) for op, n in ours.items() if n > theirs[op]}
+    assert not more, f"memfit runs these ops more often (memfit, peer): {more}"
 
 
 def test_save_on_cpu_changes_no_gradient():

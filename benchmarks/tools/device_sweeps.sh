@@ -23,7 +23,8 @@
 #             Wan at 4680 tokens (one 480x832 clip of 3 latent frames; 14040 by default) and LTX-2 at 3072 video
 #             tokens (6144 by default): their steps at the default take 2.4-5 s. Chroma's checkpointing branch calls
 #             its blocks differently, so diffusers' checkpointing is no peer there: only its FFN modes run, and its
-#             other cells say why.
+#             other cells say why. Krea 2 adds ckpt-block: diffusers' checkpointing skips its 4 text-fusion blocks,
+#             which memfit checkpoints, and its memfit rows are compared with the peer that does the same work.
 #             Writes <part>.tar.gz (family-<name>-full.json each), <part>-summary.md (the headline tables, then
 #             each family's report with its checks) and <part>.log. At most two families-* parts per call: the
 #             device tool returns 8 files.
@@ -108,7 +109,7 @@ for part in ${PARTS:-budget}; do
             --configs "$BUDGET_CONFIGS" --stem "$BUDGET_STEM" --budgets "$BUDGET_SIZES" \
             --fixed none,torch-ffn,torch,unsloth-ffn,unsloth --rounds 3 --warmup 1 --auto-warmup 2 --steps "$BUDGET_STEPS" \
             --floor-steps "$FLOOR_STEPS" --stop-at "$(stop_at "$BUDGET_PART_S")" --out "$OUT" $dry ;;
-        families-image) families_part "$part" flux,krea2 "$FAMILY_MODES" "" ;;
+        families-image) families_part "$part" flux "$FAMILY_MODES" "" krea2 "$FAMILY_MODES,ckpt-block" "" ;;
         families-video) families_part "$part" wan,ltxvideo2 "$FAMILY_MODES" "wan=4680,ltxvideo2=3072" ;;
         families-rest) families_part "$part" mageflow,z-image "$FAMILY_MODES" "" chroma "$FFN_MODES" "" ;;
         floors) run_part floors python3 -m memfit_benchmarks.floors --family all --preset full \

@@ -15,6 +15,7 @@ from torch import nn
 
 import memfit
 from memfit import BlockSpec, FamilyAdapter
+from memfit.engine import frame
 from memfit.engine.frame import CUT_TAIL_WEIGHTS
 from memfit_conformance.base import cpu_copy_engine
 
@@ -135,6 +136,27 @@ def test_small_trailing_projection_is_not_worth_a_cut(x):
     assert_same(ref, got)
     assert stats["calls_cut_early_stop"] == stats["calls_skipped_early_stop"] == 0
     assert counts["ff_out:entered"] == counts["ff_out:returned"] == 12
+
+
+def test_a_call_with_a_large_output_is_cut_though_no_large_weight_follows(x, monkeypatch):
+    """The same width-16 blocks, their outputs counted as large: the passes over the output after act's saved input
+    (the block's residual add) are worth a cut, as at a block's end at 4096 tokens, so each frame's replay stops
+    there and ff_out is not run again."""
+    monkeypatch.setattr(frame, "CUT_TAIL_OUTPUT", x.numel())  # a block's output: x's shape
+    model = build()
+    freeze_ff_out(model)
+    ref = step(model, x)
+    got, stats, counts = counted_step(model, x, ON)
+    assert_same(ref, got)
+    frames = stats["frames"]
+    assert stats["calls_cut_early_stop"] == frames and stats["calls_skipped_early_stop"] == 0
+    assert counts["ff_out:entered"] == frames  # the forward only
+    assert counts["act:entered"] == 2 * frames and counts["act:returned"] == frames
+
+    monkeypatch.setattr(frame, "CUT_TAIL_OUTPUT", x.numel() + 1)  # one element more: not large
+    got, stats, counts = counted_step(model, x, ON)
+    assert_same(ref, got)
+    assert stats["calls_cut_early_stop"] == 0 and counts["ff_out:entered"] == 2 * frames
 
 
 class FrozenHead(nn.Module):

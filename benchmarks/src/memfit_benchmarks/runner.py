@@ -353,7 +353,8 @@ def add_ratios(rows: list[dict[str, Any]]) -> None:
 
 
 def add_peer_ratios(rows: list[dict[str, Any]]) -> None:
-    """For each measured memfit row with a peer among ``rows`` (``modes.PEERS_OF``, the first measured one):
+    """For each measured memfit row with a peer among ``rows`` (``modes.PEERS_OF``: the first measured one that
+    checkpoints as many regions per step as the memfit row, else the first measured one):
     ``vs_peer`` (its name), ``x_peer`` (the median of per-round step ratios where both ran in two or more of the
     same rounds, ``x_peer_paired`` true; else the ratio of the two steps), ``x_peer_rounds`` (the per-round
     ratios), ``peak_x_peer``, and ``x_peers`` (the step ratio to every measured peer). A peer out of memory where
@@ -372,7 +373,7 @@ def add_peer_ratios(rows: list[dict[str, Any]]) -> None:
                 **({"peer_failed": ref[FAILED]} if ref.get(FAILED) else {"peer_oom": True}),
             )
             continue
-        ref = timed[0]
+        ref = next((c for c in timed if _same_coverage(r, c)), timed[0])
         ratios = per_round_ratios(r, ref)
         r.update(
             vs_peer=ref["mode"],
@@ -383,6 +384,14 @@ def add_peer_ratios(rows: list[dict[str, Any]]) -> None:
         )
         if r.get("peak_allocated") and ref.get("peak_allocated"):
             r["peak_x_peer"] = r["peak_allocated"] / ref["peak_allocated"]
+
+
+def _same_coverage(row: dict[str, Any], peer: dict[str, Any]) -> bool:
+    """The peer checkpoints as many regions per step as the memfit row (unknown counts: assumed so). Where
+    diffusers routes only some of a model's blocks through its checkpointing (Krea 2's text-fusion blocks), a
+    per-block ``torch.utils.checkpoint`` over the same blocks as memfit is the like-for-like peer."""
+    ours, theirs = row.get("frames_per_step"), peer.get("checkpointed_calls_per_step")
+    return ours is None or theirs is None or ours == theirs
 
 
 def _settled(handle: Any) -> bool:

@@ -38,7 +38,9 @@ holder is filled (:class:`_StopRecompute`, caught by the frame). Autograd saves 
 inputs before running its kernel, so the op that saves the last needed tensor is itself
 not run: the frozen projection at the end of a block. That exception costs host time,
 so the frame cuts a call only when the forward kept large parameters after the call's
-last needed holder (:data:`CUT_TAIL_WEIGHTS`), or when holders after it are dead.
+last needed holder (:data:`CUT_TAIL_WEIGHTS`), when the call's output is large
+(:data:`CUT_TAIL_OUTPUT`: the elementwise ops at a block's end are then worth skipping),
+or when holders after it are dead.
 Entries only skipped calls read are not fetched.
 
 Safety checks (each raises :class:`~memfit.errors.MemfitError` instead of producing wrong
@@ -83,6 +85,10 @@ _STREAMED = state.streamed_parameter_ids()
 # elements (a 1024 x 1024 weight; LoRA factors are far smaller) after the call's last saved tensor still needed.
 # Calls after the last needed one are skipped whatever their size (that costs nothing).
 CUT_TAIL_WEIGHTS = 1 << 20
+# It also pays when the call's output is this large (a 4096-token x 2048-wide state; Flux at 1024 tokens is below it):
+# the ops it skips (a block's gate multiply and residual add, Wan's in fp32) are passes over the output that take
+# longer on the GPU than the exception on the host, and a call that size keeps the GPU, not the host, the bottleneck.
+CUT_TAIL_OUTPUT = 1 << 23
 
 
 class _Holder:
@@ -130,6 +136,8 @@ class _Call:
     holders: list[weakref.ref] = field(default_factory=list)
     # parameter elements the forward kept after the call's last holder (the projections a cut would skip)
     tail: int = 0
+    # elements of the call's largest output tensor (the passes over it a cut would skip)
+    out_elements: int = 0
     # versions of ``tree.tensors`` when the call returned (parameters and buffers it read)
     versions: tuple[int, ...] = ()
     # weak references to this call's output tensors and their versions, for chaining detection
@@ -263,6 +271,7 @@ class Frame:
         # after the call: a module that updates its own buffers (running statistics) is not an edit
         call.versions = call.tree.versions()
         out_leaves = _flatten_output(output)
+        call.out_elements = max((t.numel() for t in out_leaves if isinstance(t, torch.Tensor)), default=0)
         call.outputs = [
             (weakref.ref(t), t._version) if isinstance(t, torch.Tensor) else (None, 0) for t in out_leaves
         ]
@@ -359,8 +368,12 @@ class Frame:
                 "memfit does not support backward inside a model's forward."
             )
         last, stop_at = self._last_needed()
-        holders = self.calls[last].holders
-        if stop_at == len(holders) - 1 and self.calls[last].tail < CUT_TAIL_WEIGHTS:
+        tail = self.calls[last]
+        if (
+            stop_at == len(tail.holders) - 1
+            and tail.tail < CUT_TAIL_WEIGHTS
+            and tail.out_elements < CUT_TAIL_OUTPUT
+        ):
             stop_at = -1  # what follows the last holder is cheaper than cutting the call short
         self.stats.recomputes += 1
         self._recomputed[0] = True
