@@ -8,6 +8,9 @@
 #   gpu          nox -s gpu: the GPU half of the core tests and of the kit for every adapter (log: nox-gpu.log)
 #   failed-steps the GPU tests of what a failed step leaves allocated and of auto's budget (test_gpu_failed_steps.py,
 #                test_gpu_auto.py; ~2 min; also part of gpu)
+#   engine       the GPU tests of the region engine's early stop, of auto (its closed loop measured where each
+#                backward ends among them) and of weight streaming (test_gpu_frame.py, test_gpu_auto.py,
+#                test_gpu_weights.py; ~2.5 min)
 #   budget       auto at 24 GiB on Flux full size, LoRA on the attention projections, in a process limited to
 #                24 GiB (memfit_benchmarks.budget_promise; budget-promise-flux.{json,md}; the whole sweep:
 #                device_sweeps.sh)
@@ -49,6 +52,8 @@ for part in ${PARTS:-gpu}; do
         gpu) run_part nox-gpu python3 -m nox -s gpu ;;
         failed-steps) run_part failed-steps env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest \
                 core/tests/test_gpu_failed_steps.py core/tests/test_gpu_auto.py -m gpu -q -p no:cacheprovider ;;
+        engine) run_part engine env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest core/tests/test_gpu_frame.py \
+                core/tests/test_gpu_auto.py core/tests/test_gpu_weights.py -m gpu -q -p no:cacheprovider ;;
         budget) run_part budget python3 -m memfit_benchmarks.budget_promise --targets flux --configs attn \
             --budgets 24GiB --fixed torch,unsloth --rounds 1 --steps 5 --stem budget-promise-flux --out "$OUT" ;;
         fit-flash) run_part fit-flash fit_test "24gib_card_with_flash" ;;
