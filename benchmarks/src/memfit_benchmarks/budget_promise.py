@@ -310,9 +310,15 @@ def _one_target(job: dict[str, Any]) -> dict[str, Any]:
 # -- what a budget's rows say ------------------------------------------------------------------------------------
 
 
-def _floor_steps_note(result: dict[str, Any]) -> str:
-    floor_steps = result.get("floor_steps") or result["steps"]
-    return f", {floor_steps} at the floor" if floor_steps != result["steps"] else ""
+def _floor_steps(record: dict[str, Any]) -> int | None:
+    """Timed steps per measurement at a floor (a run recorded before the key: as many as elsewhere)."""
+    return record.get("floor_steps") or record.get("steps")
+
+
+def _floor_steps_note(result: dict[str, Any], *, lead: str = ", ", tail: str = "") -> str:
+    """``", N at the floor"`` where a floor was measured over another number of timed steps than the rest."""
+    floor = _floor_steps(result)
+    return f"{lead}{floor} at the floor{tail}" if floor != result["steps"] else ""
 
 
 def resolve_budgets(spec: list[int | str], floor: int | None) -> list[tuple[int, bool]]:
@@ -604,8 +610,7 @@ def markdown(result: dict[str, Any]) -> str:
 def _steps_of(run: dict[str, Any]) -> str:
     if not run.get("steps"):  # a run recorded before the steps were
         return ""
-    floor = run.get("floor_steps") or run["steps"]
-    return f" of {run['steps']} timed step(s)" + (f" ({floor} at the floor)" if floor != run["steps"] else "")
+    return f" of {run['steps']} timed step(s)" + _floor_steps_note(run, lead=" (", tail=")")
 
 
 def _runs_note(result: dict[str, Any]) -> list[str]:
@@ -749,7 +754,7 @@ def _run_of(result: dict[str, Any]) -> dict[str, Any]:
         "commit": env.get("git_commit"),
         "rounds": result.get("rounds"),
         "steps": result.get("steps"),
-        "floor_steps": result.get("floor_steps") or result.get("steps"),
+        "floor_steps": _floor_steps(result),
         "modes": result.get("modes"),
     }
 
