@@ -144,9 +144,8 @@ def _cell(entry: dict[str, Any] | None, mode: str, peer: str) -> str:
         text += " (unpaired)"
     if row["vs_peer"] != peer:
         text += f" vs {row['vs_peer']}"
-        if peer in (
-            row.get("x_peers") or {}
-        ):  # measured, but not like for like: its ratio and coverage beside
+        # the column's peer measured too, but not like for like: its ratio and coverage beside
+        if peer in (row.get("x_peers") or {}):
             coverage = _coverage(row, rows.get(peer)).strip(" ()")
             text += f" ({peer} {row['x_peers'][peer]:.3f}{': ' + coverage if coverage else ''})"
     return text + _coverage(row, rows.get(row["vs_peer"]))

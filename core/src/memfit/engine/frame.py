@@ -368,11 +368,11 @@ class Frame:
                 "memfit does not support backward inside a model's forward."
             )
         last, stop_at = self._last_needed()
-        tail = self.calls[last]
+        last_call = self.calls[last]
         if (
-            stop_at == len(tail.holders) - 1
-            and tail.tail < CUT_TAIL_WEIGHTS
-            and tail.out_elements < CUT_TAIL_OUTPUT
+            stop_at == len(last_call.holders) - 1
+            and last_call.tail < CUT_TAIL_WEIGHTS
+            and last_call.out_elements < CUT_TAIL_OUTPUT
         ):
             stop_at = -1  # what follows the last holder is cheaper than cutting the call short
         self.stats.recomputes += 1
