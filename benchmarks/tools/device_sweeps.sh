@@ -46,7 +46,7 @@
 #       ~50 s per budget with fixed modes (0.7 s steps), its 16 GiB and floor budgets auto alone; its full
 #       fine-tune ~40 s. So one call per target. Its share here is BUDGET_PART_S (default 330 s): no
 #       measurement starts later ("not measured" rows). PARTS=budget BUDGET_PART_S=560 in a call of its own.
-#   families-image ~425 s: flux 187 s, krea2 203 s (36 measurements each)
+#   families-image ~490 s: flux 187 s (36 measurements), krea2 ~270 s (48: ckpt-block too)
 #   families-video ~490 s: wan 208 s, ltxvideo2 248 s
 #   families-rest  ~500 s: mageflow 176 s, z-image 180 s, chroma 100 s (its FFN modes, in a process of its own)
 #       With FAMILY_MIN_S=0 (one timed step): ~320, ~390 and ~350 s. Each family stops starting measurements
