@@ -28,6 +28,7 @@ from memfit_benchmarks.report import (
     measured,
     oom_cell,
     peer_limit,
+    region_counts,
     render_markdown,
 )
 from memfit_benchmarks.results import entries, load, results_files
@@ -146,19 +147,16 @@ def _cell(entry: dict[str, Any] | None, mode: str, peer: str) -> str:
         text += f" vs {row['vs_peer']}"
         # the column's peer measured too, but not like for like: its ratio and coverage beside
         if peer in (row.get("x_peers") or {}):
-            coverage = _coverage(row, rows.get(peer)).strip(" ()")
+            coverage = _coverage(row, rows.get(peer))
             text += f" ({peer} {row['x_peers'][peer]:.3f}{': ' + coverage if coverage else ''})"
-    return text + _coverage(row, rows.get(row["vs_peer"]))
+    coverage = _coverage(row, rows.get(row["vs_peer"]))
+    return text + (f" ({coverage})" if coverage else "")
 
 
 def _coverage(row: dict[str, Any], peer_row: dict[str, Any] | None) -> str:
-    """Where memfit and its peer checkpoint a different number of regions per step, both counts (a model may route
-    only some of its blocks through its own checkpointing): the two rows do different work."""
-    ours = row.get("frames_per_step")
-    theirs = (peer_row or {}).get("checkpointed_calls_per_step")
-    if ours is None or theirs is None or ours == theirs:
-        return ""
-    return f" (memfit {ours:g} regions, peer {theirs:g})"
+    """Both region counts where memfit and its peer checkpoint a different number per step (``region_counts``)."""
+    counts = region_counts(row, peer_row)
+    return "" if counts is None else f"memfit {counts[0]:g} regions, peer {counts[1]:g}"
 
 
 def _bound_cell(found: Measured | None) -> str:

@@ -39,6 +39,16 @@ def fmt(row: dict[str, Any], key: str, scale: float = 1.0, digits: int = 3) -> s
     return "-" if value is None else f"{value / scale:.{digits}f}"
 
 
+def region_counts(row: dict[str, Any], peer_row: dict[str, Any] | None) -> tuple[float, float] | None:
+    """(memfit's, the peer's) regions checkpointed per step where both are known and differ (a model may route only
+    some of its blocks through its own checkpointing: the two rows then do different work); None otherwise."""
+    ours = row.get("frames_per_step")
+    theirs = (peer_row or {}).get("checkpointed_calls_per_step")
+    if ours is None or theirs is None or ours == theirs:
+        return None
+    return ours, theirs
+
+
 def oom_cell(row: dict[str, Any]) -> str:
     """The cell of a row that did not run: out of memory (GPU or host RAM), or not measured."""
     if row.get(NOT_MEASURED):

@@ -24,7 +24,7 @@ import memfit
 from memfit import FamilyAdapter
 from memfit_benchmarks import peers
 from memfit_benchmarks.modes import PEERS_OF, Mode
-from memfit_benchmarks.report import oom_cell
+from memfit_benchmarks.report import oom_cell, region_counts
 from memfit_benchmarks.rounds import (
     FAILED,
     NOT_MEASURED,
@@ -373,7 +373,9 @@ def add_peer_ratios(rows: list[dict[str, Any]]) -> None:
                 **({"peer_failed": ref[FAILED]} if ref.get(FAILED) else {"peer_oom": True}),
             )
             continue
-        ref = next((c for c in timed if _same_coverage(r, c)), timed[0])
+        # like for like first: where diffusers routes only some of a model's blocks through its checkpointing
+        # (Krea 2's text-fusion blocks), a per-block checkpoint over the same blocks as memfit is the peer
+        ref = next((c for c in timed if region_counts(r, c) is None), timed[0])
         ratios = per_round_ratios(r, ref)
         r.update(
             vs_peer=ref["mode"],
@@ -384,14 +386,6 @@ def add_peer_ratios(rows: list[dict[str, Any]]) -> None:
         )
         if r.get("peak_allocated") and ref.get("peak_allocated"):
             r["peak_x_peer"] = r["peak_allocated"] / ref["peak_allocated"]
-
-
-def _same_coverage(row: dict[str, Any], peer: dict[str, Any]) -> bool:
-    """The peer checkpoints as many regions per step as the memfit row (unknown counts: assumed so). Where
-    diffusers routes only some of a model's blocks through its checkpointing (Krea 2's text-fusion blocks), a
-    per-block ``torch.utils.checkpoint`` over the same blocks as memfit is the like-for-like peer."""
-    ours, theirs = row.get("frames_per_step"), peer.get("checkpointed_calls_per_step")
-    return ours is None or theirs is None or ours == theirs
 
 
 def _settled(handle: Any) -> bool:
