@@ -258,3 +258,24 @@ def test_plain_call_arguments_flatten_as_pytree_does():
         assert all(again_kwargs[k] is v or again_kwargs[k] == v for k, v in kwargs.items())
     for output in (a, (a, b), (a, None), [a], {"x": a}):
         assert [id(v) for v in _flatten_output(output)] == [id(v) for v in tree_flatten(output)[0]]
+
+
+@pytest.mark.parametrize("backend", ["torch", "torch-ffn"])
+def test_recompute_gets_the_input_object_the_forward_got_when_it_has_no_history(model, x, backend):
+    # a model may cache host-side values on a tensor it hands every block (Mage-Flow's sample boundaries):
+    # a recompute that got a detached alias instead would lose them and read the device again
+    model.proj_in.bias.requires_grad_(False)  # the shared ``scale`` then has no autograd history
+    seen: list[torch.Tensor] = []
+    hook = model.blocks[2].register_forward_pre_hook(lambda module, args: seen.append(args[1]))
+    try:
+        ref = step(model, x)
+        seen.clear()
+        with memfit.apply(model, {**ON, "gradient_checkpointing_backend": backend}, adapter=TOY) as handle:
+            assert_same(ref, step(model, x))
+            recomputes = handle.stats()["recomputes"]
+    finally:
+        hook.remove()
+    assert recomputes > 0
+    if backend == "torch":  # the block is the region: called once in forward, once in its recompute
+        assert len(seen) == 2
+    assert all(s is seen[0] for s in seen) and not seen[0].requires_grad

@@ -5,14 +5,18 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from memfit_mageflow import ADAPTER
 from memfit_mageflow.model import (
     MageFlow,
     MageFlowEmbedRope,
     MageFlowTransformer2DModel,
+    host_bounds,
     lengths_to_cu_seqlens,
     varlen_joint_attention,
 )
 from memfit_mageflow.presets import FULL, build_tiny, build_upstream_tiny
+
+import memfit
 
 
 @pytest.fixture(scope="module")
@@ -176,6 +180,43 @@ def test_own_checkpointing_matches_plain_backward(build, monkeypatch):
     assert len(ckpt_grads) == len(plain_grads)
     for x, y in zip(ckpt_grads, plain_grads, strict=True):
         torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("checkpointing", ["none", "diffusers", "memfit"])
+def test_a_training_step_reads_the_sample_boundaries_from_the_device_once_per_stream(
+    checkpointing, monkeypatch
+):
+    # tolist() waits for the GPU: once per attention call (forward and recompute) left it idle between blocks
+    model = build_tiny(seed=3)
+    samples = [_sample(model, 4, (3, 5), 4), _sample(model, 5, (6, 2), 7)]
+    plain_out, plain_grads = _train_step(model, samples)
+    reads = []
+    real = torch.Tensor.tolist
+    monkeypatch.setattr(torch.Tensor, "tolist", lambda t: reads.append(t.dtype) or real(t))
+    handle = None
+    if checkpointing == "diffusers":
+        model.enable_gradient_checkpointing()
+    elif checkpointing == "memfit":
+        handle = memfit.apply(model, {"gradient_checkpointing": True}, adapter=ADAPTER)
+    try:
+        out, grads = _train_step(model, samples)
+        recomputes = handle.stats()["recomputes"] if handle is not None else None
+    finally:
+        if handle is not None:
+            handle.remove()
+    assert reads.count(torch.int32) == 2  # the image and the text boundaries, as the model packs them
+    assert recomputes is None or recomputes > 0
+    torch.testing.assert_close(out, plain_out, rtol=0, atol=0)
+    for x, y in zip(grads, plain_grads, strict=True):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+
+
+def test_host_bounds_reads_the_device_again_after_an_in_place_edit():
+    cu = lengths_to_cu_seqlens([3, 4])
+    assert host_bounds(cu) == [0, 3, 7]
+    cu[2] = 9
+    assert host_bounds(cu) == [0, 3, 9]
+    assert host_bounds(torch.tensor([0, 5], dtype=torch.int32)) == [0, 5]
 
 
 def test_the_two_classes_are_one_model():

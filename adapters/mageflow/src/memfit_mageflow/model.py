@@ -63,6 +63,7 @@ __all__ = [
     "MageFlowTransformer2DModel",
     "MageFlowTransformerBlock",
     "apply_rotary_emb",
+    "host_bounds",
     "lengths_to_cu_seqlens",
     "varlen_joint_attention",
 ]
@@ -79,6 +80,22 @@ def lengths_to_cu_seqlens(lengths: Sequence[int], device: torch.device | str | N
     if lengths:
         out[1:] = torch.cumsum(torch.tensor(list(lengths), dtype=torch.int32, device=device), dim=0)
     return out
+
+
+def host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
+    """``cu_seqlens`` as Python ints, read from the device once per tensor (and again only after an in-place edit).
+
+    The model reads the boundaries once as it packs its inputs and keeps them on the tensor it hands every
+    block: ``tolist()`` waits for the GPU, and one wait per attention call (forward and recompute) would leave the
+    GPU idle while the host catches up, which upstream's ``flash_attn_varlen_func`` (given the maximum length
+    once) never does.
+    """
+    cached = getattr(cu_seqlens, "_host_bounds", None)
+    if cached is not None and cached[0] == cu_seqlens._version:
+        return list(cached[1])
+    bounds = cu_seqlens.tolist()
+    cu_seqlens._host_bounds = (cu_seqlens._version, tuple(bounds))
+    return bounds
 
 
 def _per_token(values: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -226,8 +243,8 @@ def varlen_joint_attention(
     the sequence ``flash_attn_varlen_func`` sees upstream (non-causal, scale ``1/sqrt(head_dim)``).
     Returns the text part and the image part of the output, in the input layout.
     """
-    txt_b = txt_cu_seqlens.tolist()
-    img_b = img_cu_seqlens.tolist()
+    txt_b = host_bounds(txt_cu_seqlens)
+    img_b = host_bounds(img_cu_seqlens)
     if len(txt_b) != len(img_b):
         raise ValueError(
             f"packed text and image streams disagree on the number of samples: {len(txt_b) - 1} text "
@@ -405,12 +422,13 @@ def _pack(x: torch.Tensor, cu_seqlens: torch.Tensor | None, what: str) -> tuple[
     if cu_seqlens is None:
         batch, length = x.shape[:2]
         cu_seqlens = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=x.device)
+        cu_seqlens._host_bounds = (cu_seqlens._version, tuple(range(0, (batch + 1) * length, length)))
         return x.reshape(1, batch * length, x.shape[-1]), cu_seqlens
     if x.shape[0] != 1:
         raise ValueError(
             f"{what} with cu_seqlens must be packed as [1, total_tokens, channels], got {tuple(x.shape)}"
         )
-    bounds = cu_seqlens.tolist()
+    bounds = cu_seqlens.tolist()  # once per forward: the blocks read them from the tensor (host_bounds)
     if (
         bounds[0] != 0
         or bounds[-1] != x.shape[1]
@@ -419,7 +437,11 @@ def _pack(x: torch.Tensor, cu_seqlens: torch.Tensor | None, what: str) -> tuple[
         raise ValueError(
             f"{what}: cu_seqlens {bounds} must start at 0, increase strictly and end at the token count {x.shape[1]}"
         )
-    return x, cu_seqlens.to(device=x.device, dtype=torch.int32)
+    packed = cu_seqlens.to(device=x.device, dtype=torch.int32)
+    if packed is cu_seqlens:  # the caller's tensor: keep it as given (a tensor of its own takes the bounds)
+        packed = cu_seqlens.view(cu_seqlens.shape)
+    packed._host_bounds = (packed._version, tuple(bounds))
+    return x, packed
 
 
 @dataclass

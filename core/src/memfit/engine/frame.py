@@ -435,9 +435,8 @@ class Frame:
                     "a tensor that enters a checkpointed region was modified in place after the region ran, "
                     "so it cannot be recomputed. Avoid in-place edits of block inputs (use out-of-place ops)."
                 )
-            value = value.detach()
-            if entry.requires_grad:
-                value.requires_grad_(True)
+            if entry.requires_grad:  # a leaf of the recompute's own graph (the kept alias stays as it is)
+                value = value.detach().requires_grad_(True)
             entries[leaf[1]] = value
         return value
 

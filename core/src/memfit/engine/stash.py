@@ -1,6 +1,6 @@
 """Where a frame keeps its entry tensors between the forward and the recompute.
 
-``DeviceStash`` (``torch`` backends) keeps a detached alias on the tensor's own device:
+``DeviceStash`` (``torch`` backends) keeps the tensor on its own device without its autograd history:
 no copy, no extra memory (the storage is the one the forward already had). The
 offload backends plug in a stash that parks entries in pinned host memory.
 """
@@ -10,6 +10,13 @@ from __future__ import annotations
 from typing import Any, Protocol
 
 import torch
+
+
+def without_history(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` as what memfit keeps for backward may hold: a detached alias (same storage, same version counter)
+    when it has autograd history, else itself (a recompute then gets the object the forward got, with whatever
+    the model cached on it). See "What autograd keeps" in docs/architecture.md."""
+    return tensor.detach() if tensor.requires_grad else tensor
 
 
 class Stash(Protocol):
@@ -29,10 +36,10 @@ class Stash(Protocol):
 
 
 class DeviceStash:
-    """Keep entries where they are: a detached alias shares storage and version counter."""
+    """Keep entries where they are, without their autograd history (:func:`without_history`)."""
 
     def put(self, tensor: torch.Tensor) -> torch.Tensor:
-        return tensor.detach()
+        return without_history(tensor)
 
     def get(self, handle: torch.Tensor) -> torch.Tensor:
         return handle

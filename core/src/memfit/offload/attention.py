@@ -17,8 +17,9 @@ from torch import nn
 
 from memfit.engine import state
 from memfit.engine.hooks import HookRuns, attached_hook
+from memfit.engine.stash import without_history
 from memfit.errors import MemfitError
-from memfit.offload.copy import Parked, without_history
+from memfit.offload.copy import Parked
 from memfit.offload.regions import TimelineRegion
 from memfit.offload.session import OffloadSession
 from memfit.offload.weights import WeightRef, WeightStreamer

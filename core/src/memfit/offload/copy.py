@@ -81,6 +81,7 @@ from typing import Any
 
 import torch
 
+from memfit.engine.stash import without_history
 from memfit.offload.pool import HostBuffer, PinnedBucketPool, contiguous_stride
 
 
@@ -108,12 +109,6 @@ def _flat_in_memory_order(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int
         return permuted.reshape(-1), tensor.stride()
     dense = tensor.contiguous()
     return dense.view(-1), dense.stride()
-
-
-def without_history(tensor: torch.Tensor) -> torch.Tensor:
-    """``tensor`` as what autograd saves may keep: a detached alias (same storage, same version counter) when it
-    has autograd history, else itself. See "What autograd keeps" in docs/architecture.md."""
-    return tensor.detach() if tensor.requires_grad else tensor
 
 
 class CopyDone:

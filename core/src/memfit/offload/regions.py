@@ -14,7 +14,7 @@ from torch.utils._pytree import tree_flatten
 
 from memfit.engine import state
 from memfit.engine.hooks import attached_hook
-from memfit.engine.stash import DeviceStash
+from memfit.engine.stash import DeviceStash, without_history
 from memfit.offload.copy import Parked
 from memfit.offload.session import OffloadSession
 
@@ -70,7 +70,7 @@ class OffloadStash(TimelineRegion):
 
     def put(self, tensor: torch.Tensor) -> EntryHandle:
         if not self.session.worth_parking(tensor):
-            return EntryHandle("device", tensor.detach())
+            return EntryHandle("device", without_history(tensor))
         handle = EntryHandle("pending", tensor.detach(), weakref.ref(tensor))
         self.session.defer(self, handle)
         return handle
