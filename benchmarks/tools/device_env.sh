@@ -1,6 +1,7 @@
 # Sourced by the GPU-machine scripts (no network, the machine's own python3 with torch): installs the carried
-# wheels (.whl/, built with `uv build --all-packages -o .whl/`, plus diffusers) into /tmp/site next to the
-# machine's torch, exports the environment the benchmarks run in, and records it in $OUT/env.txt.
+# wheels (.whl/, built with `uv build --all-packages -o .whl/` and their commit in .whl/COMMIT, plus diffusers)
+# into /tmp/site next to the machine's torch, exports the environment the benchmarks run in, and records it in
+# $OUT/env.txt.
 # DRY_RUN=1 (a CPU check of the scripts): nothing is installed and the python3 on PATH is used as it is.
 OUT="${OUT:-/tmp/memfit-out}"
 mkdir -p "$OUT"
@@ -13,7 +14,9 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
     || { echo "could not install the carried wheels from .whl/ (carry .whl with the run)" >&2; exit 1; }
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 MEMFIT_NOX_SYSTEM_PYTHON=1
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-export MEMFIT_GIT_COMMIT="${MEMFIT_GIT_COMMIT:-$(git rev-parse HEAD 2>/dev/null || true)}"
+# the commit the wheels were built from: MEMFIT_GIT_COMMIT, else .whl/COMMIT (written beside them), never this
+# copy's git HEAD (the device's copy of the tree need not carry the commit the wheels came from)
+export MEMFIT_GIT_COMMIT="${MEMFIT_GIT_COMMIT:-$(cat .whl/COMMIT 2>/dev/null || true)}"
 {
     date -u +"date: %Y-%m-%dT%H:%M:%SZ"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader

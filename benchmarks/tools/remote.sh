@@ -2,6 +2,7 @@
 # Entry point on the GPU machine (no network, its own Python with torch): install the carried wheels
 # next to the machine's torch, then run the nox GPU sessions and the benchmarks. Output goes to $OUT.
 #   Here:   rm -f .whl/memfit*; uv build --all-packages -o .whl/ && rm -f .whl/*.tar.gz
+#           git describe --always --dirty > .whl/COMMIT
 #   There:  bash benchmarks/tools/remote.sh [nox sessions... | bench-families]   (default: gpu bench)
 #           bash benchmarks/tools/remote.sh lease --budget 570 PHASE...          (benchmarks/tools/lease.py)
 set -uo pipefail
