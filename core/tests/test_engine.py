@@ -279,3 +279,24 @@ def test_recompute_gets_the_input_object_the_forward_got_when_it_has_no_history(
     if backend == "torch":  # the block is the region: called once in forward, once in its recompute
         assert len(seen) == 2
     assert all(s is seen[0] for s in seen) and not seen[0].requires_grad
+
+
+def test_an_input_that_requires_grad_only_after_the_forward_is_recomputed_as_the_forward_saw_it(model, x):
+    model.proj_in.bias.requires_grad_(False)
+    ref = step(model, x)
+    scales: list[torch.Tensor] = []
+    hook = model.blocks[2].register_forward_pre_hook(lambda module, args: scales.append(args[1]))
+    try:
+        with memfit.apply(model, ON, adapter=TOY):
+            model.zero_grad(set_to_none=True)
+            xi = x.detach().clone().requires_grad_(True)
+            loss = loss_of(model(xi))
+            scales[0].requires_grad_(
+                True
+            )  # a leaf without history until now: the recompute must not follow it
+            loss.backward()
+            grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    finally:
+        hook.remove()
+    assert scales[0].grad is None
+    assert_same(ref, (loss.detach(), xi.grad.clone(), grads))

@@ -437,6 +437,8 @@ class Frame:
                 )
             if entry.requires_grad:  # a leaf of the recompute's own graph (the kept alias stays as it is)
                 value = value.detach().requires_grad_(True)
+            elif value.requires_grad:  # switched on since the forward: taken as the forward took it
+                value = value.detach()
             entries[leaf[1]] = value
         return value
 
