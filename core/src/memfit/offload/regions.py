@@ -51,10 +51,10 @@ class TimelineRegion:
 class EntryHandle:
     """What a frame keeps for one entry under the ``unsloth`` backends.
 
-    ``state`` is ``"device"`` (``value`` is a detached alias of the tensor, kept on its device), ``"pending"``
-    (``value`` is a detached alias, ``source`` a weak reference to the tensor; parked once two later regions have
-    started) or ``"parked"`` (``value`` is the :class:`Parked` copy). Never the tensor itself: see "What autograd
-    keeps" in docs/architecture.md.
+    ``state`` is ``"device"`` (``value`` is the tensor without its autograd history, kept on its device),
+    ``"pending"`` (``value`` is a detached alias, ``source`` a weak reference to the tensor; parked once two later
+    regions have started) or ``"parked"`` (``value`` is the :class:`Parked` copy). Never a tensor with autograd
+    history: see "What autograd keeps" in docs/architecture.md.
     """
 
     __slots__ = ("state", "value", "source")
