@@ -24,6 +24,8 @@ from memfit.offload.regions import TimelineRegion
 from memfit.offload.session import OffloadSession
 from memfit.offload.weights import WeightRef, WeightStreamer
 
+_PARAMETER = nn.Parameter
+
 
 class SavedGroup(TimelineRegion):
     """The tensors one attention call saved, parked together (a timeline region)."""
@@ -168,11 +170,16 @@ class AttentionOffloader:
         hooks.__exit__(None, None, None)
         self._active = [a for a in self._active if a[0] is not module]
 
-    def _pack(self, group: SavedGroup, tensor: torch.Tensor) -> SavedHandle | WeightRef:
+    def _pack(self, group: SavedGroup, tensor: torch.Tensor) -> SavedHandle | WeightRef | torch.Tensor:
         if self.weights is not None:  # a streamed block's weights: referenced, never parked
             ref = self.weights.reference(tensor)
             if ref is not None:
                 return ref
+        # a parameter or a view of one (a linear saves its weight transposed): kept as it is, with no handle (half
+        # the tensors a LoRA attention call saves; the frames' own packing tells them apart the same way)
+        base = tensor if type(tensor) is _PARAMETER else tensor._base
+        if type(base) is _PARAMETER:
+            return without_history(tensor)
         if not self.session.worth_parking(tensor):
             state.note_held(tensor)  # stays on its device: the held-bytes meters must still see it
             return SavedHandle(None, tensor)
@@ -181,10 +188,13 @@ class AttentionOffloader:
         self.tensors_parked += 1
         return handle
 
-    def _unpack(self, handle: SavedHandle | WeightRef) -> torch.Tensor:
-        if type(handle) is WeightRef:
-            assert self.weights is not None
-            return self.weights.unpack(handle)
+    def _unpack(self, handle: SavedHandle | WeightRef | torch.Tensor) -> torch.Tensor:
+        kind = type(handle)
+        if kind is not SavedHandle:
+            if kind is WeightRef:
+                assert self.weights is not None
+                return self.weights.unpack(handle)  # type: ignore[arg-type]
+            return handle  # type: ignore[return-value]  # a parameter (or a view of one), kept as saved
         group = handle.group
         # its backward starts (parked, or kept as one of the step's last two calls: that one too reloads the
         # calls before it ahead of need; not while still pending, when a backward runs inside the forward)
