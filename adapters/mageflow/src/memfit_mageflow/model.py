@@ -94,8 +94,13 @@ def host_bounds(cu_seqlens: torch.Tensor) -> list[int]:
     if cached is not None and cached[0] == cu_seqlens._version:
         return list(cached[1])
     bounds = cu_seqlens.tolist()
-    cu_seqlens._host_bounds = (cu_seqlens._version, tuple(bounds))
+    _keep_host_bounds(cu_seqlens, bounds)
     return bounds
+
+
+def _keep_host_bounds(cu_seqlens: torch.Tensor, bounds: Sequence[int]) -> None:
+    """Remember ``bounds`` on ``cu_seqlens`` for :func:`host_bounds`, valid until its next in-place edit."""
+    cu_seqlens._host_bounds = (cu_seqlens._version, tuple(bounds))
 
 
 def _per_token(values: torch.Tensor, cu_seqlens: torch.Tensor, total: int) -> torch.Tensor:
@@ -422,7 +427,7 @@ def _pack(x: torch.Tensor, cu_seqlens: torch.Tensor | None, what: str) -> tuple[
     if cu_seqlens is None:
         batch, length = x.shape[:2]
         cu_seqlens = torch.arange(0, (batch + 1) * length, length, dtype=torch.int32, device=x.device)
-        cu_seqlens._host_bounds = (cu_seqlens._version, tuple(range(0, (batch + 1) * length, length)))
+        _keep_host_bounds(cu_seqlens, range(0, (batch + 1) * length, length))
         return x.reshape(1, batch * length, x.shape[-1]), cu_seqlens
     if x.shape[0] != 1:
         raise ValueError(
@@ -440,7 +445,7 @@ def _pack(x: torch.Tensor, cu_seqlens: torch.Tensor | None, what: str) -> tuple[
     packed = cu_seqlens.to(device=x.device, dtype=torch.int32)
     if packed is cu_seqlens:  # the caller's tensor: keep it as given (a tensor of its own takes the bounds)
         packed = cu_seqlens.view(cu_seqlens.shape)
-    packed._host_bounds = (packed._version, tuple(bounds))
+    _keep_host_bounds(packed, bounds)
     return x, packed
 
 
