@@ -54,7 +54,7 @@ class SavedGroup(TimelineRegion):
 
     def park(self, handle: SavedHandle, parked: Parked) -> None:
         handle.parked, handle.device_tensor, handle.source = parked, None, None
-        self.parked.append(parked)
+        self.add_parked(parked)
 
     def keep(self, handle: SavedHandle) -> None:
         """The activation stays on the device (a last region's)."""

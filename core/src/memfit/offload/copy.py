@@ -295,13 +295,12 @@ class CopyEngine:
         api = self.streams
         compute = api.current_stream(tensors[0].device)
         if len(tensors) > 1:
-            total = sum(t.numel() * t.element_size() for t in tensors)
-            if total <= self.coalesce_max_bytes:
+            if sum([t.nbytes for t in tensors]) <= self.coalesce_max_bytes:
                 return self._offload_coalesced(tensors, compute)
             shared = [
                 m
-                for m in _by_storage(tensors)
-                if len(m) > 1 and _whole_storage_bytes([tensors[i] for i in m]) is not None
+                for storage, m in _by_storage(tensors)
+                if len(m) > 1 and _whole_storage_bytes(storage, [tensors[i] for i in m]) is not None
             ]
             if shared:  # each such storage once, straight from the source (a lone piece is not packed)
                 out: list[Parked | None] = [None] * len(tensors)
@@ -363,22 +362,22 @@ class CopyEngine:
 
         Views that together cover their storage go in as that storage's bytes, once (see "Shared storages")."""
         api = self.streams
+        device = tensors[0].device  # (one batch, one device: its pieces are concatenated)
         pieces: list[torch.Tensor] = []
-        placed: dict[
-            int, tuple[tuple[int, ...], int, int]
-        ] = {}  # index in tensors -> (stride, offset, nbytes)
+        placed: list[Any] = [None] * len(tensors)  # index in tensors -> (stride, offset, nbytes, storage)
         offset = copied = 0
-        for members in _by_storage(tensors):
-            whole = _whole_storage_bytes([tensors[i] for i in members])
+        for storage, members in _by_storage(tensors):
+            whole = _whole_storage_bytes(storage, [tensors[i] for i in members])
             if whole is not None:
-                offset += self._pad_to_align(pieces, offset, tensors[members[0]].device)
+                offset += self._pad_to_align(pieces, offset, device)
                 pieces.append(whole)
                 for i in members:
                     t = tensors[i]
                     placed[i] = (
                         t.stride(),
                         offset + t.storage_offset() * t.element_size(),
-                        t.numel() * t.element_size(),
+                        t.nbytes,
+                        storage,
                     )
                 offset += whole.numel()
                 copied += whole.numel()
@@ -386,15 +385,15 @@ class CopyEngine:
             for i in members:
                 flat, stride = _flat_in_memory_order(tensors[i])
                 nbytes = flat.nbytes
-                offset += self._pad_to_align(pieces, offset, flat.device)
+                offset += self._pad_to_align(pieces, offset, device)
                 pieces.append(flat.view(torch.uint8))
-                placed[i] = (stride, offset, nbytes)
+                placed[i] = (stride, offset, nbytes, storage)
                 offset += nbytes
                 copied += nbytes
         # on compute, after the producers: the sources may die at once. A lone piece (one storage's bytes) is
         # copied from where it lies, tied to the copy's stream below like any source copied one by one.
         packed = pieces[0] if len(pieces) == 1 else torch.cat(pieces)
-        self._d2h.wait_event(self._compute_so_far(compute, packed.device))
+        self._d2h.wait_event(self._compute_so_far(compute, device))
         buf = self.pool.acquire(offset)
         with api.use(self._d2h, restore=compute):
             buf.tensor[:offset].copy_(packed, non_blocking=buf.pinned)
@@ -403,20 +402,19 @@ class CopyEngine:
         group = _Coalesced(buf, offset, copied, len(tensors), done)
         ref = weakref.ref
         out = []
-        for i, tensor in enumerate(tensors):
-            stride, at, nbytes = placed[i]
+        for tensor, (stride, at, nbytes, storage) in zip(tensors, placed, strict=True):
             out.append(
                 Parked(
                     buf,
                     tensor.shape,
                     tensor.dtype,
-                    tensor.device,
+                    device,
                     nbytes,
                     ref(tensor),
                     tensor._version,
                     d2h_done=done,
                     stride=stride,
-                    storage=ref(tensor.untyped_storage()),
+                    storage=ref(storage),
                     group=group,
                     offset=at,
                 )
@@ -693,29 +691,34 @@ class SyncCopyEngine(CopyEngine):
         return 0.0
 
 
-def _by_storage(tensors: list[torch.Tensor]) -> list[list[int]]:
-    """Indices of ``tensors`` grouped by the storage they view, groups in order of first appearance."""
-    groups: dict[int, list[int]] = {}
+def _by_storage(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage, list[int]]]:
+    """``tensors`` grouped by the storage they view: (that storage, their indices), in order of first appearance."""
+    groups: dict[int, tuple[torch.UntypedStorage, list[int]]] = {}
     for i, t in enumerate(tensors):
-        ptr = t.untyped_storage().data_ptr()
-        groups.setdefault(ptr if ptr else -1 - i, []).append(i)  # no memory (empty): each on its own
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        group = groups.get(ptr) if ptr else None  # no memory (empty): each on its own
+        if group is None:
+            groups[ptr if ptr else -1 - i] = (storage, [i])
+        else:
+            group[1].append(i)
     return list(groups.values())
 
 
-def _whole_storage_bytes(views: list[torch.Tensor]) -> torch.Tensor | None:
-    """The bytes of the storage ``views`` share, as a flat ``uint8`` view, when copying them once copies no
-    byte that none of them needs: their distinct extents (first element, element count) add up to the storage.
+def _whole_storage_bytes(storage: torch.UntypedStorage, views: list[torch.Tensor]) -> torch.Tensor | None:
+    """The bytes of ``storage``, which ``views`` share, as a flat ``uint8`` view, when copying them once copies no
+    byte that none of them needs: their distinct extents (first byte, byte count) add up to the storage.
     Else None (each is copied on its own)."""
     first = views[0]
-    storage_bytes = first.untyped_storage().nbytes()
+    storage_bytes = storage.nbytes()
+    itemsize = first.element_size()
     if len(views) == 1:  # most storages hold one saved tensor: its extent alone must cover the storage
-        covered = first.numel() * first.element_size()
+        covered = first.nbytes
     else:
-        extents = {(v.storage_offset() * v.element_size(), v.numel() * v.element_size()) for v in views}
-        covered = sum(n for _, n in extents)
-    if not storage_bytes or covered < storage_bytes or storage_bytes % first.element_size():
+        covered = sum(n for _, n in {(v.storage_offset() * v.element_size(), v.nbytes) for v in views})
+    if not storage_bytes or covered < storage_bytes or storage_bytes % itemsize:
         return None
-    return first.as_strided((storage_bytes // first.element_size(),), (1,), 0).view(torch.uint8)
+    return first.as_strided((storage_bytes // itemsize,), (1,), 0).view(torch.uint8)
 
 
 def _member_view(

@@ -27,11 +27,16 @@ class TimelineRegion:
     def __init__(self, session: OffloadSession) -> None:
         self.session = session
         self.parked: list[Parked] = []
+        self.parked_bytes = 0  # of ``parked``, summed as they are added (reload-ahead reads it per region)
         self.kept_bytes = 0  # worth parking, but stays on the device (the step's last two regions)
         self.number = session.region_started()
         self.timeline = session.snapshot_timeline()
         self.index = session.register(self)
         self.started = False  # its backward has begun (see first_backward_use)
+
+    def add_parked(self, parked: Parked) -> None:
+        self.parked.append(parked)
+        self.parked_bytes += parked.nbytes
 
     def prefetch(self) -> None:
         self.session.copy.reload_many(self.parked)
@@ -84,7 +89,7 @@ class OffloadStash(TimelineRegion):
         return source if source is not None else handle.value
 
     def park(self, handle: EntryHandle, parked: Parked) -> None:
-        self.parked.append(parked)
+        self.add_parked(parked)
         handle.state, handle.value, handle.source = "parked", parked, None
 
     def keep(self, handle: EntryHandle) -> None:
@@ -110,7 +115,7 @@ class OffloadStash(TimelineRegion):
         self.backward_starts()
 
     def release_all(self) -> None:
-        parked, self.parked = self.parked, []
+        parked, self.parked, self.parked_bytes = self.parked, [], 0
         for p in parked:
             self.session.unpark(p)
 

@@ -25,7 +25,7 @@ forward raises: :meth:`OffloadSession.abort_step`).
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any, Protocol
 
 import torch
@@ -43,6 +43,7 @@ class ParkingRegion(Protocol):
 
     number: int  # its place among the regions of the step (deferral)
     parked: list[Parked]
+    parked_bytes: int  # of ``parked``
     kept_bytes: int
 
     def tensor_of(self, item: Any) -> torch.Tensor: ...
@@ -88,6 +89,7 @@ class OffloadSession:
         # every step cost ~10 ms of host time. A parameter or buffer registered anywhere (PEFT adding
         # adapters) drops the list; storages are re-read every step (``.to()`` swaps them in place).
         self._static_tensors: list[torch.Tensor] | None = None
+        self._static_local_shards = False  # any of them is a DTensor (read by its local shard)
         # memfit goes on after fully_shard (a later one is refused): sharding is known from here on
         self._sharded = any(is_fsdp_module(m) for m in model.modules())
         self._registration_hooks: list[Any] = []  # registered at the first step, removed by close()
@@ -119,7 +121,8 @@ class OffloadSession:
             self._static_tensors = [
                 t for t in (*self.model.parameters(), *self.model.buffers()) if _storage_nbytes(t) >= floor
             ]
-        self._param_storages = _storage_ptrs(self._static_tensors)
+            self._static_local_shards = any(hasattr(t, "_local_tensor") for t in self._static_tensors)
+        self._param_storages = _storage_ptrs(self._static_tensors, local_shards=self._static_local_shards)
 
     @property
     def regions_started(self) -> int:
@@ -225,9 +228,11 @@ class OffloadSession:
                 slots.append(len(fresh))
                 fresh.append(tensor)
         new = self.copy.offload_many(fresh)
-        for key, parked in zip(batch, new, strict=True):  # dicts keep insertion order: the order of ``fresh``
-            self._step_parked.append(weakref.ref(parked))
-            self._registry[key] = parked
+        # (dicts keep insertion order: ``batch``'s is the order of ``fresh``)
+        self._step_parked.extend(map(weakref.ref, new))
+        self._registry.update(zip(batch, new))
+        if len(new) == len(tensors):  # nothing shared: the usual case
+            return new
         result, seen = [], set()
         for slot in slots:
             if isinstance(slot, int):
@@ -285,9 +290,15 @@ class OffloadSession:
         ``_LOOKAHEAD_SCAN`` of them (``test_on_equal_regions_one_region_is_reloaded_ahead``)."""
         timeline = self._timeline if timeline is None else timeline
         end = min(index, len(timeline))
-        nearest = [ref() for ref in reversed(timeline[max(end - _LOOKAHEAD_SCAN, 0) : end])]
-        sizes = (0 if r is None else sum(p.nbytes for p in r.parked) + r.kept_bytes for r in nearest)
-        for position in regions_ahead(sizes, self.prefetch_depth):
+        nearest: list[ParkingRegion | None] = []  # dereferenced as the rule asks for them (it stops early)
+
+        def sizes() -> Iterator[int]:
+            for i in range(end - 1, max(end - _LOOKAHEAD_SCAN, 0) - 1, -1):
+                region = timeline[i]()
+                nearest.append(region)
+                yield 0 if region is None else region.parked_bytes + region.kept_bytes
+
+        for position in regions_ahead(sizes(), self.prefetch_depth):
             region = nearest[position]
             if region is not None and region.parked:
                 region.prefetch()
@@ -348,10 +359,19 @@ def _storage_nbytes(tensor: torch.Tensor) -> int:
         return 1 << 62
 
 
-def _storage_ptrs(tensors: Iterable[torch.Tensor]) -> set[int]:
+def _storage_ptrs(tensors: Iterable[torch.Tensor], *, local_shards: bool = True) -> set[int]:
     """Storage addresses of ``tensors``; a DTensor (FSDP2's sharded parameter) counts by its local shard,
-    and a freed storage (an FSDP2 unsharded parameter between calls) is skipped."""
-    ptrs: set[int] = set()
+    and a freed storage (an FSDP2 unsharded parameter between calls) is skipped. ``local_shards=False``: the
+    caller knows none is a DTensor (one pass, read every step)."""
+    if not local_shards:
+        try:
+            ptrs = {t.untyped_storage().data_ptr() for t in tensors}
+        except RuntimeError:  # a freed storage: the walk below skips it
+            pass
+        else:
+            ptrs.discard(0)
+            return ptrs
+    ptrs = set()
     for t in tensors:
         local = getattr(t, "_local_tensor", t)
         try:
