@@ -230,7 +230,7 @@ class OffloadSession:
         new = self.copy.offload_many(fresh)
         # (dicts keep insertion order: ``batch``'s is the order of ``fresh``)
         self._step_parked.extend(map(weakref.ref, new))
-        self._registry.update(zip(batch, new))
+        self._registry.update(zip(batch, new, strict=True))
         if len(new) == len(tensors):  # nothing shared: the usual case
             return new
         result, seen = [], set()
