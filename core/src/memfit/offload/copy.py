@@ -490,21 +490,24 @@ class CopyEngine:
                 todo.append(p)
         if not todo:
             return
-        if len(todo) > 1:
+        if len(todo) > 1 and len(set(map(id, todo))) < len(todo):
             todo = list({id(p): p for p in todo}.values())
         api = self.streams
         device = todo[0].device
         compute = api.current_stream(device)
         singles: list[Parked] = []
-        groups: dict[int, _Coalesced] = {}
-        parking_copies: dict[int, Any] = {}  # the d2h events to wait for, each once, in order
+        members: list[Parked] = []  # of coalesced groups
+        groups: dict[_Coalesced, None] = {}  # (an ordered set)
+        parking_copies: dict[CopyDone, None] = {}  # the d2h copies to wait for, each once, in order
         for p in todo:
-            if p.group is None:
+            group = p.group
+            if group is None:
                 singles.append(p)
             else:
-                groups[id(p.group)] = p.group
+                members.append(p)
+                groups[group] = None
             if not p.d2h_done.landed:  # a parking copy known to be complete needs no wait
-                parking_copies[id(p.d2h_done)] = p.d2h_done.event
+                parking_copies[p.d2h_done] = None
         # allocated on compute: the memory is free for us only after compute's earlier work
         outs = [
             torch.empty_strided(
@@ -512,36 +515,32 @@ class CopyEngine:
             )
             for p in singles
         ]
-        packed = {key: torch.empty(g.nbytes, dtype=torch.uint8, device=device) for key, g in groups.items()}
+        packed = {g: torch.empty(g.nbytes, dtype=torch.uint8, device=device) for g in groups}
         h2d = self._h2d
         h2d.wait_event(self._compute_so_far(compute, device))
-        for d2h_done in parking_copies.values():
-            h2d.wait_event(d2h_done)
+        for d2h_done in parking_copies:
+            h2d.wait_event(d2h_done.event)
         with api.use(h2d, restore=compute):
             for p, out in zip(singles, outs, strict=True):
                 assert p.buffer is not None
                 out.copy_(p.buffer.strided_view(p.dtype, p.shape, out.stride()), non_blocking=p.buffer.pinned)
-            for key, group in groups.items():
-                packed[key].copy_(group.buffer.tensor[: group.nbytes], non_blocking=group.buffer.pinned)
+            for group, out in packed.items():
+                out.copy_(group.buffer.tensor[: group.nbytes], non_blocking=group.buffer.pinned)
             done = self._record_done(h2d)
-        for out in outs:
-            api.record_stream(out, h2d)
-        for out in packed.values():
-            api.record_stream(out, h2d)
         reloaded_bytes = 0  # copied, as bytes_offloaded counts them
-        for group in groups.values():
-            group.last_read = done
-            reloaded_bytes += group.payload
-        reloaded = dict(zip(map(id, singles), outs, strict=True))
-        typed: dict[tuple[int, torch.dtype], torch.Tensor | None] = {}  # a group's buffer viewed as a dtype
-        for p in todo:
-            out = reloaded.get(id(p))
-            if out is None:  # a view of its group's buffer, with the strides it was parked with
-                out = _member_view(packed[id(p.group)], p, typed)
-            else:
-                reloaded_bytes += p.nbytes
+        for p, out in zip(singles, outs, strict=True):
+            api.record_stream(out, h2d)
+            reloaded_bytes += p.nbytes
             p.fetches_left = p.users
             p.reloaded, p.h2d_done, p.copied_back = out, done, True
+        typed: dict[tuple[_Coalesced, torch.dtype], Any] = {}  # a group's buffer viewed as a dtype
+        for group, out in packed.items():
+            api.record_stream(out, h2d)
+            group.last_read = done
+            reloaded_bytes += group.payload
+        for p in members:  # a view of its group's buffer, with the strides it was parked with
+            p.fetches_left = p.users
+            p.reloaded, p.h2d_done, p.copied_back = _member_view(packed, p, typed), done, True
         self.stats.bytes_reloaded += reloaded_bytes
 
     def _hold_source(self, parked: Parked) -> bool:
@@ -566,17 +565,23 @@ class CopyEngine:
 
     def fetch(self, parked: Parked) -> torch.Tensor:
         """The parked tensor on its device, usable on the current stream."""
-        self.reload(parked)
+        if parked.reloaded is None:  # not reloaded ahead: now
+            self.reload_many([parked])
         if not parked.copied_back and parked.reloaded._version != parked.version:
             parked.reloaded = None  # the held source was modified in place since: the host copy is the data
-            self.reload(parked)
+            self.reload_many([parked])
         out = parked.reloaded
         assert out is not None
         if parked.copied_back:
-            self._wait_for_reload(parked)
+            done = parked.h2d_done
+            if done is None or not done.landed:  # (a reload seen landed needs no wait)
+                self._wait_for_reload(parked)
         else:
             self.stats.reloads_skipped += 1
-        _consume(parked)
+        # one fetch served; the last user of this reload lets it go (a later fetch reloads again)
+        parked.fetches_left -= 1
+        if parked.fetches_left <= 0:
+            parked.reloaded = None
         return out
 
     def _wait_for_reload(self, parked: Parked) -> None:
@@ -722,28 +727,22 @@ def _whole_storage_bytes(storage: torch.UntypedStorage, views: list[torch.Tensor
 
 
 def _member_view(
-    buffer: torch.Tensor, parked: Parked, typed: dict[tuple[int, torch.dtype], Any]
+    packed: dict[_Coalesced, torch.Tensor], parked: Parked, typed: dict[tuple[_Coalesced, torch.dtype], Any]
 ) -> torch.Tensor:
-    """``parked``'s tensor in ``buffer`` (its group's packed ``uint8`` buffer), with its strides: one
+    """``parked``'s tensor in its group's packed ``uint8`` buffer (``packed[parked.group]``), with its strides: one
     ``as_strided`` on the buffer viewed as its dtype (made once per group and dtype, in ``typed``), not a slice,
     a view and an ``as_strided`` per tensor (~5 us of host time each). Where the buffer's length is no multiple
     of the dtype's size, the slice is viewed instead (the same tensor: storage, offset, shape and strides)."""
     dtype = parked.dtype
-    key = (id(buffer), dtype)
+    key = (parked.group, dtype)
     whole = typed.get(key, typed)
     if whole is typed:
+        buffer = packed[parked.group]  # type: ignore[index]
         whole = typed[key] = buffer.view(dtype) if buffer.numel() % dtype.itemsize == 0 else None
     if whole is None:
         return (
-            buffer[parked.offset : parked.offset + parked.nbytes]
+            packed[parked.group][parked.offset : parked.offset + parked.nbytes]  # type: ignore[index]
             .view(dtype)
             .as_strided(parked.shape, parked.stride)
         )
     return whole.as_strided(parked.shape, parked.stride, parked.offset // dtype.itemsize)
-
-
-def _consume(parked: Parked) -> None:
-    """One fetch served; the last user of this reload lets it go (a later fetch reloads again)."""
-    parked.fetches_left -= 1
-    if parked.fetches_left <= 0:
-        parked.reloaded = None

@@ -187,8 +187,10 @@ class OffloadSession:
     def worth_parking(self, tensor: torch.Tensor) -> bool:
         # Called for every saved tensor of a parking region (hundreds per step): cheapest tests first. A
         # parameter is recognised by its storage below (``isinstance(t, Parameter)`` costs a metaclass hook).
-        logical = tensor.numel() * tensor.element_size()
-        if logical < self.min_offload_bytes or tensor.layout != torch.strided:
+        if tensor.layout != torch.strided:
+            return False
+        logical = tensor.nbytes
+        if logical < self.min_offload_bytes:
             return False
         if not tensor.is_cuda and not self.copy.parks_cpu_tensors:
             return False
