@@ -176,9 +176,11 @@ class AttentionOffloader:
             if ref is not None:
                 return ref
         # a parameter or a view of one (a linear saves its weight transposed): kept as it is, with no handle (half
-        # the tensors a LoRA attention call saves; the frames' own packing tells them apart the same way)
-        base = tensor if type(tensor) is _PARAMETER else tensor._base
-        if type(base) is _PARAMETER:
+        # the tensors a LoRA attention call saves; the frames' own packing tells them apart the same way). A
+        # parameter is a leaf, with no history to drop; a view of a trainable one has some.
+        if type(tensor) is _PARAMETER:
+            return tensor
+        if type(tensor._base) is _PARAMETER:
             return without_history(tensor)
         if not self.session.worth_parking(tensor):
             state.note_held(tensor)  # stays on its device: the held-bytes meters must still see it
