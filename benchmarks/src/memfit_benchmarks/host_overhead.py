@@ -27,6 +27,7 @@ import contextlib
 import platform
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -134,49 +135,83 @@ def offload_on_cpu(mode: Mode) -> dict[str, Any]:
     return {"copy_engine": null_copy_engine(), "min_offload_bytes": 0} if is_offload(mode) else {}
 
 
-def _measure(model, batch, name: str, steps: int) -> dict[str, Any]:
+class Installed:
+    """One row's mode installed on the stack: ``step()`` runs a training step, ``hooked_tensors()`` counts the
+    saved tensors its hooks handled since the last ``reset()``."""
+
+    def __init__(self, model: torch.nn.Module, batch: dict[str, Any], handle: Any, context: Any) -> None:
+        self.model, self.batch, self.handle, self.context = model, batch, handle, context
+        self.packed = [0]  # saved tensors through the no-op hooks
+
+    def step(self) -> None:
+        self.model.zero_grad(set_to_none=True)
+        with self.context():
+            loss = SYNTHETIC.loss(self.model(**self.batch))
+        loss.backward()
+
+    def reset(self) -> None:
+        self.packed[0] = 0
+        if self.handle is not None:
+            self.handle.reset_stats()
+
+    def hooked_tensors(self) -> int:
+        stats = self.handle.stats() if self.handle is not None else {}
+        return (
+            stats.get("attention_tensors_parked", 0) + stats.get("saved_tensors_replaced", 0) + self.packed[0]
+        )
+
+
+@contextlib.contextmanager
+def installed(model: torch.nn.Module, batch: dict[str, Any], name: str) -> Iterator[Installed]:
+    """Install row ``name`` (a memfit mode, a peer, ``none`` or the no-op hooks) on the stack; removed after."""
     config = {m.name: m.config for m in MODES}.get(name)
-    parked = [0]
-
-    def pack(tensor: torch.Tensor) -> torch.Tensor:
-        parked[0] += 1
-        return tensor
-
-    if name == NOOP_HOOKS:
-        context: Any = lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)  # noqa: E731
-    else:
-        context = contextlib.nullcontext
+    context: Any = contextlib.nullcontext
     # a peer goes on as the sweeps put it on (save_on_cpu without CUDA: a pageable copy per saved tensor)
     installation = peers.install(_PEERS[name], model, SYNTHETIC) if name in _PEERS else None
     if installation is not None:
         context = installation.step_context
-    kwargs = offload_on_cpu(Mode(name, config))
-    handle = memfit.apply(model, config, adapter=SYNTHETIC, **kwargs) if config else None
+    handle = (
+        memfit.apply(model, config, adapter=SYNTHETIC, **offload_on_cpu(Mode(name, config)))
+        if config
+        else None
+    )
+    run = Installed(model, batch, handle, context)
+    if name == NOOP_HOOKS:
+
+        def pack(tensor: torch.Tensor) -> torch.Tensor:
+            run.packed[0] += 1
+            return tensor
+
+        run.context = lambda: torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
     try:
-
-        def step() -> None:
-            model.zero_grad(set_to_none=True)
-            with context():
-                loss = SYNTHETIC.loss(model(**batch))
-            loss.backward()
-
-        for _ in range(3):
-            step()
-        parked[0] = 0
-        if handle is not None:
-            handle.reset_stats()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            step()
-            times.append(time.perf_counter() - t0)
-        stats = handle.stats() if handle is not None else {}
+        yield run
     finally:
         if handle is not None:
             handle.remove()
         if installation is not None:
             installation.remove()
-    tensors = stats.get("attention_tensors_parked", 0) + stats.get("saved_tensors_replaced", 0) + parked[0]
+
+
+def stack(*, depth: int = 15, width: int = 64, tokens: int = 64) -> tuple[torch.nn.Module, dict[str, Any]]:
+    """The harness's stack (fp32, LoRA r16 on every linear, CPU, one thread) and its batch."""
+    torch.set_num_threads(1)
+    model = build(dim=width, depth=depth, dtype=torch.float32, device="cpu")
+    batch = inputs(model, tokens=tokens)
+    prepare(model, batch, TrainingConfig.LORA_ALL, SYNTHETIC, dtype=torch.float32)
+    return model, batch
+
+
+def _measure(model, batch, name: str, steps: int) -> dict[str, Any]:
+    with installed(model, batch, name) as run:
+        for _ in range(3):
+            run.step()
+        run.reset()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            run.step()
+            times.append(time.perf_counter() - t0)
+        tensors = run.hooked_tensors()
     return {
         "mode": name,
         "step_ms": statistics.median(times) * 1e3,
@@ -227,10 +262,7 @@ def run(
     tokens: int = 64,
     names: list[str] | None = None,
 ) -> dict[str, Any]:
-    torch.set_num_threads(1)
-    model = build(dim=width, depth=depth, dtype=torch.float32, device="cpu")
-    batch = inputs(model, tokens=tokens)
-    prepare(model, batch, TrainingConfig.LORA_ALL, SYNTHETIC, dtype=torch.float32)
+    model, batch = stack(depth=depth, width=width, tokens=tokens)
     names = list(NAMES) if names is None else names
     per_round: dict[str, list[dict[str, Any]]] = {n: [] for n in names}
     for _ in range(rounds):
