@@ -369,7 +369,8 @@ class CopyEngine:
         for storage, members in _by_storage(tensors):
             whole = _whole_storage_bytes(storage, [tensors[i] for i in members])
             if whole is not None:
-                offset += self._pad_to_align(pieces, offset, device)
+                if offset % _ALIGN:
+                    offset += self._pad_to_align(pieces, offset, device)
                 pieces.append(whole)
                 for i in members:
                     t = tensors[i]
@@ -385,7 +386,8 @@ class CopyEngine:
             for i in members:
                 flat, stride = _flat_in_memory_order(tensors[i])
                 nbytes = flat.nbytes
-                offset += self._pad_to_align(pieces, offset, device)
+                if offset % _ALIGN:
+                    offset += self._pad_to_align(pieces, offset, device)
                 pieces.append(flat.view(torch.uint8))
                 placed[i] = (stride, offset, nbytes, storage)
                 offset += nbytes

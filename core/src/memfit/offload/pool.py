@@ -54,11 +54,10 @@ by design, and the forward does not run concurrently with the backward).
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -294,6 +293,31 @@ def _identity(n: int) -> int:
     return n
 
 
+class _ReleaseOnError:
+    """:meth:`PinnedBucketPool.release_on_error` (a class: it wraps every batch of copies, and a generator-based
+    context manager costs several Python calls more per use)."""
+
+    __slots__ = ("pool", "start")
+
+    def __init__(self, pool: PinnedBucketPool) -> None:
+        self.pool = pool
+        self.start = 0
+
+    def __enter__(self) -> PinnedBucketPool:
+        with self.pool._lock:
+            self.start = self.pool._next_serial
+        return self.pool
+
+    def __exit__(self, kind: type[BaseException] | None, value: BaseException | None, tb: Any) -> bool:
+        if kind is not None:
+            pool = self.pool
+            with pool._lock:
+                for serial, buf in list(pool._in_use.items()):
+                    if serial >= self.start:
+                        pool._release(buf, None)
+        return False  # the exception goes on
+
+
 class PinnedBucketPool:
     """Pinned host buffers in size classes, reused across training steps.
 
@@ -414,23 +438,14 @@ class PinnedBucketPool:
                 self._release(buf, None)
             return len(bufs)
 
-    @contextlib.contextmanager
-    def release_on_error(self) -> Iterator[PinnedBucketPool]:
-        """On an exception inside the block, release every buffer acquired inside it that is still in use.
+    def release_on_error(self) -> _ReleaseOnError:
+        """Context manager: on an exception inside the block, release every buffer acquired inside it that is still
+        in use.
 
         Buffers acquired before the block (a graph kept from an earlier step) are left
         alone; on normal exit nothing is released (backward still needs the buffers).
         """
-        with self._lock:
-            start = self._next_serial
-        try:
-            yield self
-        except BaseException:
-            with self._lock:
-                for serial, buf in list(self._in_use.items()):
-                    if serial >= start:
-                        self._release(buf, None)
-            raise
+        return _ReleaseOnError(self)
 
     # -- housekeeping --------------------------------------------------------------------------------------------
 
