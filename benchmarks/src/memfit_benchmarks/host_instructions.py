@@ -5,7 +5,7 @@
 Each row runs the stack of :mod:`memfit_benchmarks.host_overhead` (same modes, baselines and peers) in its own
 process under ``valgrind --tool=callgrind``, with instrumentation switched on only around the measured steps (a
 small C helper issues callgrind's start/stop requests; it needs a C compiler and valgrind's headers). The count
-of a step is the same from run to run within ~0.2M instructions of ~150M, where the step's wall time on a shared
+of a step is the same from run to run within ~0.4M instructions of ~150M, where the step's wall time on a shared
 machine moves by tens of percent, so a change of a few percent in memfit's own Python shows. It counts work, not
 time: a CUDA call that the null streams stand for costs nothing here. Writes ``host-instructions.json`` and
 ``.md``.
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import ctypes
 import os
-import platform
 import re
 import shutil
 import subprocess
@@ -26,9 +25,14 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from memfit_benchmarks.environment import run_stamp
-from memfit_benchmarks.host_overhead import BASELINES, PEER_OF, installed, selected, stack
-from memfit_benchmarks.results import write_results
+from memfit_benchmarks.host_overhead import (
+    BASELINES,
+    PEER_OF,
+    installed,
+    selected_or_exit,
+    stack,
+    write_cpu_results,
+)
 
 WARMUP_STEPS = 3
 _MARKS_SOURCE = """
@@ -169,7 +173,7 @@ def render(payload: dict[str, Any]) -> str:
         f"Synthetic stack {shape['width']}w x{shape['depth']}, {shape['tokens']} tokens, fp32 + LoRA r16, one CPU "
         f"thread, as in host-overhead.md. Instructions of {payload['steps']} steps after {WARMUP_STEPS} of warm-up, "
         f"counted by valgrind's callgrind in a process per row (PYTHONHASHSEED=0), divided by the steps; the same "
-        f"row repeats within ~0.2M. Offload modes park every saved tensor through the CUDA copy engine over streams "
+        f"row repeats within ~0.4M. Offload modes park every saved tensor through the CUDA copy engine over streams "
         f"that do nothing: CUDA's own calls are not counted. Commit: {payload.get('git_commit') or 'n/a'}.",
     ]
     return "\n".join(lines) + "\n"
@@ -198,16 +202,9 @@ def main(argv: list[str] | None = None) -> Path | None:
         return None
     if args.out is None:
         parser.error("--out is required")
-    try:
-        names = selected(args.modes)
-    except ValueError as e:
-        parser.error(str(e))
-    payload = {
-        **run_stamp("host-instructions", f"cpu ({platform.machine()}, {platform.processor() or 'unknown'})"),
-        "python": platform.python_version(),
-        **run(names=names, steps=args.steps, depth=args.depth, jobs=args.jobs),
-    }
-    return write_results(args.out, payload, render)
+    names = selected_or_exit(parser, args.modes)
+    measured = run(names=names, steps=args.steps, depth=args.depth, jobs=args.jobs)
+    return write_cpu_results(args.out, "host-instructions", measured, render)
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ import contextlib
 import platform
 import statistics
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -348,16 +348,29 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     if args.rounds < 1 or args.steps < 1 or args.depth < 1:
         parser.error("--rounds, --steps and --depth must be at least 1")
+    names = selected_or_exit(parser, args.modes)
+    measured = run(rounds=args.rounds, steps=args.steps, depth=args.depth, names=names)
+    return write_cpu_results(args.out, "host-overhead", measured, render)
+
+
+def selected_or_exit(parser: argparse.ArgumentParser, modes: str | None) -> list[str]:
+    """:func:`selected`, an unknown name ending the command with the parser's usage error."""
     try:
-        names = selected(args.modes)
+        return selected(modes)
     except ValueError as e:
         parser.error(str(e))
+
+
+def write_cpu_results(
+    out: Path, suite: str, measured: dict[str, Any], render: Callable[[dict[str, Any]], str]
+) -> Path:
+    """``measured`` stamped with this CPU, torch, Python, date and commit, written as ``<suite>.json`` and ``.md``."""
     payload = {
-        **run_stamp("host-overhead", f"cpu ({platform.machine()}, {platform.processor() or 'unknown'})"),
+        **run_stamp(suite, f"cpu ({platform.machine()}, {platform.processor() or 'unknown'})"),
         "python": platform.python_version(),
-        **run(rounds=args.rounds, steps=args.steps, depth=args.depth, names=names),
+        **measured,
     }
-    return write_results(args.out, payload, render)
+    return write_results(out, payload, render)
 
 
 if __name__ == "__main__":
