@@ -42,6 +42,13 @@ def test_diagnose_tiny_cpu(tmp_path, target):
     assert (
         "## torch" in md and '"recomputes":' in md and "Host (cProfile, one step)" in md
     )  # the handle's stats and the profiler's table per mode
+    traces = sorted(tmp_path.glob("trace-*.json.gz"))
+    assert [t.name for t in traces] == [f"trace-{target}-none.json.gz", f"trace-{target}-torch.json.gz"]
+    from memfit_benchmarks import trace_gaps
+
+    none, torch_mode = (trace_gaps.summarize(t.name, trace_gaps.load_events(t)) for t in traces)
+    # memfit's frames, read from the trace (without checkpointing only the adapter's loss runs memfit code)
+    assert none.memfit_python_us < torch_mode.memfit_python_us
 
 
 def test_diagnose_refuses_tokens_for_a_synthetic_target(tmp_path):

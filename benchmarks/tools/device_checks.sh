@@ -29,6 +29,12 @@
 #                and streamed blocks under every policy among them), then Wan 2.1 14B at its preset's 14040 tokens: auto
 #                at 24 GiB against torch-ffn and offload_attention unconstrained, two paired rounds (streaming.{json,md};
 #                ~7 min: the tests ~1.5 min, the model ~1.5 min, each round ~1.5 min)
+#   host-bound   where the synthetic stack's 1024-token step (bound by host time) spends its extra time: the offload
+#                GPU tests (test_gpu_offload.py, test_gpu_failed_steps.py), diagnose at synthetic-1024 with a
+#                Chrome trace per mode (traces-1024.tar.gz), memfit_benchmarks.trace_gaps over them (gaps-1024.md:
+#                the compute stream's idle time, host-bound or waiting, and the frames the host ran meanwhile),
+#                then the 1024-token shape against its peers, both LoRA configs, 3 paired rounds (synthetic.json;
+#                ~7 min in all)
 # Each part's exit status is printed; the script exits non-zero if any part failed.
 set -uo pipefail
 START=$(date +%s)
@@ -70,6 +76,18 @@ for part in ${PARTS:-gpu}; do
                 core/tests/test_gpu_weights.py -m gpu -q -p no:cacheprovider
             run_part streaming-wan python3 -m memfit_benchmarks.streaming --family wan --backend torch-ffn --blocks 0 \
                 --fixed offload_attention --budgets 24GiB --rounds 2 --warmup 2 --steps 2 --out "$OUT" ;;
+        host-bound) run_part offload-tests env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest core/tests/test_gpu_offload.py \
+                core/tests/test_gpu_failed_steps.py -m gpu -q -p no:cacheprovider
+            diag="${TMPDIR:-/tmp}/memfit-diagnose-1024"
+            rm -rf "$diag"
+            run_part diagnose-1024 python3 -m memfit_benchmarks.diagnose --family synthetic-1024 --steps 5 --warmup 3 \
+                --modes "${DIAGNOSE_MODES:-none,torch-ffn,unsloth-ffn,offload_attention,offload_attention[hooks only]}" \
+                --out "$diag"
+            cp "$diag"/diagnose-*.md "$OUT/" 2>/dev/null
+            run_part trace-gaps python3 -m memfit_benchmarks.trace_gaps "$diag"/trace-*.json.gz --out "$OUT/gaps-1024.md"
+            tar czf "$OUT/traces-1024.tar.gz" -C "$diag" . || status=1
+            run_part peers-1024 python3 -m memfit_benchmarks --configs lora-all,lora-attn --shapes 0 --modes peers \
+                --warmup 2 --steps 6 --min-seconds 1 --rounds 3 --no-render --out "$OUT" ;;
         *) echo "unknown part $part" >&2; status=1 ;;
     esac
 done

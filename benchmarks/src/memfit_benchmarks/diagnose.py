@@ -9,7 +9,7 @@ as the forward call returns, so the GPU reaches it when the forward's work is do
 ``forward`` and ``backward`` calls (``perf_counter``, no synchronisation inside the step): when the host time
 reaches the GPU time, the step is bound by Python/launch overhead, not by kernels or copies. Then one step
 under ``torch.profiler``: the ops with the most self CPU time go to ``diagnose-<family>.md`` with one more
-step's Python profile (cProfile), and a Chrome trace (with Python frames) per checkpointing mode to
+step's Python profile (cProfile), and a Chrome trace (with Python frames) per mode to
 ``trace-<family>-<mode>.json.gz``. Variants (``unsloth[no-timing]`` …) rerun a mode with one engine knob
 changed, to test a hypothesis side by side; ``auto@<budget>`` (``auto@103.8GiB``) is the ``auto`` backend at
 that budget, traced too, its plan's counts in the report (a plan against the fixed mode it should beat,
@@ -50,6 +50,8 @@ VARIANTS = {
         lambda cfg: {"copy_engine": CopyEngine(PinnedBucketPool.from_config(cfg), timing=False)},
     ),
     "unsloth[min 16MiB]": ("unsloth", lambda cfg: {"min_offload_bytes": 16 << 20}),
+    # the hooks and regions of attention offload with nothing parked: what the parking itself adds
+    "offload_attention[hooks only]": ("offload_attention", lambda cfg: {"min_offload_bytes": 1 << 50}),
     # every tensor copied on its own, as before batches were packed (copy.py, "Coalescing")
     "offload_attention[one-by-one]": (
         "offload_attention",
@@ -281,8 +283,8 @@ def main(argv: list[str] | None = None) -> None:
             continue
         kwargs = make_kwargs(MemfitConfig.from_dict(mode.config)) if mode.config else {}
         slug = name.replace(" ", "_").replace("[", "-").replace("]", "").replace("@", "-")
-        traced = base != "none" and args.traces  # every mode that runs memfit's code, side by side
-        trace = args.out / f"trace-{args.family}-{slug}.json.gz" if traced else None
+        # every mode, the baseline too: its idle gaps are what memfit's modes add to (trace_gaps)
+        trace = args.out / f"trace-{args.family}-{slug}.json.gz" if args.traces else None
         r = measure(
             model,
             batch,
