@@ -78,3 +78,18 @@ def test_compiled_blocks_smoke_cpu(tmp_path):
     assert all(p["ratio_median"] > 0 for p in payload["pairs"])
     # memfit went on after the blocks were compiled: its attention hooks ran all the same (Dynamo was reset)
     assert payload["pairs"][2]["stats_per_step"]["offload_attention"]["attention_tensors_parked"] > 0
+
+
+def test_chosen_pairs_keep_a_default_pairs_target_and_refuse_a_typo(tmp_path, capsys):
+    from memfit_benchmarks import interleaved
+
+    common = ["--out", str(tmp_path), "--shape", "tiny", "--steps", "2", "--warmup", "1", "--device", "cpu"]
+    path = interleaved.main([*common, "--pairs", "unsloth-ffn/torch-ffn,torch/none"])
+    pairs = json.loads(path.read_text())["pairs"]
+    assert [(p["a"], p["b"], p["target"]) for p in pairs] == [
+        ("unsloth-ffn", "torch-ffn", 1.03),
+        ("torch", "none", None),
+    ]
+    with pytest.raises(SystemExit):
+        interleaved.main([*common, "--pairs", "unslot/torch"])
+    assert "pair 'unslot/torch'" in capsys.readouterr().err

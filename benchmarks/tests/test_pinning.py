@@ -32,15 +32,22 @@ def test_the_host_workloads_run_and_the_contention_table_renders():
         work()  # each runs on its own (on the GPU machine the launches go to the device)
     payload = json.loads(RESULT.read_text()) | {
         "contention": [
-            {"workload": "a Python loop", "alone_ms": 10.0, "with_uploads_ms": 15.0, "beside_uploads": 5},
             {
+                "direction": "uploads",
+                "workload": "a Python loop",
+                "alone_ms": 10.0,
+                "with_copies_ms": 15.0,
+                "beside_copies": 5,
+            },
+            {
+                "direction": "downloads",
                 "workload": "2000 kernel launches",
                 "alone_ms": 8.0,
-                "with_uploads_ms": None,
-                "beside_uploads": 0,
+                "with_copies_ms": None,
+                "beside_copies": 0,
             },
         ]
     }
     md = pinning.render(payload)
-    assert "| a Python loop | 10.00 | 15.00 | 1.50 | 5 of 5 |" in md
-    assert "| 2000 kernel launches | 8.00 | - | - | 0 of 5 |" in md
+    assert "| uploads | a Python loop | 10.00 | 15.00 | 1.50 | 5 of 5 |" in md
+    assert "| downloads | 2000 kernel launches | 8.00 | - | - | 0 of 5 |" in md

@@ -77,7 +77,14 @@ def test_stacks_follow_nesting():
         trace_gaps.Interval(40, 50, "d"),
     ]
     stacks = trace_gaps._stacks_at(frames, [5, 15, 25, 45, 55, 200])
-    assert [[f.name for f in s] for s in stacks] == [["a"], ["a", "b"], ["a"], ["a", "c", "d"], ["a", "c"], []]
+    assert [[f.name for f in s] for s in stacks] == [
+        ["a"],
+        ["a", "b"],
+        ["a"],
+        ["a", "c", "d"],
+        ["a", "c"],
+        [],
+    ]
 
 
 def test_reads_gzipped_traces_and_renders(tmp_path, capsys):

@@ -35,6 +35,9 @@
 #                the compute stream's idle time, host-bound or waiting, and the frames the host ran meanwhile),
 #                then the 1024-token shape against its peers, both LoRA configs, 3 paired rounds (synthetic.json;
 #                ~7 min in all)
+#   interleaved  the pinning probe (pinning.{json,md}: does the host slow beside uploads, and beside downloads as
+#                parking makes them) and the 1024-token offload ratios stepped in turn on two copies of the model
+#                (memfit_benchmarks.interleaved: interleaved.{json,md}; INTERLEAVED_PAIRS picks the pairs; ~4 min)
 # Each part's exit status is printed; the script exits non-zero if any part failed.
 set -uo pipefail
 START=$(date +%s)
@@ -88,6 +91,9 @@ for part in ${PARTS:-gpu}; do
             tar czf "$OUT/traces-1024.tar.gz" -C "$diag" . || status=1
             run_part peers-1024 python3 -m memfit_benchmarks --configs lora-all,lora-attn --shapes 0 --modes peers \
                 --warmup 2 --steps 6 --min-seconds 1 --rounds 3 --no-render --out "$OUT" ;;
+        interleaved) run_part pinning python3 -m memfit_benchmarks.pinning --out "$OUT"
+            run_part interleaved python3 -m memfit_benchmarks.interleaved --shape 0 --steps 200 \
+                ${INTERLEAVED_PAIRS:+--pairs "$INTERLEAVED_PAIRS"} --out "$OUT" ;;
         *) echo "unknown part $part" >&2; status=1 ;;
     esac
 done

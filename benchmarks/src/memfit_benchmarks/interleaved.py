@@ -200,6 +200,20 @@ def render(payload: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _parse_pairs(
+    text: str, modes: dict[str, Mode], parser: argparse.ArgumentParser
+) -> list[tuple[str, str, float | None]]:
+    """``"offload_attention/none,unsloth/torch"`` -> pairs with the default pairs' targets; a typo stops here."""
+    targets = {(a, b): t for a, b, t in PAIRS}
+    pairs = []
+    for item in text.split(","):
+        a, slash, b = (part.strip() for part in item.partition("/"))
+        if not slash or a not in modes or b not in modes:
+            parser.error(f"pair {item!r}: write A/B with A and B among {sorted(modes)}")
+        pairs.append((a, b, targets.get((a, b))))
+    return pairs
+
+
 def main(argv: list[str] | None = None) -> Path:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -212,6 +226,13 @@ def main(argv: list[str] | None = None) -> Path:
     parser.add_argument("--warmup", type=int, default=3)
     parser.add_argument("--device", default="cuda")
     parser.add_argument(
+        "--pairs",
+        default=None,
+        help="comma-separated A/B mode pairs (default: "
+        + ", ".join(f"{a}/{b}" for a, b, _ in PAIRS)
+        + "); a default pair keeps its target",
+    )
+    parser.add_argument(
         "--compile",
         default=None,
         metavar="BACKEND",
@@ -222,6 +243,8 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     if args.steps < 2 or args.warmup < 1:
         parser.error("--steps must be at least 2 and --warmup at least 1")
+    modes = {m.name: m for m in MODES}
+    chosen = PAIRS if args.pairs is None else _parse_pairs(args.pairs, modes, parser)
     cuda = torch.device(args.device).type == "cuda"
     if cuda and not torch.cuda.is_available():
         raise SystemExit("needs CUDA (or --device cpu --shape tiny for a smoke run)")
@@ -236,12 +259,11 @@ def main(argv: list[str] | None = None) -> Path:
     if args.compile:
         for m in models:
             compile_blocks(m, args.compile)
-    modes = {m.name: m for m in MODES}
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     pairs = []
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if cuda else contextlib.nullcontext():
-        for a, b, target in PAIRS:
+        for a, b, target in chosen:
             row = measure_pair(
                 models,
                 batch,

@@ -7,8 +7,8 @@ Kinds: memory registered with ``cudaHostRegister`` (memfit's exact pinning, ``me
 from PyTorch's pinned allocator (``pin_memory=True``, ``cudaHostAlloc``), and pageable memory (the copy is staged
 and the host waits: the reference for "blocks"). A kind whose issue time approaches its copy time makes every
 upload a host stall: in a step whose host barely keeps ahead of the GPU (a LoRA forward), that is step time.
-Then, whether the host itself slows while uploads run: a few kinds of host work (kernel launches, a Python
-loop, a pass over host memory) timed alone and beside a queue of uploads. Writes ``pinning.{json,md}``.
+Then, whether the host itself slows while copies run: a few kinds of host work (kernel launches, a Python
+loop, a pass over host memory) timed alone and beside a queue of uploads, then of downloads. Writes ``pinning.{json,md}``.
 """
 
 from __future__ import annotations
@@ -73,7 +73,7 @@ def measure(nbytes: int, repeats: int) -> list[dict[str, Any]]:
     return rows
 
 
-# -- does the host slow down while uploads run? ------------------------------------------------------------------
+# -- does the host slow down while copies run? -------------------------------------------------------------------
 
 UPLOADS_IN_FLIGHT = 24  # back-to-back uploads queued on the side stream: ~0.25 s of copies at 600 MiB
 
@@ -121,37 +121,44 @@ def _seconds(work: Callable[[], None]) -> float:
     return time.perf_counter() - start
 
 
+DIRECTIONS = ("uploads", "downloads")  # host-to-device (streamed weights, reloads), device-to-host (parking)
+
+
 def contention(nbytes: int, repeats: int) -> list[dict[str, Any]]:
-    """Per workload: its median host seconds alone and while :data:`UPLOADS_IN_FLIGHT` uploads of ``nbytes`` from
-    registered host memory run on a side stream (issued first; the work ends well inside them)."""
+    """Per direction and workload: its median host seconds alone and while :data:`UPLOADS_IN_FLIGHT` copies of
+    ``nbytes`` between registered host memory and the device run on a side stream (issued first; the work ends well
+    inside them)."""
     device = torch.device("cuda")
-    source = allocate_host(nbytes, True)
-    target = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    host = allocate_host(nbytes, True)
+    on_device = torch.empty(nbytes, dtype=torch.uint8, device=device)
     side = torch.cuda.Stream(device)
     rows = []
-    for name, work in workloads(device).items():
-        work()  # warm-up
-        alone, loaded = [], []
-        for _ in range(repeats):
-            torch.cuda.synchronize(device)
-            alone.append(_seconds(work))
-            torch.cuda.synchronize(device)
-            with torch.cuda.stream(side):
-                for _ in range(UPLOADS_IN_FLIGHT):
-                    target.copy_(source, non_blocking=True)
-            loaded.append(_seconds(work))
-            busy = not side.query()  # the copies outlasted the work: it ran beside them all along
-            torch.cuda.synchronize(device)
-            if not busy:
-                loaded.pop()
-        rows.append(
-            {
-                "workload": name,
-                "alone_ms": statistics.median(alone) * 1e3,
-                "with_uploads_ms": statistics.median(loaded) * 1e3 if loaded else None,
-                "beside_uploads": len(loaded),
-            }
-        )
+    for direction in DIRECTIONS:
+        target, source = (on_device, host) if direction == "uploads" else (host, on_device)
+        for name, work in workloads(device).items():
+            work()  # warm-up
+            alone, loaded = [], []
+            for _ in range(repeats):
+                torch.cuda.synchronize(device)
+                alone.append(_seconds(work))
+                torch.cuda.synchronize(device)
+                with torch.cuda.stream(side):
+                    for _ in range(UPLOADS_IN_FLIGHT):
+                        target.copy_(source, non_blocking=True)
+                loaded.append(_seconds(work))
+                busy = not side.query()  # the copies outlasted the work: it ran beside them all along
+                torch.cuda.synchronize(device)
+                if not busy:
+                    loaded.pop()
+            rows.append(
+                {
+                    "direction": direction,
+                    "workload": name,
+                    "alone_ms": statistics.median(alone) * 1e3,
+                    "with_copies_ms": statistics.median(loaded) * 1e3 if loaded else None,
+                    "beside_copies": len(loaded),
+                }
+            )
     return rows
 
 
@@ -174,22 +181,23 @@ def render(payload: dict[str, Any]) -> str:
     if payload.get("contention"):
         lines += [
             "",
-            "## Host work while uploads run",
+            "## Host work while copies run",
             "",
-            "| host work | ms alone | ms beside uploads | × | runs beside uploads |",
-            "|---|---|---|---|---|",
+            "| copies | host work | ms alone | ms beside the copies | × | runs beside the copies |",
+            "|---|---|---|---|---|---|",
         ]
         for r in payload["contention"]:
-            loaded = r["with_uploads_ms"]
+            loaded = r["with_copies_ms"]
             ratio = "-" if loaded is None else f"{loaded / r['alone_ms']:.2f}"
             lines.append(
-                f"| {r['workload']} | {r['alone_ms']:.2f} | {'-' if loaded is None else f'{loaded:.2f}'} "
-                f"| {ratio} | {r['beside_uploads']} of {payload['repeats']} |"
+                f"| {r['direction']} | {r['workload']} | {r['alone_ms']:.2f} "
+                f"| {'-' if loaded is None else f'{loaded:.2f}'} | {ratio} | {r['beside_copies']} of {payload['repeats']} |"
             )
         lines += [
             "",
-            f"Beside uploads: {UPLOADS_IN_FLIGHT} uploads of the size above queued first on a side stream, from "
-            "registered host memory; a run counts only where the copies were still running when the work ended.",
+            f"Beside the copies: {UPLOADS_IN_FLIGHT} copies of the size above queued first on a side stream, to "
+            "(uploads) or from (downloads, as parking does) registered host memory; a run counts only where the "
+            "copies were still running when the work ended.",
         ]
     lines += [
         "",

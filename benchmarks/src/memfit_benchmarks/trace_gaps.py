@@ -127,9 +127,7 @@ def summarize(name: str, events: list[dict[str, Any]], *, min_gap_us: float = 20
         elif cat in GPU_CATEGORIES:
             gpu_by_stream[e.get("args", {}).get("stream", e.get("tid"))].append(e)
     out.runtime_calls = {k: (len(v), sum(v), max(v)) for k, v in calls.items()}
-    memfit_frames = [
-        (f.start, f.end) for fs in frames_by_thread.values() for f in fs if _is_memfit(f.name)
-    ]
+    memfit_frames = [(f.start, f.end) for fs in frames_by_thread.values() for f in fs if _is_memfit(f.name)]
     out.memfit_python_us = _union_us(memfit_frames)
     for fs in frames_by_thread.values():
         fs.sort(key=lambda f: (f.start, -f.end))
@@ -209,7 +207,9 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--out", type=Path, default=None, help="write the report here (default: print it)")
     args = parser.parse_args(argv)
     results = [
-        summarize(p.name.removesuffix(".gz").removesuffix(".json"), load_events(p), min_gap_us=args.min_gap_us)
+        summarize(
+            p.name.removesuffix(".gz").removesuffix(".json"), load_events(p), min_gap_us=args.min_gap_us
+        )
         for p in args.traces
     ]
     text = render(results, min_gap_us=args.min_gap_us)
