@@ -278,7 +278,7 @@ def main(argv: list[str] | None = None) -> None:
         "| copy ms (profiled step) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, base, mode, make_kwargs in chosen:
+    for name, _base, mode, make_kwargs in chosen:
         if is_offload(mode) and not cuda:
             continue
         kwargs = make_kwargs(MemfitConfig.from_dict(mode.config)) if mode.config else {}
