@@ -36,8 +36,10 @@
 #                then the 1024-token shape against its peers, both LoRA configs, 3 paired rounds (synthetic.json;
 #                ~7 min in all)
 #   interleaved  the pinning probe (pinning.{json,md}: does the host slow beside uploads, and beside downloads as
-#                parking makes them) and the 1024-token offload ratios stepped in turn on two copies of the model
-#                (memfit_benchmarks.interleaved: interleaved.{json,md}; INTERLEAVED_PAIRS picks the pairs; ~4 min)
+#                parking makes them) and the 1024-token pairs stepped in turn on two copies of the model: each memfit
+#                mode against its peer, parking against the same recompute, offload_attention against its bound
+#                (memfit_benchmarks.interleaved: interleaved.{json,md}; INTERLEAVED_PAIRS picks the pairs; ~5 min:
+#                7 pairs of 200 + 200 steps at 40-100 ms)
 # Each part's exit status is printed; the script exits non-zero if any part failed.
 set -uo pipefail
 START=$(date +%s)

@@ -136,8 +136,9 @@ def offload_on_cpu(mode: Mode) -> dict[str, Any]:
 
 
 class Installed:
-    """One row's mode installed on the stack: ``step()`` runs a training step, ``hooked_tensors()`` counts the
-    saved tensors its hooks handled since the last ``reset()``."""
+    """One row's mode installed on the stack: ``step()`` runs a training step (``forward_backward()`` without
+    clearing the gradients first, for a caller that times only that), ``hooked_tensors()`` counts the saved tensors
+    its hooks handled since the last ``reset()``."""
 
     def __init__(self, model: torch.nn.Module, batch: dict[str, Any], handle: Any, context: Any) -> None:
         self.model, self.batch, self.handle, self.context = model, batch, handle, context
@@ -145,6 +146,9 @@ class Installed:
 
     def step(self) -> None:
         self.model.zero_grad(set_to_none=True)
+        self.forward_backward()
+
+    def forward_backward(self) -> None:
         with self.context():
             loss = SYNTHETIC.loss(self.model(**self.batch))
         loss.backward()
@@ -162,8 +166,11 @@ class Installed:
 
 
 @contextlib.contextmanager
-def installed(model: torch.nn.Module, batch: dict[str, Any], name: str) -> Iterator[Installed]:
-    """Install row ``name`` (a memfit mode, a peer, ``none`` or the no-op hooks) on the stack; removed after."""
+def installed(
+    model: torch.nn.Module, batch: dict[str, Any], name: str, *, cuda: bool = False
+) -> Iterator[Installed]:
+    """Install row ``name`` (a memfit mode, a peer, ``none`` or the no-op hooks) on the stack; removed after. Off
+    CUDA (``cuda=False``) an offload mode parks through the copy engine over streams that do nothing."""
     config = {m.name: m.config for m in MODES}.get(name)
     context: Any = contextlib.nullcontext
     # a peer goes on as the sweeps put it on (save_on_cpu without CUDA: a pageable copy per saved tensor)
@@ -171,7 +178,7 @@ def installed(model: torch.nn.Module, batch: dict[str, Any], name: str) -> Itera
     if installation is not None:
         context = installation.step_context
     handle = (
-        memfit.apply(model, config, adapter=SYNTHETIC, **offload_on_cpu(Mode(name, config)))
+        memfit.apply(model, config, adapter=SYNTHETIC, **({} if cuda else offload_on_cpu(Mode(name, config))))
         if config
         else None
     )
@@ -231,6 +238,12 @@ def _paired_extra(ms: list[float], other: list[dict[str, Any]]) -> float:
 def _paired_range(ms: list[float], other: list[dict[str, Any]]) -> list[float]:
     differences = _differences(ms, other)
     return [min(differences), max(differences)]
+
+
+def row_names() -> set[str]:
+    """Every row :func:`installed` can put on the synthetic stack: the memfit modes, the peers (diffusers'
+    checkpointing aside: the stack is no diffusers model), the no-op hooks."""
+    return {m.name for m in MODES} | (set(_PEERS) - {Peer.DIFFUSERS.value}) | {NOOP_HOOKS}
 
 
 def selected(modes: str | None) -> list[str]:
