@@ -49,6 +49,9 @@ def test_diagnose_tiny_cpu(tmp_path, target):
     none, torch_mode = (trace_gaps.summarize(t.name, trace_gaps.load_events(t)) for t in traces)
     # memfit's frames, read from the trace (without checkpointing only the adapter's loss runs memfit code)
     assert none.memfit_python_us < torch_mode.memfit_python_us
+    # by function: the recompute runs inside the region engine's unpack; its detaches are C calls memfit makes
+    assert "memfit/engine/frame.py: recompute" in torch_mode.memfit_inclusive_us
+    assert any("detach" in call for call in torch_mode.calls_from_memfit)
 
 
 def test_diagnose_refuses_tokens_for_a_synthetic_target(tmp_path):

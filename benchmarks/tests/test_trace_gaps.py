@@ -25,6 +25,11 @@ def _trace():
         _x("python_function", "train.py(10): step", 0, 1000),
         _x("python_function", park, 100, 300),
         _x("python_function", "torch/cuda/streams.py(5): record", 150, 100),
+        # C calls memfit's code makes: a built-in method (the torch op inside it is its own), a bare torch op
+        _x("python_function", "<built-in method cat of type object at 0x7f00aa>", 260, 40),
+        _x("cpu_op", "aten::cat", 262, 36),
+        _x("cpu_op", "aten::empty", 263, 2),
+        _x("cpu_op", "aten::copy_", 310, 20),
         _launch(0, 1),
         _kernel(10, 90, 1),  # busy 10-100
         # launched at 100, within the busy op: the next op's 50 µs gap is a dependency (a wait)
@@ -54,6 +59,22 @@ def test_gaps_split_by_cause_and_charged_to_the_running_frames():
     assert r.runtime_calls["cudaEventSynchronize"] == (1, 80, 80)
     assert r.runtime_calls["cudaLaunchKernel"][0] == 4
     assert r.memfit_python_us == 300
+    park = "memfit/offload/copy.py: _offload_coalesced"
+    assert r.memfit_inclusive_us == {park: 300}
+    assert r.memfit_own_us == {park: 300 - 100 - 40 - 20}  # less the Python call and the two C calls
+    assert r.calls_from_memfit == {"<built-in method cat of type object>": (1, 40), "aten::copy_": (1, 20)}
+
+
+def test_a_recursive_memfit_function_counts_once_inclusive():
+    frames = [
+        trace_gaps.Interval(0, 100, "/x/memfit/a.py(1): f"),
+        trace_gaps.Interval(10, 60, "/x/memfit/a.py(1): f"),
+        trace_gaps.Interval(20, 30, "/x/memfit/b.py(2): g"),
+    ]
+    inclusive, own, calls = trace_gaps.memfit_breakdown(frames, [])
+    assert inclusive == {"memfit/a.py: f": 100, "memfit/b.py: g": 10}
+    assert own == {"memfit/a.py: f": (100 - 50) + (50 - 10), "memfit/b.py: g": 10}
+    assert calls == {}
 
 
 def test_a_gap_outside_memfit_is_charged_to_the_harness():
@@ -97,4 +118,6 @@ def test_reads_gzipped_traces_and_renders(tmp_path, capsys):
     assert "| trace-synthetic-1024-offload_attention | " in text
     assert "- 0.20 ms  memfit/offload/copy.py: _offload_coalesced" in text  # 205 µs
     assert "| cudaEventSynchronize | 1 | 0.08 | 80 |" in text
+    assert "| memfit/offload/copy.py: _offload_coalesced | 0.30 | 0.14 |" in text
+    assert "| <built-in method cat of type object> | 1 | 0.04 |" in text
     assert text == capsys.readouterr().out

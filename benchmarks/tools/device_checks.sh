@@ -32,9 +32,8 @@
 #   host-bound   where the synthetic stack's 1024-token step (bound by host time) spends its extra time: the offload
 #                GPU tests (test_gpu_offload.py, test_gpu_failed_steps.py), diagnose at synthetic-1024 with a
 #                Chrome trace per mode (traces-1024.tar.gz), memfit_benchmarks.trace_gaps over them (gaps-1024.md:
-#                the compute stream's idle time, host-bound or waiting, and the frames the host ran meanwhile),
-#                then the 1024-token shape against its peers, both LoRA configs, 3 paired rounds (synthetic.json;
-#                ~7 min in all)
+#                the compute stream's idle time, host-bound or waiting, the frames the host ran meanwhile, memfit's
+#                functions and the C calls they make; ~2 min; the 1024-token ratios are the interleaved part's)
 #   interleaved  the pinning probe (pinning.{json,md}: does the host slow beside uploads, and beside downloads as
 #                parking makes them) and the 1024-token pairs stepped in turn on two copies of the model: each memfit
 #                mode against its peer, parking against the same recompute, offload_attention against its bound
@@ -90,9 +89,7 @@ for part in ${PARTS:-gpu}; do
                 --out "$diag"
             cp "$diag"/diagnose-*.md "$OUT/" 2>/dev/null
             run_part trace-gaps python3 -m memfit_benchmarks.trace_gaps "$diag"/trace-*.json.gz --out "$OUT/gaps-1024.md"
-            tar czf "$OUT/traces-1024.tar.gz" -C "$diag" . || status=1
-            run_part peers-1024 python3 -m memfit_benchmarks --configs lora-all,lora-attn --shapes 0 --modes peers \
-                --warmup 2 --steps 6 --min-seconds 1 --rounds 3 --no-render --out "$OUT" ;;
+            tar czf "$OUT/traces-1024.tar.gz" -C "$diag" . || status=1 ;;
         interleaved) run_part pinning python3 -m memfit_benchmarks.pinning --out "$OUT"
             run_part interleaved python3 -m memfit_benchmarks.interleaved --shape 0 --steps 200 \
                 ${INTERLEAVED_PAIRS:+--pairs "$INTERLEAVED_PAIRS"} --out "$OUT" ;;

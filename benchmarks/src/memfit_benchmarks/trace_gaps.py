@@ -13,7 +13,9 @@ reports, per trace:
   the launching thread while the GPU waited (what to make cheaper);
 - the CUDA runtime calls by total time (a long ``cudaMemcpyAsync`` is a copy the host waited for; a
   ``cudaEventSynchronize``/``cudaStreamSynchronize`` a host sync);
-- memfit's own Python time (the union of its frames' intervals).
+- memfit's own Python time (the union of its frames' intervals), by function (inclusive, and its own lines less
+  the calls under them), and the C calls its code makes (built-in methods, torch ops) by count and time: on the
+  GPU's host these are what a region costs, where a CPU count of instructions sees no CUDA dispatch.
 
 A step whose gaps are mostly host-bound gains only from fewer host calls; one whose gaps are dependencies gains
 from copies that start earlier or wait less.
@@ -24,6 +26,7 @@ from __future__ import annotations
 import argparse
 import gzip
 import json
+import re
 from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,6 +58,9 @@ class TraceGaps:
     host_gap_by_innermost_frame: dict[str, float] = field(default_factory=dict)
     runtime_calls: dict[str, tuple[int, float, float]] = field(default_factory=dict)  # count, total, max
     memfit_python_us: float = 0.0
+    memfit_inclusive_us: dict[str, float] = field(default_factory=dict)  # per function, a recursion once
+    memfit_own_us: dict[str, float] = field(default_factory=dict)  # its lines, less the calls under them
+    calls_from_memfit: dict[str, tuple[int, float]] = field(default_factory=dict)  # C call -> count, µs
 
 
 def load_events(path: Path) -> list[dict[str, Any]]:
@@ -106,6 +112,66 @@ def _stacks_at(frames: list[Interval], times: list[float]) -> list[list[Interval
     return stacks
 
 
+@dataclass
+class _Open:
+    item: Interval
+    is_frame: bool  # a Python frame (else a torch op)
+    children_us: float = 0.0
+
+
+def _is_builtin(frame: str) -> bool:
+    return frame.startswith("<built-in")
+
+
+def _call_name(name: str) -> str:
+    """A C call's name without the object address (``<built-in method query of torch.Event object at 0x7f..>``)."""
+    return re.sub(r" at 0x[0-9a-f]+", "", name)
+
+
+def memfit_breakdown(
+    frames: list[Interval], ops: list[Interval]
+) -> tuple[dict[str, float], dict[str, float], dict[str, tuple[int, float]]]:
+    """One thread's memfit time: per function, inclusive µs (a recursion counted once) and own µs (less every
+    Python call and torch op under it); per C call memfit's own code makes directly (a built-in method, or a torch
+    op called without one), its count and µs."""
+    items = sorted(
+        [(f, True) for f in frames] + [(o, False) for o in ops], key=lambda p: (p[0].start, -p[0].end)
+    )
+    inclusive: dict[str, float] = defaultdict(float)
+    own: dict[str, float] = defaultdict(float)
+    calls: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    stack: list[_Open] = []
+
+    def close(entry: _Open) -> None:
+        if entry.is_frame and _is_memfit(entry.item.name):
+            own[_short(entry.item.name)] += entry.item.end - entry.item.start - entry.children_us
+
+    for item, is_frame in items:
+        while stack and stack[-1].item.end <= item.start:
+            close(stack.pop())
+        dur = item.end - item.start
+        parent = stack[-1] if stack else None
+        if parent is not None:
+            parent.children_us += dur
+        if is_frame and _is_memfit(item.name):
+            short = _short(item.name)
+            if all(not (e.is_frame and _short(e.item.name) == short) for e in stack):
+                inclusive[short] += dur
+        elif (
+            parent is not None
+            and parent.is_frame
+            and _is_memfit(parent.item.name)
+            and (not is_frame or _is_builtin(item.name))
+        ):
+            call = calls[_call_name(item.name)]
+            call[0] += 1
+            call[1] += dur
+        stack.append(_Open(item, is_frame))
+    while stack:
+        close(stack.pop())
+    return dict(inclusive), dict(own), {k: (int(n), us) for k, (n, us) in calls.items()}
+
+
 def summarize(name: str, events: list[dict[str, Any]], *, min_gap_us: float = 20.0) -> TraceGaps:
     out = TraceGaps(name)
     if not events:
@@ -114,6 +180,7 @@ def summarize(name: str, events: list[dict[str, Any]], *, min_gap_us: float = 20
     launches: dict[Any, dict[str, Any]] = {}
     calls: dict[str, list[float]] = defaultdict(list)
     frames_by_thread: dict[Any, list[Interval]] = defaultdict(list)
+    ops_by_thread: dict[Any, list[Interval]] = defaultdict(list)
     gpu_by_stream: dict[int, list[dict[str, Any]]] = defaultdict(list)
     for e in events:
         cat = e.get("cat", "")
@@ -124,11 +191,27 @@ def summarize(name: str, events: list[dict[str, Any]], *, min_gap_us: float = 20
                 launches[corr] = e
         elif cat == "python_function":
             frames_by_thread[e.get("tid")].append(Interval(e["ts"], e["ts"] + e["dur"], e["name"]))
+        elif cat == "cpu_op":
+            ops_by_thread[e.get("tid")].append(Interval(e["ts"], e["ts"] + e["dur"], e["name"]))
         elif cat in GPU_CATEGORIES:
             gpu_by_stream[e.get("args", {}).get("stream", e.get("tid"))].append(e)
     out.runtime_calls = {k: (len(v), sum(v), max(v)) for k, v in calls.items()}
     memfit_frames = [(f.start, f.end) for fs in frames_by_thread.values() for f in fs if _is_memfit(f.name)]
     out.memfit_python_us = _union_us(memfit_frames)
+    inclusive: dict[str, float] = defaultdict(float)
+    own: dict[str, float] = defaultdict(float)
+    calls_from: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for tid, fs in frames_by_thread.items():
+        inc, mine, made = memfit_breakdown(fs, ops_by_thread.get(tid, []))
+        for k, v in inc.items():
+            inclusive[k] += v
+        for k, v in mine.items():
+            own[k] += v
+        for k, (n, us) in made.items():
+            calls_from[k][0] += n
+            calls_from[k][1] += us
+    out.memfit_inclusive_us, out.memfit_own_us = dict(inclusive), dict(own)
+    out.calls_from_memfit = {k: (int(n), us) for k, (n, us) in calls_from.items()}
     for fs in frames_by_thread.values():
         fs.sort(key=lambda f: (f.start, -f.end))
     if not gpu_by_stream:
@@ -192,6 +275,16 @@ def render(results: list[TraceGaps], *, min_gap_us: float, rows: int = 12) -> st
         lines += [f"- {ms / 1e3:.2f} ms  {frame}" for frame, ms in _top(r.host_gap_by_memfit_frame, rows)]
         lines += ["", "By the innermost Python frame:", ""]
         lines += [f"- {ms / 1e3:.2f} ms  {frame}" for frame, ms in _top(r.host_gap_by_innermost_frame, rows)]
+        if r.memfit_inclusive_us:
+            lines += ["", "| memfit function | inclusive ms | own ms |", "|---|---|---|"]
+            lines += [
+                f"| {f} | {us / 1e3:.2f} | {r.memfit_own_us.get(f, 0.0) / 1e3:.2f} |"
+                for f, us in _top(r.memfit_inclusive_us, rows)
+            ]
+        if r.calls_from_memfit:
+            lines += ["", "| C call made by memfit's code | count | ms |", "|---|---|---|"]
+            ranked_calls = sorted(r.calls_from_memfit.items(), key=lambda kv: -kv[1][1])[:rows]
+            lines += [f"| {k} | {n} | {us / 1e3:.2f} |" for k, (n, us) in ranked_calls]
         lines += ["", "| CUDA runtime call | count | total ms | max µs |", "|---|---|---|---|"]
         ranked = sorted(r.runtime_calls.items(), key=lambda kv: -kv[1][1])[:rows]
         lines += [f"| {k} | {n} | {tot / 1e3:.2f} | {mx:.0f} |" for k, (n, tot, mx) in ranked]
