@@ -256,3 +256,43 @@ def test_where_diffusers_checkpoints_fewer_regions_the_like_for_like_peer_is_the
     by["ckpt-block"]["checkpointed_calls_per_step"] = 30.0  # neither matches: diffusers' stays the peer
     add_ratios(rows)
     assert by["torch"]["vs_peer"] == "diffusers-ckpt"
+
+
+def _pair(a, b, median, **extra):
+    return {
+        "a": a,
+        "b": b,
+        "ratio_median": median,
+        "ratio_q1": median - 0.01,
+        "ratio_q3": median + 0.01,
+        **extra,
+    }
+
+
+def test_the_stepped_pairs_are_checked_against_the_headline_targets(tmp_path):
+    """A 1024-token run stepped in turn: memfit modes against their peers at 1.00, offload_attention on its
+    bound at 1.10, other pairs without a target, whatever target the run itself stored."""
+    payload = {
+        "suite": "interleaved",
+        "device": "NVIDIA H200",
+        "torch": "2.11",
+        "sdpa_backend": "flash",
+        "steps": 200,
+        "date": "2026-12-04T00:00:00",
+        "shape": "3072w x15, 1024 tok",
+        "pairs": [
+            _pair("torch", "ckpt-block", 0.95, target=1.00),
+            _pair("unsloth-ffn", "ckpt-ffn", 1.05, target=1.00),
+            _pair("unsloth", "torch", 1.07, target=1.02),  # an older run's target: no longer the headline's
+            _pair("offload_attention", "none", 1.30, target=1.10, bound_ratio=1.30),
+        ],
+    }
+    (tmp_path / "interleaved.json").write_text(json.dumps(payload))
+    text = headline.headline(tmp_path, tmp_path, suite="synthetic")
+    assert "### 3072w x15, 1024 tok, stepped in turn" in text
+    assert _line(text, "| torch ÷ ckpt-block")[1:] == ["0.950 (0.940–0.960)", "≤ 1.00", "meets it"]
+    assert _line(text, "| unsloth-ffn ÷ ckpt-ffn")[1:] == ["1.050 (1.040–1.060)", "≤ 1.00", "**over**"]
+    assert _line(text, "| unsloth ÷ torch")[1:] == ["1.070 (1.060–1.080)", "-", "-"]
+    assert _line(text, "| offload_attention ÷ bound")[1:] == ["1.300", "≤ 1.10", "**over**"]
+    assert "From `interleaved.json`: NVIDIA H200" in text
+    assert "stepped in turn" not in headline.headline(tmp_path, tmp_path, suite="families")

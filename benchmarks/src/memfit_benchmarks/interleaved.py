@@ -314,6 +314,7 @@ def main(argv: list[str] | None = None) -> Path:
     payload = {
         **run_stamp(suite, torch.cuda.get_device_name() if cuda else "cpu"),
         "shape": label,
+        "tokens": tokens,
         "regime": "lora" + (f", blocks compiled ({args.compile})" if args.compile else ", eager"),
         "compile": args.compile,
         "sdpa_backend": "flash (cuDNN SDPA disabled)" if cuda else "default (CPU)",
