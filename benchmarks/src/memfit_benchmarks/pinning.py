@@ -8,7 +8,8 @@ from PyTorch's pinned allocator (``pin_memory=True``, ``cudaHostAlloc``), and pa
 and the host waits: the reference for "blocks"). A kind whose issue time approaches its copy time makes every
 upload a host stall: in a step whose host barely keeps ahead of the GPU (a LoRA forward), that is step time.
 Then, whether the host itself slows while copies run: a few kinds of host work (kernel launches, a Python
-loop, a pass over host memory) timed alone and beside a queue of uploads, then of downloads. Writes ``pinning.{json,md}``.
+loop, a pass over host memory) timed alone and beside a queue of uploads, then of downloads. Writes
+``pinning.{json,md}``.
 """
 
 from __future__ import annotations
@@ -75,7 +76,7 @@ def measure(nbytes: int, repeats: int) -> list[dict[str, Any]]:
 
 # -- does the host slow down while copies run? -------------------------------------------------------------------
 
-UPLOADS_IN_FLIGHT = 24  # back-to-back uploads queued on the side stream: ~0.25 s of copies at 600 MiB
+COPIES_IN_FLIGHT = 24  # back-to-back copies queued on the side stream: ~0.25 s of copies at 600 MiB
 
 
 def _launches(device: torch.device, count: int = 2000) -> Callable[[], None]:
@@ -125,7 +126,7 @@ DIRECTIONS = ("uploads", "downloads")  # host-to-device (streamed weights, reloa
 
 
 def contention(nbytes: int, repeats: int) -> list[dict[str, Any]]:
-    """Per direction and workload: its median host seconds alone and while :data:`UPLOADS_IN_FLIGHT` copies of
+    """Per direction and workload: its median host seconds alone and while :data:`COPIES_IN_FLIGHT` copies of
     ``nbytes`` between registered host memory and the device run on a side stream (issued first; the work ends well
     inside them)."""
     device = torch.device("cuda")
@@ -143,7 +144,7 @@ def contention(nbytes: int, repeats: int) -> list[dict[str, Any]]:
                 alone.append(_seconds(work))
                 torch.cuda.synchronize(device)
                 with torch.cuda.stream(side):
-                    for _ in range(UPLOADS_IN_FLIGHT):
+                    for _ in range(COPIES_IN_FLIGHT):
                         target.copy_(source, non_blocking=True)
                 loaded.append(_seconds(work))
                 busy = not side.query()  # the copies outlasted the work: it ran beside them all along
@@ -195,7 +196,7 @@ def render(payload: dict[str, Any]) -> str:
             )
         lines += [
             "",
-            f"Beside the copies: {UPLOADS_IN_FLIGHT} copies of the size above queued first on a side stream, to "
+            f"Beside the copies: {COPIES_IN_FLIGHT} copies of the size above queued first on a side stream, to "
             "(uploads) or from (downloads, as parking does) registered host memory; a run counts only where the "
             "copies were still running when the work ended.",
         ]
