@@ -21,13 +21,14 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from memfit_benchmarks.modes import Peer
 from memfit_benchmarks.report import (
     ATTENTION_OFFLOAD_SLACK,
     PEER_LIMITS,
     SHORT_SEQUENCE_TOKENS,
+    attention_offload_bound_s,
     measured,
     oom_cell,
+    pair_limit,
     peer_limit,
     region_counts,
     render_markdown,
@@ -169,7 +170,7 @@ def _bound_cell(found: Measured | None) -> str:
     if "offload_attention" not in rows or "none" not in rows or not bw:
         return NOT_YET
     a = rows["offload_attention"]
-    bound = max(rows["none"]["step_s"], a.get("bytes_offloaded_per_step", 0) / (bw * 1e9))
+    bound = attention_offload_bound_s(rows["none"]["step_s"], a.get("bytes_offloaded_per_step", 0), bw)
     return f"{a['step_s'] / bound:.3f}"
 
 
@@ -211,7 +212,8 @@ def stepped_table(root: Path, base: Path) -> list[str]:
     )
     rows = []
     for r in payload["pairs"]:
-        limit = _stepped_limit(r["a"], r["b"], tokens)
+        # the headline's own targets, not the ones an older run stored
+        limit = pair_limit(r["a"], r["b"], tokens)
         ratio = f"{r['ratio_median']:.3f} ({r['ratio_q1']:.3f}–{r['ratio_q3']:.3f})"
         if r["a"] == "offload_attention" and limit:
             bound = r.get("bound_ratio")
@@ -241,16 +243,6 @@ def stepped_table(root: Path, base: Path) -> list[str]:
         "1024-token cells.",
         "",
     ]
-
-
-def _stepped_limit(a: str, b: str, tokens: int | None) -> float | None:
-    """The target of a stepped pair as the headline states targets (not as the run that measured it did): a memfit
-    mode against its peer, ``offload_attention`` against its bound; any other pair is shown without one."""
-    if b in {p.value for p in Peer}:
-        return peer_limit(a, tokens)
-    if a == "offload_attention" and b == "none":
-        return ATTENTION_OFFLOAD_SLACK
-    return None
 
 
 def _numeric_first(text: str) -> tuple[bool, int, str]:

@@ -12,11 +12,12 @@ Reported per pair: the median of those per-step ratios with its interquartile ra
 
 Pairs (``--pairs`` picks others; a side is a memfit mode, a peer or ``none``, installed as
 :func:`memfit_benchmarks.host_overhead.installed` installs rows): each memfit mode against its peer
-(``torch.utils.checkpoint`` per block or per FFN region), target 1.00 at 1024 tokens; ``unsloth`` / ``torch`` and
-``unsloth-ffn`` / ``torch-ffn`` (what parking adds to the same recompute); ``offload_attention`` / ``none``, whose
-target is 1.10 × max(no checkpointing's step, bytes parked per step ÷ the pinned bandwidth measured in the run):
-its row reports that bound's ratio too. Off CUDA (a smoke run) steps are timed with ``perf_counter`` and the
-offload modes park through streams that do nothing (``host_overhead.NullStreams``): their host time only.
+(``torch.utils.checkpoint`` per block or per FFN region), target 1.00 at 1024 tokens (longer: the sweeps' peer
+limits, ``report.pair_limit``); ``unsloth`` / ``torch`` and ``unsloth-ffn`` / ``torch-ffn`` (what parking adds to
+the same recompute); ``offload_attention`` / ``none``, whose target is 1.10 × max(no checkpointing's step, bytes
+parked per step ÷ the pinned bandwidth measured in the run): its row reports that bound's ratio too. Off CUDA (a
+smoke run) steps are timed with ``perf_counter`` and the offload modes park through streams that do nothing
+(``host_overhead.NullStreams``): their host time only.
 """
 
 from __future__ import annotations
@@ -34,20 +35,22 @@ import torch
 
 from memfit_benchmarks.environment import pinned_bandwidth, run_stamp
 from memfit_benchmarks.host_overhead import Installed, installed, row_names
+from memfit_benchmarks.report import attention_offload_bound_s, pair_limit
 from memfit_benchmarks.results import write_results
 from memfit_benchmarks.shapes import SHAPES, TINY_SHAPE
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
 from memfit_benchmarks.training import TrainingConfig, prepare
 
 BOUND = "offload_attention"  # its target is on the bound, not on the ratio to its baseline
+# each pair's target is the sweeps' own (``report.pair_limit``) at the run's tokens
 PAIRS = [
-    ("torch", "ckpt-block", 1.00),
-    ("torch-ffn", "ckpt-ffn", 1.00),
-    ("unsloth", "ckpt-block", 1.00),
-    ("unsloth-ffn", "ckpt-ffn", 1.00),
-    ("unsloth", "torch", None),  # what parking adds to the same recompute (no target of its own)
-    ("unsloth-ffn", "torch-ffn", None),
-    (BOUND, "none", 1.10),
+    ("torch", "ckpt-block"),
+    ("torch-ffn", "ckpt-ffn"),
+    ("unsloth", "ckpt-block"),
+    ("unsloth-ffn", "ckpt-ffn"),
+    ("unsloth", "torch"),  # what parking adds to the same recompute (no target of its own)
+    ("unsloth-ffn", "torch-ffn"),
+    (BOUND, "none"),
 ]
 
 
@@ -144,11 +147,10 @@ def bound_ratio(row: dict[str, Any], d2h_gbs: float | None) -> float | None:
     """``offload_attention``'s step over max(its baseline's step, bytes parked per step ÷ pinned bandwidth), the
     per-step ratio's median scaled by the bound: where the copies take longer than the baseline's step, the bound
     is the copies' time (None without a measured bandwidth)."""
-    parked = row.get("stats_per_step", {}).get(row["a"], {}).get("bytes_offloaded", 0.0)
     if not d2h_gbs:
         return None
-    copies_s = parked / (d2h_gbs * 1e9)
-    return row["ratio_median"] * row["b_step_s"] / max(row["b_step_s"], copies_s)
+    parked = row.get("stats_per_step", {}).get(row["a"], {}).get("bytes_offloaded", 0.0)
+    return row["ratio_median"] * row["b_step_s"] / attention_offload_bound_s(row["b_step_s"], parked, d2h_gbs)
 
 
 # what each mode did per timed step (so a ratio near 1 can be told from a mode that did nothing)
@@ -225,17 +227,15 @@ def render(payload: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _parse_pairs(text: str, parser: argparse.ArgumentParser) -> list[tuple[str, str, float | None]]:
-    """``"offload_attention/none,unsloth/ckpt-block"`` -> pairs with the default pairs' targets; a typo stops
-    here."""
-    targets = {(a, b): t for a, b, t in PAIRS}
+def _parse_pairs(text: str, parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
+    """``"offload_attention/none,unsloth/ckpt-block"`` -> (A, B) pairs; a typo stops here."""
     names = row_names()
     pairs = []
     for item in text.split(","):
         a, slash, b = (part.strip() for part in item.partition("/"))
         if not slash or a not in names or b not in names:
             parser.error(f"pair {item!r}: write A/B with A and B among {sorted(names)}")
-        pairs.append((a, b, targets.get((a, b))))
+        pairs.append((a, b))
     return pairs
 
 
@@ -254,8 +254,8 @@ def main(argv: list[str] | None = None) -> Path:
         "--pairs",
         default=None,
         help="comma-separated A/B mode pairs (default: "
-        + ", ".join(f"{a}/{b}" for a, b, _ in PAIRS)
-        + "); a default pair keeps its target",
+        + ", ".join(f"{a}/{b}" for a, b in PAIRS)
+        + "); each has the sweeps' target for its two rows, if any",
     )
     parser.add_argument(
         "--compile",
@@ -288,7 +288,7 @@ def main(argv: list[str] | None = None) -> Path:
     bandwidth = pinned_bandwidth() if cuda else None  # the bound's copy time
     pairs = []
     with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if cuda else contextlib.nullcontext():
-        for a, b, target in chosen:
+        for a, b in chosen:
             row = measure_pair(
                 models,
                 batch,
@@ -299,7 +299,7 @@ def main(argv: list[str] | None = None) -> Path:
                 cuda=cuda,
                 compiled=bool(args.compile),
             )
-            row["target"] = target
+            row["target"] = pair_limit(a, b, tokens)
             if a == BOUND:
                 row["bound_ratio"] = bound_ratio(row, (bandwidth or {}).get("d2h_gbs"))
             pairs.append(row)

@@ -218,13 +218,28 @@ def peer_checks(rows: list[dict[str, Any]], tokens: int | None) -> list[str]:
     return out
 
 
+def attention_offload_bound_s(none_step_s: float, parked_bytes: float, d2h_gbs: float) -> float:
+    """``offload_attention``'s bound: max(no checkpointing's step, bytes parked per step / D2H bandwidth)."""
+    return max(none_step_s, parked_bytes / (d2h_gbs * 1e9))
+
+
+def pair_limit(mode: str, ref: str, tokens: int | None) -> float | None:
+    """The most ``mode``'s step may be × ``ref``'s: a memfit mode against its peer (:func:`peer_limit`),
+    ``offload_attention`` against ``none`` on its bound (:data:`ATTENTION_OFFLOAD_SLACK`); None for any other pair."""
+    if ref in {p.value for p in Peer}:
+        return peer_limit(mode, tokens)
+    if mode == "offload_attention" and ref == "none":
+        return ATTENTION_OFFLOAD_SLACK
+    return None
+
+
 def attention_offload_check(by: dict[str, dict[str, Any]], bw: dict[str, float]) -> list[str]:
     """``offload_attention``'s step ≤ 1.10 × max(none's step, bytes parked per step / measured D2H bandwidth)."""
     if "offload_attention" not in by or "none" not in by or not bw.get("d2h_gbs"):
         return []
     a = by["offload_attention"]
     parked = a.get("bytes_offloaded_per_step", 0)
-    bound = max(by["none"]["step_s"], parked / (bw["d2h_gbs"] * 1e9))
+    bound = attention_offload_bound_s(by["none"]["step_s"], parked, bw["d2h_gbs"])
     ok = a["step_s"] <= ATTENTION_OFFLOAD_SLACK * bound
     return [
         f"- {'PASS' if ok else 'FAIL'} offload_attention ≤ {ATTENTION_OFFLOAD_SLACK:.2f} × max(none, D/B): "
