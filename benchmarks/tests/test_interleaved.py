@@ -114,3 +114,30 @@ def test_chosen_pairs_keep_a_default_pairs_target_and_refuse_a_typo(tmp_path, ca
     with pytest.raises(SystemExit):
         interleaved.main([*common, "--pairs", "unslot/torch"])
     assert "pair 'unslot/torch'" in capsys.readouterr().err
+
+
+def test_a_variant_splits_attention_offload_into_its_hooks_and_its_parking(tmp_path):
+    from memfit_benchmarks import interleaved
+
+    pairs = "offload_attention[hooks only]/none,offload_attention/offload_attention[hooks only]"
+    path = interleaved.main(
+        f"--out {tmp_path} --shape tiny --steps 4 --warmup 1 --device cpu".split() + ["--pairs", pairs]
+    )
+    pairs = json.loads(path.read_text())["pairs"]
+    hooks_only = pairs[0]["stats_per_step"]["offload_attention[hooks only]"]
+    parked = pairs[1]["stats_per_step"]["offload_attention"]
+    # the same attention calls hooked; the variant parks none of their tensors
+    assert hooks_only.get("attention_tensors_parked", 0) == 0
+    assert parked["attention_tensors_parked"] > 0
+    assert hooks_only["attention_calls_offloaded"] == parked["attention_calls_offloaded"] > 0
+
+
+def test_a_variant_that_needs_cuda_is_refused_off_cuda():
+    from memfit_benchmarks.host_overhead import installed, stack
+
+    model, batch = stack(depth=2, width=16, tokens=8)
+    with (
+        pytest.raises(ValueError, match="needs CUDA"),
+        installed(model, batch, "offload_attention[one-by-one]"),
+    ):
+        pass

@@ -37,7 +37,8 @@
 #   interleaved  the pinning probe (pinning.{json,md}: does the host slow beside uploads, and beside downloads as
 #                parking makes them) and the 1024-token pairs stepped in turn on two copies of the model: each memfit
 #                mode against its peer, parking against the same recompute, offload_attention against its bound
-#                (memfit_benchmarks.interleaved: interleaved.{json,md}; INTERLEAVED_PAIRS picks the pairs; ~5 min:
+#                (memfit_benchmarks.interleaved: interleaved.{json,md}; INTERLEAVED_PAIRS picks the pairs and
+#                INTERLEAVED_STEPS the steps per row (200); ~5 min:
 #                7 pairs of 200 + 200 steps at 40-100 ms)
 # Each part's exit status is printed; the script exits non-zero if any part failed.
 set -uo pipefail
@@ -91,7 +92,7 @@ for part in ${PARTS:-gpu}; do
             run_part trace-gaps python3 -m memfit_benchmarks.trace_gaps "$diag"/trace-*.json.gz --out "$OUT/gaps-1024.md"
             tar czf "$OUT/traces-1024.tar.gz" -C "$diag" . || status=1 ;;
         interleaved) run_part pinning python3 -m memfit_benchmarks.pinning --out "$OUT"
-            run_part interleaved python3 -m memfit_benchmarks.interleaved --shape 0 --steps 200 \
+            run_part interleaved python3 -m memfit_benchmarks.interleaved --shape 0 --steps "${INTERLEAVED_STEPS:-200}" \
                 ${INTERLEAVED_PAIRS:+--pairs "$INTERLEAVED_PAIRS"} --out "$OUT" ;;
         *) echo "unknown part $part" >&2; status=1 ;;
     esac

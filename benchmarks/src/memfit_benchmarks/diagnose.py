@@ -35,29 +35,12 @@ import torch
 
 import memfit
 from memfit.config import MemfitConfig
-from memfit.offload.copy import CopyEngine
-from memfit.offload.pool import PinnedBucketPool
 from memfit.units import parse_bytes
 from memfit_benchmarks.auto_sweep import SYNTHETIC_TARGETS, auto_config, build_target
 from memfit_benchmarks.environment import run_stamp
 from memfit_benchmarks.families import build_lora_model
 from memfit_benchmarks.modes import MODES, Mode, is_offload
-
-VARIANTS = {
-    # name: (mode name, apply() keyword arguments built from the parsed config)
-    "unsloth[no-timing]": (
-        "unsloth",
-        lambda cfg: {"copy_engine": CopyEngine(PinnedBucketPool.from_config(cfg), timing=False)},
-    ),
-    "unsloth[min 16MiB]": ("unsloth", lambda cfg: {"min_offload_bytes": 16 << 20}),
-    # the hooks and regions of attention offload with nothing parked: what the parking itself adds
-    "offload_attention[hooks only]": ("offload_attention", lambda cfg: {"min_offload_bytes": 1 << 50}),
-    # every tensor copied on its own, as before batches were packed (copy.py, "Coalescing")
-    "offload_attention[one-by-one]": (
-        "offload_attention",
-        lambda cfg: {"copy_engine": CopyEngine(PinnedBucketPool.from_config(cfg), coalesce_max_bytes=0)},
-    ),
-}
+from memfit_benchmarks.variants import VARIANTS
 
 
 def _sync(cuda: bool) -> None:

@@ -42,6 +42,7 @@ from memfit_benchmarks.modes import MODES, PEERS_OF, Mode, Peer, is_offload
 from memfit_benchmarks.results import write_results
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
 from memfit_benchmarks.training import TrainingConfig, prepare
+from memfit_benchmarks.variants import CPU_VARIANTS, VARIANTS, variant_keywords
 
 NOOP_HOOKS = "none + no-op hooks"
 BASELINES = {
@@ -171,17 +172,20 @@ def installed(
 ) -> Iterator[Installed]:
     """Install row ``name`` (a memfit mode, a peer, ``none`` or the no-op hooks) on the stack; removed after. Off
     CUDA (``cuda=False``) an offload mode parks through the copy engine over streams that do nothing."""
-    config = {m.name: m.config for m in MODES}.get(name)
+    base = VARIANTS[name][0] if name in VARIANTS else name
+    config = {m.name: m.config for m in MODES}.get(base)
+    if name in VARIANTS and not cuda and name not in CPU_VARIANTS:
+        raise ValueError(f"variant {name!r} needs CUDA; off CUDA only {sorted(CPU_VARIANTS)} run")
     context: Any = contextlib.nullcontext
     # a peer goes on as the sweeps put it on (save_on_cpu without CUDA: a pageable copy per saved tensor)
     installation = peers.install(_PEERS[name], model, SYNTHETIC) if name in _PEERS else None
     if installation is not None:
         context = installation.step_context
-    handle = (
-        memfit.apply(model, config, adapter=SYNTHETIC, **({} if cuda else offload_on_cpu(Mode(name, config))))
-        if config
-        else None
-    )
+    handle = None
+    if config:
+        keywords = {} if cuda else offload_on_cpu(Mode(base, config))
+        keywords.update(variant_keywords(name, config))  # (a variant's own keywords win)
+        handle = memfit.apply(model, config, adapter=SYNTHETIC, **keywords)
     run = Installed(model, batch, handle, context)
     if name == NOOP_HOOKS:
 
@@ -242,8 +246,9 @@ def _paired_range(ms: list[float], other: list[dict[str, Any]]) -> list[float]:
 
 def row_names() -> set[str]:
     """Every row :func:`installed` can put on the synthetic stack: the memfit modes, the peers (diffusers'
-    checkpointing aside: the stack is no diffusers model), the no-op hooks."""
-    return {m.name for m in MODES} | (set(_PEERS) - {Peer.DIFFUSERS.value}) | {NOOP_HOOKS}
+    checkpointing aside: the stack is no diffusers model), the no-op hooks, the variants
+    (:mod:`memfit_benchmarks.variants`; off CUDA only those that change what is parked)."""
+    return {m.name for m in MODES} | (set(_PEERS) - {Peer.DIFFUSERS.value}) | {NOOP_HOOKS} | set(VARIANTS)
 
 
 def selected(modes: str | None) -> list[str]:

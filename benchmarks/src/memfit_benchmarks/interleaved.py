@@ -158,6 +158,7 @@ PER_STEP_STATS = (
     "recomputes",
     "bytes_offloaded",
     "bytes_reloaded",
+    "attention_calls_offloaded",
     "attention_tensors_parked",
     "stall_ms",
     "pinned_allocations",

@@ -1,0 +1,43 @@
+"""Variants of memfit's modes that isolate one part of a mode's cost (diagnose, interleaved pairs).
+
+A variant is a mode's configuration with ``memfit.apply`` keywords on top, e.g. attention offload's hooks and
+regions with nothing parked: stepped in turn against ``offload_attention`` and ``none``, it splits what attention
+offload adds into what its hooks cost and what parking costs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from memfit.config import MemfitConfig
+from memfit.offload.copy import CopyEngine
+from memfit.offload.pool import PinnedBucketPool
+
+Keywords = Callable[[MemfitConfig], dict[str, Any]]
+
+VARIANTS: dict[str, tuple[str, Keywords]] = {
+    # name: (mode name, apply() keyword arguments built from the parsed config)
+    "unsloth[no-timing]": (
+        "unsloth",
+        lambda cfg: {"copy_engine": CopyEngine(PinnedBucketPool.from_config(cfg), timing=False)},
+    ),
+    "unsloth[min 16MiB]": ("unsloth", lambda cfg: {"min_offload_bytes": 16 << 20}),
+    # the hooks and regions of attention offload with nothing parked: what the parking itself adds
+    "offload_attention[hooks only]": ("offload_attention", lambda cfg: {"min_offload_bytes": 1 << 50}),
+    # every tensor copied on its own, as before batches were packed (memfit.offload.copy, "Coalescing")
+    "offload_attention[one-by-one]": (
+        "offload_attention",
+        lambda cfg: {"copy_engine": CopyEngine(PinnedBucketPool.from_config(cfg), coalesce_max_bytes=0)},
+    ),
+}
+
+# the variants that only change which tensors are parked: they run on CPU too, through the harness's own engine
+CPU_VARIANTS = frozenset({"unsloth[min 16MiB]", "offload_attention[hooks only]"})
+
+
+def variant_keywords(name: str, config: dict[str, Any]) -> dict[str, Any]:
+    """``memfit.apply`` keywords of variant ``name`` for its mode's ``config`` (``{}``: not a variant)."""
+    if name not in VARIANTS:
+        return {}
+    return VARIANTS[name][1](MemfitConfig.from_dict(config))
