@@ -162,6 +162,8 @@ PER_STEP_STATS = (
     "attention_tensors_parked",
     "stall_ms",
     "pinned_allocations",
+    "pool_waits",  # the host waited for a copy before reusing a pinned buffer (a sync the step feels)
+    "inflight_waits",
 )
 
 
@@ -182,6 +184,8 @@ def _describe_per_step(stats: dict[str, float]) -> str:
         parts.append(f"{stats['attention_tensors_parked']:.0f} attention tensors")
     if "stall_ms" in stats:
         parts.append(f"{stats['stall_ms']:.2f} ms stall")
+    if stats.get("pool_waits"):
+        parts.append(f"{stats['pool_waits']:.1f} host waits for a pinned buffer")
     return ", ".join(parts) or "-"
 
 
