@@ -40,6 +40,9 @@
 #                (memfit_benchmarks.interleaved: interleaved.{json,md}; INTERLEAVED_PAIRS picks the pairs and
 #                INTERLEAVED_STEPS the steps per row (200); ~5 min:
 #                7 pairs of 200 + 200 steps at 40-100 ms)
+#   park-cost    the host time of parking one region, piece by piece: stream and event calls, the copy's issue,
+#                the device allocation, the engine's park and round trip of one tensor (park-cost.{json,md}), and the
+#                engine's Python alone on this host, over streams that do nothing (cpu/park-cost.{json,md}; <1 min)
 # Each part's exit status is printed; the script exits non-zero if any part failed.
 set -uo pipefail
 START=$(date +%s)
@@ -94,6 +97,8 @@ for part in ${PARTS:-gpu}; do
         interleaved) run_part pinning python3 -m memfit_benchmarks.pinning --out "$OUT"
             run_part interleaved python3 -m memfit_benchmarks.interleaved --shape 0 --steps "${INTERLEAVED_STEPS:-200}" \
                 ${INTERLEAVED_PAIRS:+--pairs "$INTERLEAVED_PAIRS"} --out "$OUT" ;;
+        park-cost) run_part park-cost python3 -m memfit_benchmarks.park_cost --out "$OUT"
+            run_part park-cost-cpu python3 -m memfit_benchmarks.park_cost --device cpu --out "$OUT/cpu" ;;
         *) echo "unknown part $part" >&2; status=1 ;;
     esac
 done
