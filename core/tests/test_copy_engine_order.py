@@ -371,3 +371,34 @@ def test_an_attention_offload_step_makes_one_event_per_copy_and_asks_it_once(mod
     batches = {s: eng.streams.log.count(("use", s)) for s in ("d2h", "h2d")}
     assert batches["d2h"] > 1 and batches["h2d"] == batches["d2h"] and stats["bytes_reloaded"] > 0
     assert counts == {"created": sum(batches.values()), "queries": sum(batches.values())}
+
+
+def test_a_reload_in_flight_is_waited_for_once_per_stream_not_once_per_tensor():
+    from memfit_conformance.streams import RecordingStream
+
+    eng = order_checking_copy_engine()  # events in flight until queried complete: never, here
+    streams = eng.streams
+    tensors = [torch.randn(4, 8), torch.randn(3, 5), torch.randn(6)]
+    parked = eng.offload_many(tensors)  # one packed batch: one reload, one completion event
+    for p in parked:
+        p.source = None
+    eng.reload_many(parked)
+    (reload,) = {p.h2d_done for p in parked}
+    since = len(streams.log)
+    for p, t in zip(parked, tensors, strict=True):
+        assert torch.equal(eng.fetch(p), t)
+    # compute waited for the reload at the first fetch; its later work (the other fetches) waits with it
+    assert streams.waits("compute", since) == [reload.event.id]
+    assert len(eng.stats.stall_events) == 1  # and it was timed once
+    # another stream has not waited: fetching there waits again
+    parked2 = eng.offload_many([torch.randn(5, 5), torch.randn(2, 2)])
+    for p in parked2:
+        p.source = None
+    eng.reload_many(parked2)
+    eng.fetch(parked2[0])
+    other = RecordingStream(streams, "other")
+    streams.current = other
+    since = len(streams.log)
+    eng.fetch(parked2[1])
+    assert streams.waits("other", since) == [parked2[1].h2d_done.event.id]
+    streams.current = streams.compute
