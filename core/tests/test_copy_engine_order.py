@@ -402,3 +402,44 @@ def test_a_reload_in_flight_is_waited_for_once_per_stream_not_once_per_tensor():
     eng.fetch(parked2[1])
     assert streams.waits("other", since) == [parked2[1].h2d_done.event.id]
     streams.current = streams.compute
+
+
+def test_stall_timing_reuses_its_events_and_holds_a_bounded_number_unread():
+    from memfit.offload.copy import STALL_PAIRS_HELD, CopyEngine
+    from memfit.offload.pool import PinnedBucketPool
+    from memfit_conformance.streams import RecordingEvent, RecordingStreams
+
+    class TimedEvent(RecordingEvent):  # a stall's timing event: complete once the GPU passes it, 1 ms apart
+        def record(self, stream) -> None:
+            super().record(stream)
+            self.done = True
+
+        def elapsed_time(self, other) -> float:
+            return 1.0
+
+    class Streams(RecordingStreams):  # copies stay in flight; timing events complete
+        made = 0
+
+        def new_event(self, *, timing: bool = False):
+            if not timing:
+                return super().new_event()
+            Streams.made += 1
+            return TimedEvent(self)
+
+    pool = PinnedBucketPool(
+        allocate=lambda n, pinned: torch.empty(n, dtype=torch.uint8),
+        available_host_bytes=lambda: 1 << 40,
+        host_reserve_bytes=0,
+    )
+    eng = CopyEngine(pool, streams=Streams())
+    eng.parks_cpu_tensors = True
+    stalls = 3 * STALL_PAIRS_HELD
+    for _ in range(stalls):  # a run that never reads its stats
+        (parked,) = eng.offload_many([torch.randn(8)])
+        parked.source = None
+        eng.reload_many([parked])
+        eng.fetch(parked)  # the reload is in flight: compute waits, timed
+        eng.release(parked)
+    assert len(eng.stats.stall_events) <= STALL_PAIRS_HELD + 1
+    assert Streams.made <= 2 * (STALL_PAIRS_HELD + 1)  # events recorded again, not made per stall
+    assert eng.stall_ms() == pytest.approx(stalls * 1.0)  # and every stall is counted once

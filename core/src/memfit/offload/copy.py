@@ -60,7 +60,9 @@ before the wait was issued, so a later record does not affect it, and no event i
 
 Telemetry.  Waits of the compute stream on copy events are bracketed by timing events;
 their durations (stall = copy time not hidden behind compute) are read lazily in
-:meth:`stats`, when the events have long completed.
+:meth:`stats`, when the events have long completed, or once ``STALL_PAIRS_HELD`` pairs are waiting to be
+read: then the completed ones are summed and their events recorded again for later stalls, so a run that never
+reads its stats holds a bounded number of events and stops creating new ones.
 
 Streams and events come from a :class:`StreamApi` (``torch.cuda`` by default). Tests pass a
 recording fake instead and run the engine on CPU tensors: its ordering (who waits on which event,
@@ -236,6 +238,7 @@ class _StreamSwitch:
 
 
 COALESCE_MAX_BYTES = 64 << 20
+STALL_PAIRS_HELD = 64  # stall-timing pairs held unresolved before the completed ones are summed (and reused)
 
 
 class CopyEngine:
@@ -279,6 +282,7 @@ class CopyEngine:
             torch.device, Any
         ] = {}  # device -> its ordering event (see "Fewer event calls")
         self._inflight_bytes = 0
+        self._spare_timing: list[tuple[Any, Any]] = []  # resolved stall-timing pairs, recorded again
 
     # -- device -> host ------------------------------------------------------------------------------------------
 
@@ -610,13 +614,29 @@ class CopyEngine:
     def _stall(self, stream: Any, done: CopyDone) -> None:
         """``stream`` waits for a copy still in flight (timed: the copy time not hidden)."""
         if self.timing:
-            before, after = self.streams.new_event(timing=True), self.streams.new_event(timing=True)
+            before, after = self._spare_timing.pop() if self._spare_timing else self._new_timing_pair()
             before.record(stream)
             stream.wait_event(done.event)
             after.record(stream)
             self.stats.stall_events.append((before, after))
+            if len(self.stats.stall_events) > STALL_PAIRS_HELD:
+                self._resolve_stalls()
         else:
             stream.wait_event(done.event)
+
+    def _new_timing_pair(self) -> tuple[Any, Any]:
+        return self.streams.new_event(timing=True), self.streams.new_event(timing=True)
+
+    def _resolve_stalls(self) -> None:
+        """Add the completed stalls' times to the total; their events become spares (see "Telemetry")."""
+        pending = []
+        for before, after in self.stats.stall_events:
+            if after.query():
+                self.stats.stall_ms_resolved += before.elapsed_time(after)
+                self._spare_timing.append((before, after))  # (pairs are made only when none is spare)
+            else:
+                pending.append((before, after))
+        self.stats.stall_events = pending
 
     def release(self, parked: Parked) -> None:
         """Return the host buffer once nothing reads it any more (a coalesced one with its last member)."""
@@ -637,13 +657,7 @@ class CopyEngine:
 
     def stall_ms(self) -> float:
         """Milliseconds the compute stream waited on copies (resolved from completed timing events)."""
-        pending = []
-        for before, after in self.stats.stall_events:
-            if after.query():
-                self.stats.stall_ms_resolved += before.elapsed_time(after)
-            else:
-                pending.append((before, after))
-        self.stats.stall_events = pending
+        self._resolve_stalls()
         return self.stats.stall_ms_resolved
 
 
