@@ -28,7 +28,7 @@ from memfit_benchmarks.environment import run_stamp
 from memfit_benchmarks.host_overhead import null_copy_engine
 from memfit_benchmarks.results import write_results
 
-Piece = Callable[[], None]
+Piece = Callable[[], Any]  # returns what to release once the timed calls are over (None: nothing)
 
 
 def _pieces(engine: CopyEngine, source: torch.Tensor, cuda: bool) -> dict[str, Piece]:
@@ -39,6 +39,7 @@ def _pieces(engine: CopyEngine, source: torch.Tensor, cuda: bool) -> dict[str, P
     ordering = api.new_event()
     host = engine.pool.acquire(source.nbytes)
     host_view = host.strided_view(source.dtype, source.shape, source.stride())
+    device_copy = torch.empty_like(source)
     queried = api.new_event()
     queried.record(compute)
 
@@ -58,44 +59,61 @@ def _pieces(engine: CopyEngine, source: torch.Tensor, cuda: bool) -> dict[str, P
     def query_event() -> None:
         queried.query()
 
-    def issue_copy() -> None:
+    def copy_on_device() -> None:
+        device_copy.copy_(produce())
+
+    def issue_download() -> None:
         tensor = produce()
         with api.use(side, restore=compute):
             host_view.copy_(tensor, non_blocking=cuda)
         api.record_stream(tensor, side)
 
+    def issue_upload() -> None:
+        target = torch.empty_like(source)
+        with api.use(side, restore=compute):
+            target.copy_(host_view, non_blocking=cuda)
+        api.record_stream(target, side)
+
     def device_allocation() -> None:
         torch.empty(source.nbytes, dtype=torch.uint8, device=source.device)
 
-    def park() -> None:
-        engine.release(engine.offload_many([produce()])[0])
+    def park() -> Any:
+        return engine.offload_many([produce()])[0]
 
-    def park_and_reload() -> None:
+    def park_and_reload() -> Any:
         parked = engine.offload_many([produce()])[0]
         parked.source = None  # as when the region's tensor died after parking: the reload copies back
         engine.reload_many([parked])
         engine.fetch(parked)
-        engine.release(parked)
+        return parked
 
     return {
         "make the tensor (a kernel)": make_tensor,
         "order a side stream after compute (record + wait)": order_side_stream,
         "a new event, recorded": new_event_recorded,
         "an event query": query_event,
-        "make the tensor, copy it to pinned memory, record_stream": issue_copy,
         "a device allocation of the same size": device_allocation,
-        "make the tensor, engine park + release": park,
-        "make the tensor, engine park + reload + fetch + release": park_and_reload,
+        "make the tensor, copy it on the device": copy_on_device,
+        "make the tensor, copy it to pinned memory, record_stream": issue_download,
+        "copy pinned memory to a new device tensor, record_stream": issue_upload,
+        "make the tensor, engine park": park,
+        "make the tensor, engine park + reload + fetch": park_and_reload,
     }
 
 
-def _mean_us(piece: Piece, repeats: int, sync: Callable[[], None]) -> float:
+def _mean_us(piece: Piece, repeats: int, sync: Callable[[], None], release: Callable[[Any], None]) -> float:
+    """Mean host µs of ``piece``; what it returns is released after the timed calls, as a step's backward gives its
+    parked buffers back long after its forward took them (released at once, the pool would wait for each copy)."""
     sync()
+    held = []
     start = time.perf_counter()
     for _ in range(repeats):
-        piece()
+        held.append(piece())
     elapsed = time.perf_counter() - start
     sync()  # (outside the time: what the host pays to issue, not what the GPU takes)
+    for item in held:
+        if item is not None:
+            release(item)
     return elapsed / repeats * 1e6
 
 
@@ -112,13 +130,13 @@ def measure(*, device: str, nbytes: int, repeats: int, passes: int = 3) -> list[
         engine = null_copy_engine()
         sync = lambda: None  # noqa: E731
     pieces = _pieces(engine, source, cuda)
-    for piece in pieces.values():  # warm up: pool buckets, allocator blocks, lazy initialisation
-        _mean_us(piece, 5, sync)
+    for piece in pieces.values():  # warm up: pool buckets (as many buffers as a pass holds), allocator blocks
+        _mean_us(piece, repeats, sync, engine.release)
     samples: dict[str, list[float]] = {name: [] for name in pieces}
     for i in range(passes * 2):  # forward, then reverse order: a drift of the host's speed cancels
         order = list(pieces) if i % 2 == 0 else list(reversed(pieces))
         for name in order:
-            samples[name].append(_mean_us(pieces[name], repeats, sync))
+            samples[name].append(_mean_us(pieces[name], repeats, sync, engine.release))
     base = sum(samples["make the tensor (a kernel)"]) / len(samples["make the tensor (a kernel)"])
     rows = []
     for name, values in samples.items():
@@ -152,8 +170,9 @@ def render(payload: dict[str, Any]) -> str:
         "",
         "The engine rows are the copy engine's whole path for one tensor: parking (pool, ordering event, copy, "
         "completion event, `record_stream`, the bound on copies in flight) and the round trip (with the reload's "
-        "device allocation, its events and the fetch's wait). Off CUDA the engine runs over streams that do "
-        "nothing: its Python alone, the part a CPU harness sees.",
+        "device allocation, its events and the fetch's wait); their buffers go back to the pool after the timed "
+        "calls, as a step's backward gives them back long after its forward took them. Off CUDA the engine runs "
+        "over streams that do nothing: its Python alone, the part a CPU harness sees.",
         "",
         f"Commit: {payload.get('git_commit') or 'n/a'}.",
     ]
