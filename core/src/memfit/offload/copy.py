@@ -52,7 +52,7 @@ ask the same events one by one. A copy's completion event is wrapped in a :class
 has completed once a query said so: a region's fetches, the bound on copies in flight and the pool's reuse
 ask the event itself until then, and the wrapper after. It also remembers the stream made to wait for it: the
 other tensors of a reload still in flight are fetched without another query, wait and pair of timing events
-(a stream's later work waits for what it waited for), which at 1024 tokens was ~9 such calls per attention
+(a stream's later work waits for what it waited for): an attention call's group of 6-9 tensors paid them per
 tensor. A reload whose parking copy is known complete does not
 wait for it. The events that only order a side stream after compute (recorded, waited for at once, never
 queried) are one per device, recorded again each time: a stream's wait is for the event's latest record
