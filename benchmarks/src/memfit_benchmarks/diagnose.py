@@ -34,13 +34,12 @@ from typing import Any
 import torch
 
 import memfit
-from memfit.config import MemfitConfig
 from memfit.units import parse_bytes
 from memfit_benchmarks.auto_sweep import SYNTHETIC_TARGETS, auto_config, build_target
 from memfit_benchmarks.environment import run_stamp
 from memfit_benchmarks.families import build_lora_model
 from memfit_benchmarks.modes import MODES, Mode, is_offload
-from memfit_benchmarks.variants import VARIANTS
+from memfit_benchmarks.variants import VARIANTS, variant_keywords
 
 
 def _sync(cuda: bool) -> None:
@@ -165,12 +164,13 @@ def measure(
     }
 
 
-def _resolve_modes(names: list[str], parser: argparse.ArgumentParser) -> list[tuple[str, str, Mode, Any]]:
-    """(name, base mode name, mode, apply() kwargs maker) per requested mode; a typo stops here."""
+def _resolve_modes(names: list[str], parser: argparse.ArgumentParser) -> list[tuple[str, str, Mode]]:
+    """(name, base mode name, mode) per requested mode (a variant's own keywords: ``variant_keywords``); a typo
+    stops here."""
     modes = {m.name: m for m in MODES}
     out = []
     for name in names:
-        base, make_kwargs = VARIANTS.get(name, (name, lambda cfg: {}))
+        base = VARIANTS[name][0] if name in VARIANTS else name
         base, streamed = _streamed_suffix(base, parser)
         if base.startswith("auto@"):
             try:
@@ -188,7 +188,7 @@ def _resolve_modes(names: list[str], parser: argparse.ArgumentParser) -> list[tu
             )
         if streamed:
             mode = Mode(name, {**mode.config, "gradient_checkpointing_stream_blocks": streamed})
-        out.append((name, base, mode, make_kwargs))
+        out.append((name, base, mode))
     return out
 
 
@@ -261,10 +261,10 @@ def main(argv: list[str] | None = None) -> None:
         "| copy ms (profiled step) |",
         "|---|---|---|---|---|---|---|",
     ]
-    for name, _base, mode, make_kwargs in chosen:
+    for name, _base, mode in chosen:
         if is_offload(mode) and not cuda:
             continue
-        kwargs = make_kwargs(MemfitConfig.from_dict(mode.config)) if mode.config else {}
+        kwargs = variant_keywords(name, mode.config) if mode.config else {}
         slug = name.replace(" ", "_").replace("[", "-").replace("]", "").replace("@", "-")
         # every mode, the baseline too: its idle gaps are what memfit's modes add to (trace_gaps)
         trace = args.out / f"trace-{args.family}-{slug}.json.gz" if args.traces else None

@@ -193,11 +193,11 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.passes < 1 or args.mib <= 0:
         parser.error("--repeats and --passes must be at least 1 and --mib positive")
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():  # (before any CUDA call)
+    cuda = torch.device(args.device).type == "cuda"
+    if cuda and not torch.cuda.is_available():  # (before any CUDA call)
         raise SystemExit("needs CUDA (or --device cpu for the engine's Python alone)")
     nbytes = int(args.mib * 2**20)
     rows = measure(device=args.device, nbytes=nbytes, repeats=args.repeats, passes=args.passes)
-    cuda = torch.device(args.device).type == "cuda"
     payload = {
         **run_stamp("park-cost", torch.cuda.get_device_name() if cuda else "cpu"),
         "mib": args.mib,
