@@ -99,6 +99,15 @@ def test_the_parts_settings_and_an_unknown_part(tmp_path):
     assert done.returncode == 1 and "unknown part bogus (choose from: budget families-image" in done.stderr
 
 
+def test_the_video_families_at_their_default_tokens(tmp_path):
+    done = _dry_run(tmp_path, PARTS="families-video-full", FAMILY_MIN_S="0")
+    assert done.returncode == 0, done.stdout + done.stderr
+    (plan,) = _plans(done)
+    assert plan.startswith("would measure ['wan', 'ltxvideo2'] (full)")
+    assert "'wan': 14040" in plan and "'ltxvideo2': 6144" in plan  # each preset's own default
+    assert "modes ['torch', 'diffusers-ckpt']" in plan and "1 timed steps" in plan
+
+
 def test_tokens_per_family_and_their_errors():
     assert families.parse_tokens("wan=4680, ltxvideo2=3072") == {"wan": 4680, "ltxvideo2": 3072}
     assert families.parse_tokens("1024") == 1024 and families.parse_tokens(None) is None

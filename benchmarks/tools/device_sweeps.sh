@@ -28,6 +28,9 @@
 #             Writes <part>.tar.gz (family-<name>-full.json each), <part>-summary.md (the headline tables, then
 #             each family's report with its checks) and <part>.log. At most two families-* parts per call: the
 #             device tool returns 8 files.
+#   families-video-full  wan, ltxvideo2 at their presets' default tokens (14040 and 6144: 2.4-5 s steps at the
+#             shorter lengths above, roughly 3x at these), the modes of VIDEO_FULL_MODES (default memfit torch against
+#             diffusers' own checkpointing, the family check of the peers issue; FAMILY_MIN_S=0 suits steps this long)
 #   floors    memfit_benchmarks.floors: per family at its published size, the smallest budget auto meets with
 #             and without weight streaming (two profiling forwards each, ~15 s a family). Writes floors.{json,md}.
 #
@@ -63,6 +66,7 @@ FAMILIES_PART_S="${FAMILIES_PART_S:-$TOTAL_S}"
 FAMILY_S="${FAMILY_S:-300}"
 FAMILY_MIN_S="${FAMILY_MIN_S:-2}"
 FAMILY_MODES="${FAMILY_MODES:-torch,diffusers-ckpt,torch-ffn,ckpt-ffn,unsloth,unsloth-ffn}"
+VIDEO_FULL_MODES="${VIDEO_FULL_MODES:-torch,diffusers-ckpt}"
 FFN_MODES="torch-ffn,ckpt-ffn,unsloth-ffn,diffusers-ckpt"  # diffusers-ckpt listed so that a row says why it cannot run
 BUDGET_TARGETS="${BUDGET_TARGETS:-synthetic-16384,flux}"
 BUDGET_CONFIGS="${BUDGET_CONFIGS:-full,attn,all}"
@@ -111,10 +115,11 @@ for part in ${PARTS:-budget}; do
             --floor-steps "$FLOOR_STEPS" --stop-at "$(stop_at "$BUDGET_PART_S")" --out "$OUT" $dry ;;
         families-image) families_part "$part" flux "$FAMILY_MODES" "" krea2 "$FAMILY_MODES,ckpt-block" "" ;;
         families-video) families_part "$part" wan,ltxvideo2 "$FAMILY_MODES" "wan=4680,ltxvideo2=3072" ;;
+        families-video-full) families_part "$part" wan,ltxvideo2 "$VIDEO_FULL_MODES" "" ;;
         families-rest) families_part "$part" mageflow,z-image "$FAMILY_MODES" "" chroma "$FFN_MODES" "" ;;
         floors) run_part floors python3 -m memfit_benchmarks.floors --family all --preset full \
             --tokens wan=4680,ltxvideo2=3072 --stop-at "$(stop_at "${FLOORS_PART_S:-150}")" --out "$OUT" $dry ;;
-        *) echo "unknown part $part (choose from: budget families-image families-video families-rest floors)" >&2
+        *) echo "unknown part $part (choose from: budget families-image families-video families-video-full families-rest floors)" >&2
             status=1 ;;
     esac
 done
