@@ -54,6 +54,30 @@ def test_diagnose_tiny_cpu(tmp_path, target):
     assert any("detach" in call for call in torch_mode.calls_from_memfit)
 
 
+def test_every_mode_is_timed_before_any_is_profiled(tmp_path, monkeypatch):
+    """A profiler session slows the CUDA calls of steps timed after it: the timed steps of every mode come first."""
+    from memfit_benchmarks import diagnose
+
+    calls = []
+    for name in ("measure", "profile"):
+        real = getattr(diagnose, name)
+
+        def recorded(*args, _real=real, _name=name, **kwargs):
+            calls.append((_name, kwargs.get("trace") is not None if _name == "profile" else None))
+            return _real(*args, **kwargs)
+
+        monkeypatch.setattr(diagnose, name, recorded)
+    args = ["--family", "flux", "--preset", "tiny", "--device", "cpu", "--steps", "1", "--warmup", "1"]
+    diagnose.main([*args, "--modes", "none,torch,torch-ffn", "--out", str(tmp_path)])
+    assert calls == [("measure", None)] * 3 + [("profile", True)] * 3
+    md = (tmp_path / "diagnose-flux.md").read_text()
+    assert "every mode timed before any is profiled" in md
+    rows = [
+        line.split("|")[1].strip() for line in md.splitlines() if line.startswith("| ") and "mode" not in line
+    ]
+    assert rows == ["none", "torch", "torch-ffn"]  # one row per mode, with its profile's columns
+
+
 def test_diagnose_refuses_tokens_for_a_synthetic_target(tmp_path):
     from memfit_benchmarks import diagnose
 

@@ -7,9 +7,9 @@
 Per mode: median over timed steps of the GPU step time (CUDA events; the forward's part of it: an event recorded
 as the forward call returns, so the GPU reaches it when the forward's work is done) and of the host time spent inside
 ``forward`` and ``backward`` calls (``perf_counter``, no synchronisation inside the step): when the host time
-reaches the GPU time, the step is bound by Python/launch overhead, not by kernels or copies. Then one step
-under ``torch.profiler``: the ops with the most self CPU time go to ``diagnose-<family>.md`` with one more
-step's Python profile (cProfile), and a Chrome trace (with Python frames) per mode to
+reaches the GPU time, the step is bound by Python/launch overhead, not by kernels or copies. Once every mode is
+timed, one step per mode under ``torch.profiler``: the ops with the most self CPU time go to
+``diagnose-<family>.md`` with one more step's Python profile (cProfile), and a Chrome trace (with Python frames) per mode to
 ``trace-<family>-<mode>.json.gz``. Variants (``unsloth[no-timing]`` …) rerun a mode with one engine knob
 changed, to test a hypothesis side by side; ``auto@<budget>`` (``auto@103.8GiB``) is the ``auto`` backend at
 that budget, traced too, its plan's counts in the report (a plan against the fixed mode it should beat,
@@ -90,27 +90,15 @@ def measure(
     cuda: bool,
     steps: int,
     warmup: int,
-    trace: Path | None,
 ) -> dict[str, Any]:
+    """Time one mode's steps (no profiler anywhere near them): medians of the step's GPU time, its forward's,
+    and the host time inside ``forward`` and ``backward``; the handle's stats and plan after them."""
     handle = memfit.apply(model, config, adapter=adapter, **apply_kwargs) if config else None
     fwd, bwd, gpu, gpu_fwd = [], [], [], []
     try:
-        for i in range(warmup + steps + 1):
+        for i in range(warmup + steps):
             model.zero_grad(set_to_none=True)
             _sync(cuda)
-            profiling = i == warmup + steps
-            # with_stack: the trace shows the Python frames (memfit's own among them) around every op
-            prof = (
-                torch.profiler.profile(
-                    activities=[torch.profiler.ProfilerActivity.CPU]
-                    + ([torch.profiler.ProfilerActivity.CUDA] if cuda else []),
-                    with_stack=trace is not None,
-                )
-                if profiling
-                else None
-            )
-            if prof is not None:
-                prof.__enter__()
             start = torch.cuda.Event(enable_timing=True) if cuda else None
             mid = torch.cuda.Event(enable_timing=True) if cuda else None
             end = torch.cuda.Event(enable_timing=True) if cuda else None
@@ -127,24 +115,11 @@ def measure(
                 end.record()
             _sync(cuda)
             t3 = time.perf_counter()
-            if prof is not None:
-                prof.__exit__(None, None, None)
-                table = prof.key_averages().table(
-                    sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60
-                )
-                device_ms = _device_ms(prof)
-                if trace is not None:
-                    raw = trace.with_suffix("")
-                    prof.export_chrome_trace(str(raw))
-                    with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
-                        shutil.copyfileobj(src, dst)
-                    raw.unlink()
-            elif i >= warmup:
+            if i >= warmup:
                 fwd.append((t1 - t0) * 1e3)
                 bwd.append((t2 - t1) * 1e3)
                 gpu.append(start.elapsed_time(end) if start is not None else (t3 - t0) * 1e3)
                 gpu_fwd.append(start.elapsed_time(mid) if start is not None else (t1 - t0) * 1e3)
-        host_profile = _host_profile(lambda: loss_fn(model(**batch)).backward(), model, cuda)
         stats = handle.stats() if handle is not None else {}
         plan = getattr(handle, "plan", None)
     finally:
@@ -156,12 +131,45 @@ def measure(
         "host_backward_ms": statistics.median(bwd),
         "step_ms": statistics.median(gpu),
         "gpu_forward_ms": statistics.median(gpu_fwd),
-        **device_ms,
-        "profile_table": table,
-        "host_profile": host_profile,
         "stats": {k: v for k, v in stats.items() if isinstance(v, int | float)},
         "plan": plan.counts() if plan is not None else None,
     }
+
+
+def profile(
+    model, batch, loss_fn, config, apply_kwargs, *, adapter, cuda: bool, warmup: int, trace: Path | None
+) -> dict[str, Any]:
+    """One mode's profiles, after its warm-up steps: one step under ``torch.profiler`` (its table, its kernels' and
+    copies' device time, a Chrome trace if ``trace``), then one under cProfile."""
+    handle = memfit.apply(model, config, adapter=adapter, **apply_kwargs) if config else None
+    try:
+        for _ in range(warmup):
+            model.zero_grad(set_to_none=True)
+            loss_fn(model(**batch)).backward()
+        model.zero_grad(set_to_none=True)
+        _sync(cuda)
+        # with_stack: the trace shows the Python frames (memfit's own among them) around every op
+        activities = [torch.profiler.ProfilerActivity.CPU] + (
+            [torch.profiler.ProfilerActivity.CUDA] if cuda else []
+        )
+        with torch.profiler.profile(activities=activities, with_stack=trace is not None) as prof:
+            loss_fn(model(**batch)).backward()
+            _sync(cuda)
+        table = prof.key_averages().table(
+            sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60
+        )
+        if trace is not None:
+            raw = trace.with_suffix("")
+            prof.export_chrome_trace(str(raw))
+            with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
+                shutil.copyfileobj(src, dst)
+            raw.unlink()
+        host_profile = _host_profile(lambda: loss_fn(model(**batch)).backward(), model, cuda)
+    finally:
+        model.zero_grad(set_to_none=True)
+        if handle is not None:
+            handle.remove()
+    return {**_device_ms(prof), "profile_table": table, "host_profile": host_profile}
 
 
 def _resolve_modes(names: list[str], parser: argparse.ArgumentParser) -> list[tuple[str, str, Mode]]:
@@ -256,18 +264,19 @@ def main(argv: list[str] | None = None) -> None:
     lines = [
         f"# diagnose {args.family} ({args.preset}) on {stamp['device']}, torch {stamp['torch']}\n",
         f"{stamp['date']}, commit {stamp['git_commit']}, SDPA: {sdpa}; {args.warmup} warm-up and {args.steps} "
-        "timed steps per mode (medians), then one profiled step and one under cProfile.\n",
+        "timed steps per mode (medians), every mode timed before any is profiled; then per mode one profiled step "
+        "and one under cProfile.\n",
         "| mode | step ms | GPU forward ms | host forward ms | host backward ms | kernel ms (profiled step) "
         "| copy ms (profiled step) |",
         "|---|---|---|---|---|---|---|",
     ]
+    # Every mode is timed before any is profiled: timed after the first mode's profiled step (CUDA activity
+    # tracing), later modes ran 18-67% over their steps in a process with no profiler (docs/cost-model.md).
+    runs = []
     for name, _base, mode in chosen:
         if is_offload(mode) and not cuda:
             continue
         kwargs = variant_keywords(name, mode.config) if mode.config else {}
-        slug = name.replace(" ", "_").replace("[", "-").replace("]", "").replace("@", "-")
-        # every mode, the baseline too: its idle gaps are what memfit's modes add to (trace_gaps)
-        trace = args.out / f"trace-{args.family}-{slug}.json.gz" if args.traces else None
         r = measure(
             model,
             batch,
@@ -278,9 +287,28 @@ def main(argv: list[str] | None = None) -> None:
             cuda=cuda,
             steps=args.steps,
             warmup=args.warmup,
-            trace=trace,
         )
         results[name] = r
+        runs.append((name, mode, kwargs))
+        print(f"| {name} | {r['step_ms']:.1f} | ... timed", flush=True)
+    for name, mode, kwargs in runs:
+        slug = name.replace(" ", "_").replace("[", "-").replace("]", "").replace("@", "-")
+        # every mode, the baseline too: its idle gaps are what memfit's modes add to (trace_gaps)
+        trace = args.out / f"trace-{args.family}-{slug}.json.gz" if args.traces else None
+        r = results[name]
+        r.update(
+            profile(
+                model,
+                batch,
+                adapter.loss,
+                mode.config,
+                kwargs,
+                adapter=adapter,
+                cuda=cuda,
+                warmup=min(args.warmup, 1),
+                trace=trace,
+            )
+        )
         lines.append(
             f"| {name} | {r['step_ms']:.1f} | {r['gpu_forward_ms']:.1f} | {r['host_forward_ms']:.1f} "
             f"| {r['host_backward_ms']:.1f} "
