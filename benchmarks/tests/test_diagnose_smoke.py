@@ -114,7 +114,10 @@ def test_diagnose_runs_auto_at_a_budget(tmp_path):
     assert sum(counts.values()) == 7 and set(counts) - {"keep"}, counts  # every block planned, not all kept
 
 
-@pytest.mark.parametrize("mode, says", [("auto@lots", "not a size"), ("unslot", "unknown mode 'unslot'")])
+@pytest.mark.parametrize(
+    "mode, says",
+    [("auto@lots", "not a size"), ("unslot", "unknown mode 'unslot'"), ("torch", "['torch'] listed twice")],
+)
 def test_diagnose_refuses_a_bad_mode_before_building_anything(tmp_path, capsys, mode, says):
     from memfit_benchmarks import diagnose
 

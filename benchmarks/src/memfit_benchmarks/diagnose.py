@@ -177,6 +177,11 @@ def _resolve_modes(names: list[str], parser: argparse.ArgumentParser) -> list[tu
     stops here."""
     modes = {m.name: m for m in MODES}
     out = []
+    twice = sorted({name for name in names if names.count(name) > 1})
+    if twice:
+        parser.error(
+            f"mode(s) {twice} listed twice: each mode gets one row (time drift: benchmarks' interleaved)"
+        )
     for name in names:
         base = VARIANTS[name][0] if name in VARIANTS else name
         base, streamed = _streamed_suffix(base, parser)
