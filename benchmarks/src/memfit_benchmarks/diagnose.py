@@ -180,7 +180,8 @@ def _resolve_modes(names: list[str], parser: argparse.ArgumentParser) -> list[tu
     twice = sorted({name for name in names if names.count(name) > 1})
     if twice:
         parser.error(
-            f"mode(s) {twice} listed twice: each mode gets one row (time drift: benchmarks' interleaved)"
+            f"mode(s) {twice} listed twice: each mode gets one row; list each once (to see a mode's time drift "
+            "over a run, step modes in turn with memfit_benchmarks.interleaved)"
         )
     for name in names:
         base = VARIANTS[name][0] if name in VARIANTS else name
