@@ -20,6 +20,7 @@ streamed. The profiled step's kernel and copy times summed tell a step whose ker
 from __future__ import annotations
 
 import argparse
+import contextlib
 import cProfile
 import gzip
 import io
@@ -28,6 +29,7 @@ import pstats
 import shutil
 import statistics
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -79,6 +81,18 @@ def _host_profile(step: Any, model: Any, cuda: bool, *, rows: int = 30) -> str:
     return out.getvalue()
 
 
+@contextlib.contextmanager
+def _applied(model, config, apply_kwargs, *, adapter) -> Iterator[Any]:
+    """memfit applied with ``config`` (nothing for ``None``: no checkpointing), removed after; gradients cleared."""
+    handle = memfit.apply(model, config, adapter=adapter, **apply_kwargs) if config else None
+    try:
+        yield handle
+    finally:
+        model.zero_grad(set_to_none=True)
+        if handle is not None:
+            handle.remove()
+
+
 def measure(
     model,
     batch,
@@ -93,9 +107,8 @@ def measure(
 ) -> dict[str, Any]:
     """Time one mode's steps (no profiler anywhere near them): medians of the step's GPU time, its forward's,
     and the host time inside ``forward`` and ``backward``; the handle's stats and plan after them."""
-    handle = memfit.apply(model, config, adapter=adapter, **apply_kwargs) if config else None
     fwd, bwd, gpu, gpu_fwd = [], [], [], []
-    try:
+    with _applied(model, config, apply_kwargs, adapter=adapter) as handle:
         for i in range(warmup + steps):
             model.zero_grad(set_to_none=True)
             _sync(cuda)
@@ -122,10 +135,6 @@ def measure(
                 gpu_fwd.append(start.elapsed_time(mid) if start is not None else (t1 - t0) * 1e3)
         stats = handle.stats() if handle is not None else {}
         plan = getattr(handle, "plan", None)
-    finally:
-        model.zero_grad(set_to_none=True)
-        if handle is not None:
-            handle.remove()
     return {
         "host_forward_ms": statistics.median(fwd),
         "host_backward_ms": statistics.median(bwd),
@@ -141,11 +150,14 @@ def profile(
 ) -> dict[str, Any]:
     """One mode's profiles, after its warm-up steps: one step under ``torch.profiler`` (its table, its kernels' and
     copies' device time, a Chrome trace if ``trace``), then one under cProfile."""
-    handle = memfit.apply(model, config, adapter=adapter, **apply_kwargs) if config else None
-    try:
+
+    def step() -> None:
+        loss_fn(model(**batch)).backward()
+
+    with _applied(model, config, apply_kwargs, adapter=adapter):
         for _ in range(warmup):
             model.zero_grad(set_to_none=True)
-            loss_fn(model(**batch)).backward()
+            step()
         model.zero_grad(set_to_none=True)
         _sync(cuda)
         # with_stack: the trace shows the Python frames (memfit's own among them) around every op
@@ -153,7 +165,7 @@ def profile(
             [torch.profiler.ProfilerActivity.CUDA] if cuda else []
         )
         with torch.profiler.profile(activities=activities, with_stack=trace is not None) as prof:
-            loss_fn(model(**batch)).backward()
+            step()
             _sync(cuda)
         table = prof.key_averages().table(
             sort_by="self_cpu_time_total", row_limit=30, max_name_column_width=60
@@ -164,11 +176,7 @@ def profile(
             with open(raw, "rb") as src, gzip.open(trace, "wb") as dst:
                 shutil.copyfileobj(src, dst)
             raw.unlink()
-        host_profile = _host_profile(lambda: loss_fn(model(**batch)).backward(), model, cuda)
-    finally:
-        model.zero_grad(set_to_none=True)
-        if handle is not None:
-            handle.remove()
+        host_profile = _host_profile(step, model, cuda)
     return {**_device_ms(prof), "profile_table": table, "host_profile": host_profile}
 
 
@@ -279,21 +287,14 @@ def main(argv: list[str] | None = None) -> None:
     # Every mode is timed before any is profiled: timed after the first mode's profiled step (CUDA activity
     # tracing), later modes ran 18-67% over their steps in a process with no profiler (docs/cost-model.md).
     runs = []
+    on_model = (model, batch, adapter.loss)
+    # the profiling pass warms up as the timed one did: auto's closed loop settles the same way
+    options = {"adapter": adapter, "cuda": cuda, "warmup": args.warmup}
     for name, _base, mode in chosen:
         if is_offload(mode) and not cuda:
             continue
         kwargs = variant_keywords(name, mode.config) if mode.config else {}
-        r = measure(
-            model,
-            batch,
-            adapter.loss,
-            mode.config,
-            kwargs,
-            adapter=adapter,
-            cuda=cuda,
-            steps=args.steps,
-            warmup=args.warmup,
-        )
+        r = measure(*on_model, mode.config, kwargs, steps=args.steps, **options)
         results[name] = r
         runs.append((name, mode, kwargs))
         print(f"| {name} | {r['step_ms']:.1f} | ... timed", flush=True)
@@ -302,19 +303,7 @@ def main(argv: list[str] | None = None) -> None:
         # every mode, the baseline too: its idle gaps are what memfit's modes add to (trace_gaps)
         trace = args.out / f"trace-{args.family}-{slug}.json.gz" if args.traces else None
         r = results[name]
-        r.update(
-            profile(
-                model,
-                batch,
-                adapter.loss,
-                mode.config,
-                kwargs,
-                adapter=adapter,
-                cuda=cuda,
-                warmup=args.warmup,  # as timed: auto's closed loop settles the same way
-                trace=trace,
-            )
-        )
+        r.update(profile(*on_model, mode.config, kwargs, trace=trace, **options))
         lines.append(
             f"| {name} | {r['step_ms']:.1f} | {r['gpu_forward_ms']:.1f} | {r['host_forward_ms']:.1f} "
             f"| {r['host_backward_ms']:.1f} "
