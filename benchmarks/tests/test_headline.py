@@ -289,10 +289,44 @@ def test_the_stepped_pairs_are_checked_against_the_headline_targets(tmp_path):
     }
     (tmp_path / "interleaved.json").write_text(json.dumps(payload))
     text = headline.headline(tmp_path, tmp_path, suite="synthetic")
-    assert "### 3072w x15, 1024 tok, stepped in turn" in text
-    assert _line(text, "| torch ÷ ckpt-block")[1:] == ["0.950 (0.940–0.960)", "≤ 1.00", "meets it"]
-    assert _line(text, "| unsloth-ffn ÷ ckpt-ffn")[1:] == ["1.050 (1.040–1.060)", "≤ 1.00", "**over**"]
-    assert _line(text, "| unsloth ÷ torch")[1:] == ["1.070 (1.060–1.080)", "-", "-"]
-    assert _line(text, "| offload_attention ÷ bound")[1:] == ["1.300", "≤ 1.10", "**over**"]
-    assert "From `interleaved.json`: NVIDIA H200" in text
+    assert "### Synthetic stack, stepped in turn" in text
+    row = "| 3072w x15, 1024 tok | all linears | "
+    assert _line(text, row + "torch ÷ ckpt-block")[3:] == ["0.950 (0.940–0.960)", "≤ 1.00", "meets it"]
+    assert _line(text, row + "unsloth-ffn ÷ ckpt-ffn")[3:] == ["1.050 (1.040–1.060)", "≤ 1.00", "**over**"]
+    assert _line(text, row + "unsloth ÷ torch")[3:] == ["1.070 (1.060–1.080)", "-", "-"]
+    assert _line(text, row + "offload_attention ÷ bound")[3:] == ["1.300", "≤ 1.10", "**over**"]
+    assert "- `interleaved.json`: NVIDIA H200" in text
     assert "stepped in turn" not in headline.headline(tmp_path, tmp_path, suite="families")
+
+
+def test_a_familys_pairs_stepped_in_turn_get_the_families_limits(tmp_path):
+    """A family's run stepped in turn, per config: its rows sit under the families' table, each pair checked
+    against the limit of its mode at the family's tokens (``unsloth`` 1.01 above 1024 tokens)."""
+    for config, ratio in (("lora-all", 1.004), ("lora-attn", 0.998)):
+        payload = {
+            "suite": "interleaved-families",
+            "family": "krea2",
+            "device": "NVIDIA H100",
+            "torch": "2.11",
+            "sdpa_backend": "default dispatch",
+            "steps": 30,
+            "date": "2026-12-06T00:00:00",
+            "shape": "krea2 full, 4096 tokens",
+            "tokens": 4096,
+            "config": config,
+            "pairs": [_pair("torch", "ckpt-block", ratio), _pair("unsloth", "ckpt-block", ratio)],
+        }
+        (tmp_path / f"interleaved-krea2-4096-{config}.json").write_text(json.dumps(payload))
+    text = headline.headline(tmp_path, tmp_path, suite="families")
+    assert "### Model families, stepped in turn" in text
+    assert _line(text, "| krea2 | 4096 | all linears | torch ÷ ckpt-block")[4:] == [
+        "1.004 (0.994–1.014)",
+        "≤ 1.00",
+        "**over**",
+    ]
+    assert _line(text, "| krea2 | 4096 | all linears | unsloth ÷ ckpt-block")[4:][1:] == [
+        "≤ 1.01",
+        "meets it",
+    ]
+    assert _line(text, "| krea2 | 4096 | attention only | torch ÷ ckpt-block")[4:][2] == "meets it"
+    assert "stepped in turn" not in headline.headline(tmp_path, tmp_path, suite="synthetic")

@@ -3,6 +3,11 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
@@ -26,7 +31,7 @@ def test_each_step_is_compared_with_its_neighbours_so_a_drift_cancels():
 def test_interleaved_smoke_cpu(tmp_path):
     from memfit_benchmarks import interleaved
 
-    path = interleaved.main(
+    (path,) = interleaved.main(
         ["--out", str(tmp_path), "--shape", "tiny", "--steps", "4", "--warmup", "1", "--device", "cpu"]
     )
     payload = json.loads(path.read_text())
@@ -75,7 +80,7 @@ def test_compiled_blocks_smoke_cpu(tmp_path):
     from memfit_benchmarks import interleaved
 
     counters.clear()
-    path = interleaved.main(
+    (path,) = interleaved.main(
         [
             "--out",
             str(tmp_path),
@@ -101,11 +106,49 @@ def test_compiled_blocks_smoke_cpu(tmp_path):
     assert offload["stats_per_step"]["offload_attention"]["attention_tensors_parked"] > 0
 
 
+def test_a_family_is_stepped_in_turn_against_the_peers_of_its_headline_columns(tmp_path, capsys):
+    """A family's model: each memfit mode against its column's peer (diffusers' checkpointing for the whole-block
+    modes, ``ckpt-ffn`` for the FFN ones), one file per LoRA config, each pair really checkpointing."""
+    from memfit_benchmarks import interleaved
+
+    common = f"--out {tmp_path} --family flux --preset tiny --steps 2 --warmup 1 --device cpu".split()
+    paths = interleaved.main(common)
+    assert [p.name for p in paths] == [
+        "interleaved-flux-64-lora-all.json",
+        "interleaved-flux-64-lora-attn.json",
+    ]
+    for path in paths:
+        payload = json.loads(path.read_text())
+        assert payload["suite"] == "interleaved-families" and payload["family"] == "flux"
+        # (64 tokens: every mode's target is 1.00, as at 1024 tokens or fewer)
+        assert [(p["a"], p["b"], p["target"]) for p in payload["pairs"]] == [
+            ("torch", "diffusers-ckpt", 1.00),
+            ("torch-ffn", "ckpt-ffn", 1.00),
+            ("unsloth", "diffusers-ckpt", 1.00),
+            ("unsloth-ffn", "ckpt-ffn", 1.00),
+        ]
+        recomputes = {p["a"]: p["stats_per_step"][p["a"]]["recomputes"] for p in payload["pairs"]}
+        assert recomputes["torch"] > 0 and recomputes["torch-ffn"] > recomputes["torch"]
+        assert "Model flux tiny, 64 tokens" in path.with_suffix(".md").read_text()
+    # a family whose own checkpointing branch cannot be timed against memfit's falls back to ckpt-block
+    (chroma,) = interleaved.main(
+        f"--out {tmp_path} --family chroma --preset tiny --steps 2 --warmup 1 --device cpu "
+        "--configs lora-attn".split()
+    )
+    pairs = json.loads(chroma.read_text())["pairs"]
+    assert [(p["a"], p["b"]) for p in pairs][:1] == [("torch", "ckpt-block")]
+    with pytest.raises(SystemExit):
+        interleaved.main(common[:4] + ["--family", "flx"])
+    assert "unknown family 'flx'" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        interleaved.main([*common, "--compile", "aot_eager"])
+
+
 def test_chosen_pairs_keep_a_default_pairs_target_and_refuse_a_typo(tmp_path, capsys):
     from memfit_benchmarks import interleaved
 
     common = ["--out", str(tmp_path), "--shape", "tiny", "--steps", "2", "--warmup", "1", "--device", "cpu"]
-    path = interleaved.main([*common, "--pairs", "unsloth-ffn/ckpt-ffn,torch/none"])
+    (path,) = interleaved.main([*common, "--pairs", "unsloth-ffn/ckpt-ffn,torch/none"])
     pairs = json.loads(path.read_text())["pairs"]
     assert [(p["a"], p["b"], p["target"]) for p in pairs] == [
         ("unsloth-ffn", "ckpt-ffn", 1.00),
@@ -120,7 +163,7 @@ def test_a_variant_splits_attention_offload_into_its_hooks_and_its_parking(tmp_p
     from memfit_benchmarks import interleaved
 
     pairs = "offload_attention[hooks only]/none,offload_attention/offload_attention[hooks only]"
-    path = interleaved.main(
+    (path,) = interleaved.main(
         f"--out {tmp_path} --shape tiny --steps 4 --warmup 1 --device cpu".split() + ["--pairs", pairs]
     )
     pairs = json.loads(path.read_text())["pairs"]
@@ -141,3 +184,35 @@ def test_a_variant_that_needs_cuda_is_refused_off_cuda():
         installed(model, batch, "offload_attention[one-by-one]"),
     ):
         pass
+
+
+CHECKS = Path(__file__).resolve().parents[1] / "tools" / "device_checks.sh"
+
+
+def test_the_device_parts_default_runs_parse_and_a_given_run_writes_its_file(tmp_path):
+    """``device_checks.sh``'s ``interleaved-runs`` part: every default run's arguments parse (a typo would cost a
+    device call), and a run given in ``INTERLEAVED_RUNS`` runs with the part's ``--out``."""
+    from memfit_benchmarks import interleaved
+
+    text = CHECKS.read_text()
+    default = re.search(r'DEFAULT_INTERLEAVED_RUNS="(.*?)"', text, re.DOTALL).group(1).replace("\\\n", "")
+    runs = [run.split() for run in default.split(";")]
+    assert len(runs) >= 4
+    for run in runs:
+        args = interleaved.parse_args([*run, "--out", str(tmp_path)])
+        assert args.chosen  # each default run names its pairs
+    env = {
+        **os.environ,
+        "OUT": str(tmp_path),
+        "DRY_RUN": "1",
+        "PARTS": "interleaved-runs",
+        "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
+        "INTERLEAVED_RUNS": "--family flux --preset tiny --device cpu --steps 2 --warmup 1 --configs lora-attn "
+        "--pairs torch/diffusers-ckpt",
+    }
+    done = subprocess.run(
+        ["bash", str(CHECKS)], cwd=CHECKS.parents[2], env=env, capture_output=True, text=True, timeout=600
+    )
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    payload = json.loads((tmp_path / "interleaved-flux-64-lora-attn.json").read_text())
+    assert [(p["a"], p["b"]) for p in payload["pairs"]] == [("torch", "diffusers-ckpt")]

@@ -40,6 +40,10 @@
 #                (memfit_benchmarks.interleaved: interleaved.{json,md}; INTERLEAVED_PAIRS picks the pairs and
 #                INTERLEAVED_STEPS the steps per row (200); ~5 min:
 #                7 pairs of 200 + 200 steps at 40-100 ms)
+#   interleaved-runs  more runs of memfit_benchmarks.interleaved, each its own argument list, separated by ';'
+#                in INTERLEAVED_RUNS (default: the headline's families and synthetic cells that tie inside their
+#                rounds' spread, see below); a family's run steps two copies of its model at its preset's size in
+#                turn (interleaved-<family>-<tokens>-<config>.{json,md}; ~1-4 min a family)
 #   park-cost    the host time of parking one region, piece by piece: stream and event calls, the copy's issue,
 #                the device allocation, the engine's park and round trip of one tensor (park-cost.{json,md}), and the
 #                engine's Python alone on this host, over streams that do nothing (cpu/park-cost.{json,md}; <1 min)
@@ -61,6 +65,13 @@ fit_test() {
     MEMFIT_REQUIRE_CUDA=1 MEMFIT_FIT_LOG_DIR="$OUT/fit" python3 -m pytest core/tests/gpu_fit_24gib.py -v -s \
         -p no:cacheprovider -k "$1"
 }
+# the headline cells that tie inside their rounds' spread (24 steps a row: a family's step is 0.5-2 s)
+DEFAULT_INTERLEAVED_RUNS="--family flux --steps 24 --pairs torch/diffusers-ckpt;\
+ --family mageflow --configs lora-all --steps 24 --pairs torch-ffn/ckpt-ffn,unsloth-ffn/ckpt-ffn;\
+ --family krea2 --configs lora-all --steps 24 --pairs torch/ckpt-block,torch/diffusers-ckpt;\
+ --family wan --configs lora-all --steps 24 --pairs torch/diffusers-ckpt;\
+ --shape 1 --steps 60 --pairs torch/ckpt-block,torch-ffn/ckpt-ffn;\
+ --shape 3 --steps 40 --pairs torch-ffn/ckpt-ffn"
 for part in ${PARTS:-gpu}; do
     case "$part" in
         gpu) run_part nox-gpu python3 -m nox -s gpu ;;
@@ -97,6 +108,12 @@ for part in ${PARTS:-gpu}; do
         interleaved) run_part pinning python3 -m memfit_benchmarks.pinning --out "$OUT"
             run_part interleaved python3 -m memfit_benchmarks.interleaved --shape 0 --steps "${INTERLEAVED_STEPS:-200}" \
                 ${INTERLEAVED_PAIRS:+--pairs "$INTERLEAVED_PAIRS"} --out "$OUT" ;;
+        interleaved-runs) IFS=';' read -ra runs <<< "${INTERLEAVED_RUNS:-$DEFAULT_INTERLEAVED_RUNS}"
+            for args in "${runs[@]}"; do
+                # shellcheck disable=SC2086  # each run's arguments are split on spaces on purpose
+                run_part "interleaved$(echo $args | tr -c 'A-Za-z0-9-' '_' | tr -s '_' | cut -c1-60)" \
+                    python3 -m memfit_benchmarks.interleaved $args --out "$OUT"
+            done ;;
         park-cost) run_part park-cost python3 -m memfit_benchmarks.park_cost --out "$OUT"
             run_part park-cost-cpu python3 -m memfit_benchmarks.park_cost --device cpu --out "$OUT/cpu" ;;
         *) echo "unknown part $part" >&2; status=1 ;;

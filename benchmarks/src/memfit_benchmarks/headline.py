@@ -198,21 +198,14 @@ def synthetic_table(found: dict[tuple[str, str, str], Measured]) -> list[str]:
     return _table(head, rows)
 
 
-def stepped_table(root: Path, base: Path) -> list[str]:
-    """The short-sequence pairs stepped in turn (``memfit_benchmarks.interleaved``, eager), where a run measured
-    them: at 1024 tokens the host's speed drifts more between rounds than the modes differ, and only ratios of
-    neighbouring steps settle the 1024-token targets. Nothing without such a file."""
-    runs = [(path, load(path)) for path in results_files(root)]
-    runs = [(path, p) for path, p in runs if p.get("suite") == "interleaved"]
-    if not runs:
-        return []
-    path, payload = runs[-1]
-    tokens = payload.get("tokens") or next(
-        (t for label, _, _, t in SHAPES if label == payload.get("shape")), None
-    )
+STEPPED_SUITES = {"synthetic": "interleaved", "families": "interleaved-families"}
+
+
+def _stepped_rows(payload: dict[str, Any], tokens: int | None) -> list[list[str]]:
+    """One row per pair of a run stepped in turn: its ratio, the headline's own target (not one an older run
+    stored) and the check."""
     rows = []
     for r in payload["pairs"]:
-        # the headline's own targets, not the ones an older run stored
         limit = pair_limit(r["a"], r["b"], tokens)
         ratio = f"{r['ratio_median']:.3f} ({r['ratio_q1']:.3f}–{r['ratio_q3']:.3f})"
         if r["a"] == "offload_attention" and limit:
@@ -227,22 +220,56 @@ def stepped_table(root: Path, base: Path) -> list[str]:
             continue
         verdict = "-" if not limit else ("meets it" if r["ratio_median"] <= limit else "**over**")
         rows.append([f"{r['a']} ÷ {r['b']}", ratio, "-" if not limit else f"≤ {limit:.2f}", verdict])
-    try:
-        shown = path.relative_to(base)
-    except ValueError:
-        shown = path
+    return rows
+
+
+def stepped_table(root: Path, base: Path, *, suite: str) -> list[str]:
+    """The pairs stepped in turn (``memfit_benchmarks.interleaved``, eager) of ``suite``'s models, where a run
+    measured them: at 1024 tokens the host's speed drifts more between rounds than the modes differ, and on a
+    family a few tenths of a percent between rounds of a second or more; only ratios of neighbouring steps settle
+    such cells. Nothing without such a file."""
+    runs = [(path, load(path)) for path in results_files(root)]
+    runs = [(path, p) for path, p in runs if p.get("suite") == STEPPED_SUITES[suite]]
+    if not runs:
+        return []
+    rows, sources = [], []
+    for path, payload in sorted(runs, key=lambda run: _stepped_order(run[1])):
+        tokens = payload.get("tokens") or next(
+            (t for label, _, _, t in SHAPES if label == payload.get("shape")), None
+        )
+        model = [payload["family"], str(tokens)] if payload.get("family") else [payload["shape"]]
+        lora = HEADLINE_CONFIGS.get(payload.get("config", "lora-all"), payload.get("config", ""))
+        rows += [[*model, lora, *row] for row in _stepped_rows(payload, tokens)]
+        try:
+            shown = path.relative_to(base)
+        except ValueError:
+            shown = path
+        sources.append(
+            f"- `{shown}`: {payload.get('device')}, torch {payload.get('torch')}, {payload.get('sdpa_backend')}, "
+            f"{payload.get('steps')} steps per row, {str(payload.get('date'))[:10]}"
+        )
+    head = (["family", "tokens"] if suite == "families" else ["shape"]) + [
+        "LoRA",
+        "pair",
+        "step ratio",
+        "target",
+    ]
+    what = "model families" if suite == "families" else "synthetic stack"
     return [
-        f"### {payload['shape']}, stepped in turn (median of per-step ratios, interquartile range)",
+        f"### {what[0].upper() + what[1:]}, stepped in turn (median of per-step ratios, interquartile range)",
         "",
-        *_table(["pair", "step ratio", "target", "check"], rows),
+        *_table([*head, "check"], rows),
         "",
-        f"From `{shown}`: {payload.get('device')}, torch {payload.get('torch')}, {payload.get('sdpa_backend')}, "
-        f"{payload.get('steps')} steps per row, {str(payload.get('date'))[:10]}. Two copies of the model, one per "
-        "row, stepped in turn; each step over the mean of its neighbours on the other copy. At this length the "
-        "round-robin rounds of the table above drift more than the modes differ: these ratios settle its "
-        "1024-token cells.",
+        "Two copies of the model, one per row, stepped in turn; each step over the mean of its neighbours on the "
+        "other copy, so a drift of the machine's speed slower than a step cancels. Where a cell of the table above "
+        "is a tie inside its rounds' spread, these ratios settle it. From:",
+        *sources,
         "",
     ]
+
+
+def _stepped_order(payload: dict[str, Any]) -> tuple:
+    return (payload.get("family") or "", payload.get("tokens") or 0, payload.get("config", "lora-all"))
 
 
 def _numeric_first(text: str) -> tuple[bool, int, str]:
@@ -308,7 +335,7 @@ def headline(root: Path, base: Path, *, suite: str | None = None) -> str:
     lines = []
     if suite in (None, "synthetic"):
         lines += ["### Synthetic DiT stack (bf16, flash SDPA, batch 1)", "", *synthetic_table(found), ""]
-        lines += stepped_table(root, base)
+        lines += stepped_table(root, base, suite="synthetic")
     if suite in (None, "families"):
         lines += [
             f"### Model families at their published size (bf16, batch 1, {HEADLINE_CONFIGS['lora-all']} / "
@@ -316,6 +343,7 @@ def headline(root: Path, base: Path, *, suite: str | None = None) -> str:
             "",
             *family_table(found, families),
             "",
+            *stepped_table(root, base, suite="families"),
         ]
     lines += [*legend, "", *_sources(found, base)]
     return "\n".join(lines) + "\n"

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 import memfit
+from memfit.adapters import FamilyAdapter
 from memfit.offload.copy import CopyEngine, StreamApi
 from memfit.offload.pool import PinnedBucketPool
 from memfit_benchmarks import peers
@@ -137,12 +138,19 @@ def offload_on_cpu(mode: Mode) -> dict[str, Any]:
 
 
 class Installed:
-    """One row's mode installed on the stack: ``step()`` runs a training step (``forward_backward()`` without
+    """One row's mode installed on a model: ``step()`` runs a training step (``forward_backward()`` without
     clearing the gradients first, for a caller that times only that), ``hooked_tensors()`` counts the saved tensors
     its hooks handled since the last ``reset()``."""
 
-    def __init__(self, model: torch.nn.Module, batch: dict[str, Any], handle: Any, context: Any) -> None:
-        self.model, self.batch, self.handle, self.context = model, batch, handle, context
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        batch: dict[str, Any],
+        handle: Any,
+        context: Any,
+        loss: Callable[[Any], torch.Tensor] = SYNTHETIC.loss,
+    ) -> None:
+        self.model, self.batch, self.handle, self.context, self.loss = model, batch, handle, context, loss
         self.packed = [0]  # saved tensors through the no-op hooks
 
     def step(self) -> None:
@@ -151,7 +159,7 @@ class Installed:
 
     def forward_backward(self) -> None:
         with self.context():
-            loss = SYNTHETIC.loss(self.model(**self.batch))
+            loss = self.loss(self.model(**self.batch))
         loss.backward()
 
     def reset(self) -> None:
@@ -168,25 +176,31 @@ class Installed:
 
 @contextlib.contextmanager
 def installed(
-    model: torch.nn.Module, batch: dict[str, Any], name: str, *, cuda: bool = False
+    model: torch.nn.Module,
+    batch: dict[str, Any],
+    name: str,
+    *,
+    cuda: bool = False,
+    adapter: FamilyAdapter = SYNTHETIC,
 ) -> Iterator[Installed]:
-    """Install row ``name`` (a memfit mode, a peer, ``none`` or the no-op hooks) on the stack; removed after. Off
-    CUDA (``cuda=False``) an offload mode parks through the copy engine over streams that do nothing."""
+    """Install row ``name`` (a memfit mode, a peer, ``none`` or the no-op hooks) on ``model``, the synthetic stack
+    or a family's model (``adapter``: its blocks, FFN regions and loss); removed after. Off CUDA (``cuda=False``)
+    an offload mode parks through the copy engine over streams that do nothing."""
     base = VARIANTS[name][0] if name in VARIANTS else name
     config = {m.name: m.config for m in MODES}.get(base)
     if name in VARIANTS and not cuda and name not in CPU_VARIANTS:
         raise ValueError(f"variant {name!r} needs CUDA; off CUDA only {sorted(CPU_VARIANTS)} run")
     context: Any = contextlib.nullcontext
     # a peer goes on as the sweeps put it on (save_on_cpu without CUDA: a pageable copy per saved tensor)
-    installation = peers.install(_PEERS[name], model, SYNTHETIC) if name in _PEERS else None
+    installation = peers.install(_PEERS[name], model, adapter) if name in _PEERS else None
     if installation is not None:
         context = installation.step_context
     handle = None
     if config:
         keywords = {} if cuda else offload_on_cpu(Mode(base, config))
         keywords.update(variant_keywords(name, config))  # (a variant's own keywords win)
-        handle = memfit.apply(model, config, adapter=SYNTHETIC, **keywords)
-    run = Installed(model, batch, handle, context)
+        handle = memfit.apply(model, config, adapter=adapter, **keywords)
+    run = Installed(model, batch, handle, context, adapter.loss)
     if name == NOOP_HOOKS:
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:
@@ -244,11 +258,12 @@ def _paired_range(ms: list[float], other: list[dict[str, Any]]) -> list[float]:
     return [min(differences), max(differences)]
 
 
-def row_names() -> set[str]:
-    """Every row :func:`installed` can put on the synthetic stack: the memfit modes, the peers (diffusers'
-    checkpointing aside: the stack is no diffusers model), the no-op hooks, the variants
+def row_names(*, diffusers: bool = False) -> set[str]:
+    """Every row :func:`installed` can put on a model: the memfit modes, the peers (diffusers' checkpointing only
+    where ``diffusers``: the synthetic stack is no diffusers model), the no-op hooks, the variants
     (:mod:`memfit_benchmarks.variants`; off CUDA only those that change what is parked)."""
-    return {m.name for m in MODES} | (set(_PEERS) - {Peer.DIFFUSERS.value}) | {NOOP_HOOKS} | set(VARIANTS)
+    peer_rows = set(_PEERS) if diffusers else set(_PEERS) - {Peer.DIFFUSERS.value}
+    return {m.name for m in MODES} | peer_rows | {NOOP_HOOKS} | set(VARIANTS)
 
 
 def selected(modes: str | None) -> list[str]:

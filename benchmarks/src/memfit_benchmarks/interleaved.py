@@ -1,7 +1,8 @@
-"""Short-sequence step-time ratios measured step by step: two copies of the model, one row each, stepped in turn.
+"""Step-time ratios measured step by step: two copies of the model, one row each, stepped in turn.
 
     python -m memfit_benchmarks.interleaved --out DIR [--shape 0] [--steps 200] [--pairs A/B,...]
-        [--compile inductor]
+        [--configs lora-all,lora-attn] [--compile inductor]
+    python -m memfit_benchmarks.interleaved --out DIR --family flux [--tokens 4096] [--steps 30]
 
 At 1024 tokens the step is bound by host time, and the host's speed wanders: the `none` step's median over a
 20-step round can move by half between rounds, so ratios of rounds measured seconds apart spread widely. Here row
@@ -18,6 +19,11 @@ the same recompute); ``offload_attention`` / ``none``, whose target is 1.10 × m
 parked per step ÷ the pinned bandwidth measured in the run): its row reports that bound's ratio too. Off CUDA (a
 smoke run) steps are timed with ``perf_counter`` and the offload modes park through streams that do nothing
 (``host_overhead.NullStreams``): their host time only.
+
+A family's model (``--family``, its preset's size, random weights) is measured the same way, where round-robin
+rounds of a second or more each leave ties of a few tenths of a percent (a machine's speed moves that much between
+rounds): each memfit mode against the peer its headline column names, per LoRA config, one results file each
+(``interleaved-<family>-<tokens>-<config>.json``). Both copies must fit on the device at once.
 """
 
 from __future__ import annotations
@@ -32,14 +38,19 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
+import memfit
+from memfit.adapters import FamilyAdapter
+from memfit_benchmarks import peers
 from memfit_benchmarks.environment import pinned_bandwidth, run_stamp
 from memfit_benchmarks.host_overhead import Installed, installed, row_names
+from memfit_benchmarks.modes import Peer
 from memfit_benchmarks.report import attention_offload_bound_s, pair_limit
 from memfit_benchmarks.results import write_results
 from memfit_benchmarks.shapes import SHAPES, TINY_SHAPE
 from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
-from memfit_benchmarks.training import TrainingConfig, prepare
+from memfit_benchmarks.training import TrainingConfig, parse_configs, prepare
 
 BOUND = "offload_attention"  # its target is on the bound, not on the ratio to its baseline
 # each pair's target is the sweeps' own (``report.pair_limit``) at the run's tokens
@@ -51,6 +62,13 @@ PAIRS = [
     ("unsloth", "torch"),  # what parking adds to the same recompute (no target of its own)
     ("unsloth-ffn", "torch-ffn"),
     (BOUND, "none"),
+]
+# a family's pairs: its headline's columns (the block peer falls back to ckpt-block, see :func:`family_pairs`)
+FAMILY_PAIRS = [
+    ("torch", Peer.DIFFUSERS),
+    ("torch-ffn", Peer.CHECKPOINT_FFN),
+    ("unsloth", Peer.DIFFUSERS),
+    ("unsloth-ffn", Peer.CHECKPOINT_FFN),
 ]
 
 
@@ -96,6 +114,7 @@ def measure_pair(
     warmup: int,
     cuda: bool,
     compiled: bool = False,
+    adapter: FamilyAdapter = SYNTHETIC,
 ) -> dict[str, Any]:
     """Rows ``a`` and ``b`` stepped in turn on the two copies (``steps`` each), swapping copies halfway.
 
@@ -107,8 +126,8 @@ def measure_pair(
     for half, (model_a, model_b) in enumerate((models, models[::-1])):
         n = steps // 2 if half == 0 else steps - steps // 2
         with (
-            installed(model_a, batch, a, cuda=cuda) as run_a,
-            installed(model_b, batch, b, cuda=cuda) as run_b,
+            installed(model_a, batch, a, cuda=cuda, adapter=adapter) as run_a,
+            installed(model_b, batch, b, cuda=cuda, adapter=adapter) as run_b,
         ):
             if compiled:
                 torch._dynamo.reset()  # the warm-up steps compile again
@@ -202,11 +221,16 @@ def _target_cell(r: dict[str, Any]) -> str:
     return f"≤ {limit:.2f}× ({'PASS' if r['ratio_median'] <= limit else 'FAIL'})"
 
 
+def _model_label(payload: dict[str, Any]) -> str:
+    return "Model" if payload.get("family") else "Synthetic stack"
+
+
 def render(payload: dict[str, Any]) -> str:
     lines = [
         f"# Interleaved step-time ratios — {payload['device']}, torch {payload['torch']}, {payload['date']}",
         "",
-        f"Synthetic stack {payload['shape']}, {payload['regime']}; SDPA: {payload['sdpa_backend']}. Two copies of "
+        f"{_model_label(payload)} {payload['shape']}, {payload['regime']}; SDPA: {payload['sdpa_backend']}. "
+        "Two copies of "
         f"the model, one per mode, stepped in turn ({payload['steps']} steps each after {payload['warmup']} "
         f"warm-up steps, the copies swapping modes halfway); each A step over the mean of its neighbouring B "
         f"steps. Commit: {payload.get('git_commit') or 'n/a'}.",
@@ -232,9 +256,9 @@ def render(payload: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n"
 
 
-def _parse_pairs(text: str, parser: argparse.ArgumentParser) -> list[tuple[str, str]]:
+def _parse_pairs(text: str, parser: argparse.ArgumentParser, *, diffusers: bool) -> list[tuple[str, str]]:
     """``"offload_attention/none,unsloth/ckpt-block"`` -> (A, B) pairs; a typo stops here."""
-    names = row_names()
+    names = row_names(diffusers=diffusers)
     pairs = []
     for item in text.split(","):
         a, slash, b = (part.strip() for part in item.partition("/"))
@@ -244,13 +268,76 @@ def _parse_pairs(text: str, parser: argparse.ArgumentParser) -> list[tuple[str, 
     return pairs
 
 
-def main(argv: list[str] | None = None) -> Path:
+def family_pairs(model: torch.nn.Module, adapter: FamilyAdapter) -> list[tuple[str, str]]:
+    """A family's default pairs, as its headline columns compare them: each memfit mode against diffusers'
+    checkpointing (whole-block modes; ``ckpt-block`` where the family's own checkpointing cannot run) or against
+    ``ckpt-ffn`` (FFN modes, where the family declares an FFN)."""
+    block_peer = (
+        Peer.DIFFUSERS if peers.unsupported(Peer.DIFFUSERS, model, adapter) is None else Peer.CHECKPOINT_BLOCK
+    )
+    out = []
+    for mode, peer in FAMILY_PAIRS:
+        peer = block_peer if peer is Peer.DIFFUSERS else peer
+        if peers.unsupported(peer, model, adapter) is None:
+            out.append((mode, peer.value))
+    return out
+
+
+def stem(*, family: str | None, tokens: int, config: TrainingConfig, compiled: bool, shape: str = "0") -> str:
+    """The results file of one run: ``interleaved`` for the synthetic stack's first shape (1024 tokens; its tiny
+    smoke shape too) with LoRA on every linear, eager; the family, another shape's tokens, the config and
+    compilation named where they differ."""
+    if family is not None:
+        return f"interleaved-{family}-{tokens}-{config.value}"
+    parts = ["interleaved"] + (["compiled"] if compiled else [])
+    parts += [] if shape in ("0", "tiny") else [str(tokens)]
+    parts += [] if config is TrainingConfig.LORA_ALL else [config.value]
+    return "-".join(parts)
+
+
+def _model(args: argparse.Namespace, device: torch.device) -> tuple[Any, dict, FamilyAdapter, dict[str, Any]]:
+    """The model (random weights) and its batch, the adapter that declares it, and what the results record
+    about it."""
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if args.family is None:
+        label, width, depth, tokens = TINY_SHAPE if args.shape == "tiny" else SHAPES[int(args.shape)]
+        model = build(dim=width, depth=depth, dtype=dtype, device=device)
+        batch = inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
+        return model, batch, SYNTHETIC, {"shape": label, "tokens": tokens}
+    adapter = memfit.get_adapter(args.family)
+    preset = adapter.presets[args.preset]
+    tokens = args.tokens or preset.default_tokens
+    model = preset.build(dtype=dtype, device=device)
+    batch = preset.inputs(model, tokens=tokens, batch=1, generator=torch.Generator().manual_seed(0))
+    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    shape = f"{args.family} {args.preset}, {tokens} tokens"
+    return (
+        model,
+        batch,
+        adapter,
+        {"shape": shape, "tokens": tokens, "family": args.family, "preset": args.preset},
+    )
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """The command line, checked: steps, family, configs and pairs (``configs`` and ``chosen`` parsed; ``chosen``
+    None for the default pairs). Exits with the parser's message on a mistake."""
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument(
         "--shape", default="0", help="index into the sweep's shapes (0: 1024 tokens), or 'tiny'"
+    )
+    parser.add_argument("--family", default=None, help="a family's model instead of the synthetic stack")
+    parser.add_argument("--preset", default="full", help="the family's preset (with --family)")
+    parser.add_argument(
+        "--tokens", type=int, default=None, help="the family's tokens (default: its preset's)"
+    )
+    parser.add_argument(
+        "--configs",
+        default=None,
+        help="training configs, one results file each (default: lora-all; a family: lora-all,lora-attn)",
     )
     parser.add_argument("--steps", type=int, default=200, help="timed steps per mode and pair")
     parser.add_argument("--warmup", type=int, default=3)
@@ -260,7 +347,8 @@ def main(argv: list[str] | None = None) -> Path:
         default=None,
         help="comma-separated A/B mode pairs (default: "
         + ", ".join(f"{a}/{b}" for a, b in PAIRS)
-        + "); each has the sweeps' target for its two rows, if any",
+        + "; a family: each memfit mode against its headline peer); each has the sweeps' target for its two "
+        "rows, if any",
     )
     parser.add_argument(
         "--compile",
@@ -273,62 +361,103 @@ def main(argv: list[str] | None = None) -> Path:
     args = parser.parse_args(argv)
     if args.steps < 2 or args.warmup < 1:
         parser.error("--steps must be at least 2 and --warmup at least 1")
-    chosen = PAIRS if args.pairs is None else _parse_pairs(args.pairs, parser)
-    cuda = torch.device(args.device).type == "cuda"
+    if args.compile and args.family:
+        parser.error("--compile compiles the synthetic stack's blocks; it does not take --family")
+    if args.family is not None and args.family not in memfit.available_adapters():
+        parser.error(f"unknown family {args.family!r}: choose from {sorted(memfit.available_adapters())}")
+    try:
+        configs = parse_configs(args.configs or ("lora-all,lora-attn" if args.family else "lora-all"))
+    except ValueError as exc:
+        parser.error(str(exc))
+    args.configs = configs
+    args.chosen = (
+        None if args.pairs is None else _parse_pairs(args.pairs, parser, diffusers=bool(args.family))
+    )
+    return args
+
+
+def main(argv: list[str] | None = None) -> list[Path]:
+    args = parse_args(argv)
+    configs, chosen = args.configs, args.chosen
+    device = torch.device(args.device)
+    cuda = device.type == "cuda"
     if cuda and not torch.cuda.is_available():
-        raise SystemExit("needs CUDA (or --device cpu --shape tiny for a smoke run)")
-    label, width, depth, tokens = TINY_SHAPE if args.shape == "tiny" else SHAPES[int(args.shape)]
+        raise SystemExit("needs CUDA (or --device cpu --shape tiny / --preset tiny for a smoke run)")
     if cuda:
         torch.backends.cuda.enable_cudnn_sdp(False)
-    dtype = torch.bfloat16 if cuda else torch.float32
-    model = build(dim=width, depth=depth, dtype=dtype, device=args.device)
-    batch = inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
-    prepare(model, batch, TrainingConfig.LORA_ALL, SYNTHETIC, dtype=dtype)
-    models = (model, copy.deepcopy(model))
-    if args.compile:
-        for m in models:
-            compile_blocks(m, args.compile)
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    bandwidth = pinned_bandwidth() if cuda else None  # the bound's copy time
-    pairs = []
-    with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if cuda else contextlib.nullcontext():
-        for a, b in chosen:
-            row = measure_pair(
-                models,
-                batch,
-                a,
-                b,
-                steps=args.steps,
-                warmup=args.warmup,
-                cuda=cuda,
-                compiled=bool(args.compile),
-            )
-            row["target"] = pair_limit(a, b, tokens)
-            if a == BOUND:
-                row["bound_ratio"] = bound_ratio(row, (bandwidth or {}).get("d2h_gbs"))
-            pairs.append(row)
-            print(
-                f"{a} / {b}: {row['ratio_median']:.3f} ({row['ratio_q1']:.3f}-{row['ratio_q3']:.3f})",
-                flush=True,
-            )
-            gc.collect()
-    suite = (
-        "interleaved-compiled" if args.compile else "interleaved"
-    )  # a file of its own next to the eager run
-    payload = {
-        **run_stamp(suite, torch.cuda.get_device_name() if cuda else "cpu"),
-        "shape": label,
-        "tokens": tokens,
-        "regime": "lora" + (f", blocks compiled ({args.compile})" if args.compile else ", eager"),
-        "compile": args.compile,
-        "sdpa_backend": "flash (cuDNN SDPA disabled)" if cuda else "default (CPU)",
-        "steps": args.steps,
-        "warmup": args.warmup,
-        "pinned_bandwidth": bandwidth,
-        "pairs": pairs,
-    }
-    return write_results(args.out, payload, render)
+    model, batch, adapter, described = _model(args, device)
+    if chosen is None:
+        chosen = PAIRS if args.family is None else family_pairs(model, adapter)
+    # the synthetic stack pins flash; a family runs the default dispatch its sweep runs (its masks and
+    # variable-length batches may have no flash kernel)
+    pin_flash = cuda and args.family is None
+    sdpa = (
+        "flash (cuDNN SDPA disabled)"
+        if pin_flash
+        else ("default dispatch, cuDNN SDPA disabled" if cuda else "default (CPU)")
+    )
+    bandwidth = (
+        pinned_bandwidth() if cuda and any(a == BOUND for a, _ in chosen) else None
+    )  # the bound's copies
+    paths = []
+    for config in configs:
+        training = prepare(model, batch, config, adapter, dtype=next(model.parameters()).dtype)
+        models = (model, copy.deepcopy(model))
+        if args.compile:
+            for m in models:
+                compile_blocks(m, args.compile)
+        pairs = []
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION) if pin_flash else contextlib.nullcontext():
+            for a, b in chosen:
+                row = measure_pair(
+                    models,
+                    batch,
+                    a,
+                    b,
+                    steps=args.steps,
+                    warmup=args.warmup,
+                    cuda=cuda,
+                    compiled=bool(args.compile),
+                    adapter=adapter,
+                )
+                row["target"] = pair_limit(a, b, described["tokens"])
+                if a == BOUND:
+                    row["bound_ratio"] = bound_ratio(row, (bandwidth or {}).get("d2h_gbs"))
+                pairs.append(row)
+                print(
+                    f"[{config.value}] {a} / {b}: {row['ratio_median']:.3f} "
+                    f"({row['ratio_q1']:.3f}-{row['ratio_q3']:.3f})",
+                    flush=True,
+                )
+                gc.collect()
+        del models
+        training.undo()
+        gc.collect()
+        # a family's runs are one sweep (each family a file of its own); the compiled stack's run sits next to the
+        # eager one
+        suite = (
+            "interleaved-families"
+            if args.family
+            else ("interleaved-compiled" if args.compile else "interleaved")
+        )
+        payload = {
+            **run_stamp(suite, torch.cuda.get_device_name() if cuda else "cpu"),
+            **described,
+            "config": config.value,
+            "regime": training.description
+            + (f", blocks compiled ({args.compile})" if args.compile else ", eager"),
+            "compile": args.compile,
+            "sdpa_backend": sdpa,
+            "steps": args.steps,
+            "warmup": args.warmup,
+            "pinned_bandwidth": bandwidth,
+            "pairs": pairs,
+        }
+        name = stem(
+            family=args.family, tokens=described["tokens"], config=config, compiled=bool(args.compile)
+        )
+        paths.append(write_results(args.out, payload, render, stem=name))
+    return paths
 
 
 if __name__ == "__main__":

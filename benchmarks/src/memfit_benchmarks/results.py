@@ -70,9 +70,12 @@ def results_files(root: Path) -> list[Path]:
     return sorted(p for p in root.rglob("*.json") if p.is_file())
 
 
-def write_results(out: Path, payload: dict[str, Any], render: Callable[[dict[str, Any]], str]) -> Path:
-    """``<suite>.json`` and its ``.md`` under ``out`` (the markdown printed too); returns the JSON's path."""
-    path = write_json(out / f"{payload['suite']}.json", payload)
+def write_results(
+    out: Path, payload: dict[str, Any], render: Callable[[dict[str, Any]], str], *, stem: str | None = None
+) -> Path:
+    """``<stem>.json`` (default: ``<suite>.json``) and its ``.md`` under ``out`` (the markdown printed too); returns
+    the JSON's path."""
+    path = write_json(out / f"{stem or payload['suite']}.json", payload)
     markdown = render(payload)
     path.with_suffix(".md").write_text(markdown)
     print(markdown, flush=True)
