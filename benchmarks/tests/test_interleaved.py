@@ -7,6 +7,7 @@ import os
 import re
 import subprocess
 import sys
+import tarfile
 from pathlib import Path
 
 import pytest
@@ -214,5 +215,7 @@ def test_the_device_parts_default_runs_parse_and_a_given_run_writes_its_file(tmp
         ["bash", str(CHECKS)], cwd=CHECKS.parents[2], env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
-    payload = json.loads((tmp_path / "interleaved-flux-64-lora-attn.json").read_text())
+    with tarfile.open(tmp_path / "interleaved-runs.tar.gz") as archive:
+        member = archive.extractfile("interleaved-runs/interleaved-flux-64-lora-attn.json")
+        payload = json.loads(member.read())
     assert [(p["a"], p["b"]) for p in payload["pairs"]] == [("torch", "diffusers-ckpt")]

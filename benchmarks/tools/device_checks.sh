@@ -109,11 +109,16 @@ for part in ${PARTS:-gpu}; do
             run_part interleaved python3 -m memfit_benchmarks.interleaved --shape 0 --steps "${INTERLEAVED_STEPS:-200}" \
                 ${INTERLEAVED_PAIRS:+--pairs "$INTERLEAVED_PAIRS"} --out "$OUT" ;;
         interleaved-runs) IFS=';' read -ra runs <<< "${INTERLEAVED_RUNS:-$DEFAULT_INTERLEAVED_RUNS}"
+            # every run's files in one archive (a device call brings back a few files only)
+            mkdir -p "$OUT/interleaved-runs"
             for args in "${runs[@]}"; do
                 # shellcheck disable=SC2086  # each run's arguments are split on spaces on purpose
-                run_part "interleaved$(echo $args | tr -c 'A-Za-z0-9-' '_' | tr -s '_' | cut -c1-60)" \
-                    python3 -m memfit_benchmarks.interleaved $args --out "$OUT"
-            done ;;
+                elapsed "interleaved $args"
+                python3 -m memfit_benchmarks.interleaved $args --out "$OUT/interleaved-runs" \
+                    >> "$OUT/interleaved-runs.log" 2>&1 || { status=1; elapsed "interleaved $args: failed"; }
+            done
+            tail -n 40 "$OUT/interleaved-runs.log"
+            tar czf "$OUT/interleaved-runs.tar.gz" -C "$OUT" interleaved-runs && rm -rf "$OUT/interleaved-runs" ;;
         park-cost) run_part park-cost python3 -m memfit_benchmarks.park_cost --out "$OUT"
             run_part park-cost-cpu python3 -m memfit_benchmarks.park_cost --device cpu --out "$OUT/cpu" ;;
         *) echo "unknown part $part" >&2; status=1 ;;
