@@ -45,9 +45,9 @@ def test_interleaved_smoke_cpu(tmp_path):
     assert stats["unsloth"]["recomputes"] == 2 and stats["unsloth"]["bytes_offloaded"] == 0
     assert stats["offload_attention"]["attention_tensors_parked"] > 0
     assert stats["offload_attention"].get("recomputes", 0) == 0
-    # a peer side runs without a memfit handle: nothing of memfit's to count on it
+    # a peer side runs without a memfit handle: nothing of memfit's to count on it, only its checkpointed regions
     (block_peer,) = (p for p in payload["pairs"] if (p["a"], p["b"]) == ("torch", "ckpt-block"))
-    assert set(block_peer["stats_per_step"]) == {"torch"}
+    assert block_peer["stats_per_step"]["ckpt-block"] == {"checkpointed_calls": 2.0}
     md = path.with_suffix(".md").read_text()
     assert (
         "| unsloth / torch |" in md and "≤ 1.00×" in md and "2 recomputes" in md and "attention tensors" in md
@@ -130,6 +130,11 @@ def test_a_family_is_stepped_in_turn_against_the_peers_of_its_headline_columns(t
         ]
         recomputes = {p["a"]: p["stats_per_step"][p["a"]]["recomputes"] for p in payload["pairs"]}
         assert recomputes["torch"] > 0 and recomputes["torch-ffn"] > recomputes["torch"]
+        # each peer side counts the regions it checkpointed, as memfit's side counts its frames
+        for p in payload["pairs"]:
+            assert (
+                p["stats_per_step"][p["b"]]["checkpointed_calls"] == p["stats_per_step"][p["a"]]["frames"] > 0
+            )
         assert "Model flux tiny, 64 tokens" in path.with_suffix(".md").read_text()
     # a family whose own checkpointing branch cannot be timed against memfit's falls back to ckpt-block
     (chroma,) = interleaved.main(
@@ -138,11 +143,46 @@ def test_a_family_is_stepped_in_turn_against_the_peers_of_its_headline_columns(t
     )
     pairs = json.loads(chroma.read_text())["pairs"]
     assert [(p["a"], p["b"]) for p in pairs][:1] == [("torch", "ckpt-block")]
+    # a family whose own checkpointing covers fewer blocks than memfit's (Krea 2's text-fusion blocks are not routed
+    # through it): the counts say so, and the headline does not check that pair
+    (krea,) = interleaved.main(
+        f"--out {tmp_path} --family krea2 --preset tiny --steps 2 --warmup 1 --device cpu --configs lora-attn "
+        "--pairs torch/diffusers-ckpt".split()
+    )
+    (pair,) = json.loads(krea.read_text())["pairs"]
+    assert (
+        pair["stats_per_step"]["torch"]["frames"] == 8
+        and pair["stats_per_step"]["diffusers-ckpt"]["checkpointed_calls"] == 4
+    )
+    from memfit_benchmarks import headline
+
+    text = headline.headline(tmp_path, tmp_path, suite="families")
+    row = next(line for line in text.splitlines() if line.startswith("| krea2 | 64 | attention only | torch"))
+    assert row.rstrip(" |").endswith("other work: memfit 8 regions, peer 4")
     with pytest.raises(SystemExit):
         interleaved.main(common[:4] + ["--family", "flx"])
     assert "unknown family 'flx'" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         interleaved.main([*common, "--compile", "aot_eager"])
+
+
+def test_each_shape_config_and_family_has_a_file_of_its_own(tmp_path):
+    """Runs of different shapes, configs or models never overwrite each other's results."""
+    from memfit_benchmarks.interleaved import parse_args, stem
+    from memfit_benchmarks.training import TrainingConfig
+
+    def named(*argv: str, tokens: int, config: TrainingConfig = TrainingConfig.LORA_ALL) -> str:
+        return stem(parse_args(["--out", str(tmp_path), *argv]), tokens=tokens, config=config)
+
+    assert named(tokens=1024) == named("--shape", "tiny", tokens=64) == "interleaved"
+    assert named("--shape", "1", tokens=4096) == "interleaved-4096"
+    assert named("--shape", "3", tokens=3072) == "interleaved-3072"
+    assert (
+        named("--shape", "1", tokens=4096, config=TrainingConfig.LORA_ATTENTION)
+        == "interleaved-4096-lora-attn"
+    )
+    assert named("--compile", "inductor", tokens=1024) == "interleaved-compiled"
+    assert named("--family", "wan", tokens=4680) == "interleaved-wan-4680-lora-all"
 
 
 def test_chosen_pairs_keep_a_default_pairs_target_and_refuse_a_typo(tmp_path, capsys):

@@ -201,9 +201,11 @@ def synthetic_table(found: dict[tuple[str, str, str], Measured]) -> list[str]:
 STEPPED_SUITES = {"synthetic": "interleaved", "families": "interleaved-families"}
 
 
-def _stepped_rows(payload: dict[str, Any], tokens: int | None) -> list[list[str]]:
+def _stepped_rows(payload: dict[str, Any], tokens: int | None, counted: Measured | None) -> list[list[str]]:
     """One row per pair of a run stepped in turn: its ratio, the headline's own target (not one an older run
-    stored) and the check."""
+    stored) and the check. A peer that checkpoints fewer regions than memfit does other work: its row says so
+    instead of a check (the counts the run recorded, else those of the round-robin entry ``counted`` measured on
+    the same model, config and tokens)."""
     rows = []
     for r in payload["pairs"]:
         limit = pair_limit(r["a"], r["b"], tokens)
@@ -219,15 +221,36 @@ def _stepped_rows(payload: dict[str, Any], tokens: int | None) -> list[list[str]
             rows.append([f"{r['a']} ÷ bound ({r['b']}: {ratio})", value, f"≤ {limit:.2f}", verdict])
             continue
         verdict = "-" if not limit else ("meets it" if r["ratio_median"] <= limit else "**over**")
+        counts = _pair_region_counts(r, counted)
+        if limit and counts is not None:
+            verdict = f"other work: memfit {counts[0]:g} regions, peer {counts[1]:g}"
         rows.append([f"{r['a']} ÷ {r['b']}", ratio, "-" if not limit else f"≤ {limit:.2f}", verdict])
     return rows
 
 
-def stepped_table(root: Path, base: Path, *, suite: str) -> list[str]:
+def _pair_region_counts(pair: dict[str, Any], counted: Measured | None) -> tuple[float, float] | None:
+    """(memfit's, the peer's) regions checkpointed per step where they differ (``region_counts``), as the stepped
+    run counted them or, for a run that did not count the peer's, as the round-robin entry ``counted`` did."""
+    stats = pair.get("stats_per_step", {})
+    ours, theirs = stats.get(pair["a"], {}), stats.get(pair["b"], {})
+    if "frames" in ours and "checkpointed_calls" in theirs:
+        row = {"frames_per_step": ours["frames"]}
+        return region_counts(row, {"checkpointed_calls_per_step": theirs["checkpointed_calls"]})
+    if counted is None:
+        return None
+    rows = {r["mode"]: r for r in counted.entry.get("rows", [])}
+    return region_counts(rows.get(pair["a"], {}), rows.get(pair["b"]))
+
+
+def stepped_table(
+    root: Path, base: Path, *, suite: str, found: dict[tuple[str, str, str], Measured] | None = None
+) -> list[str]:
     """The pairs stepped in turn (``memfit_benchmarks.interleaved``, eager) of ``suite``'s models, where a run
     measured them: at 1024 tokens the host's speed drifts more between rounds than the modes differ, and on a
     family a few tenths of a percent between rounds of a second or more; only ratios of neighbouring steps settle
-    such cells. Nothing without such a file."""
+    such cells. Nothing without such a file. ``found`` (:func:`collect`): the round-robin entries, whose region
+    counts stand in where a run did not count a peer's."""
+    found = found or {}
     runs = [(path, load(path)) for path in results_files(root)]
     runs = [(path, p) for path, p in runs if p.get("suite") == STEPPED_SUITES[suite]]
     if not runs:
@@ -239,7 +262,12 @@ def stepped_table(root: Path, base: Path, *, suite: str) -> list[str]:
         )
         model = [payload["family"], str(tokens)] if payload.get("family") else [payload["shape"]]
         lora = HEADLINE_CONFIGS.get(payload.get("config", "lora-all"), payload.get("config", ""))
-        rows += [[*model, lora, *row] for row in _stepped_rows(payload, tokens)]
+        counted = (
+            found.get((payload["family"], payload.get("config", "lora-all"), str(tokens)))
+            if payload.get("family")
+            else None
+        )
+        rows += [[*model, lora, *row] for row in _stepped_rows(payload, tokens, counted)]
         try:
             shown = path.relative_to(base)
         except ValueError:
@@ -343,7 +371,7 @@ def headline(root: Path, base: Path, *, suite: str | None = None) -> str:
             "",
             *family_table(found, families),
             "",
-            *stepped_table(root, base, suite="families"),
+            *stepped_table(root, base, suite="families", found=found),
         ]
     lines += [*legend, "", *_sources(found, base)]
     return "\n".join(lines) + "\n"

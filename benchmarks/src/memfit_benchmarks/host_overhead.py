@@ -152,6 +152,8 @@ class Installed:
     ) -> None:
         self.model, self.batch, self.handle, self.context, self.loss = model, batch, handle, context, loss
         self.packed = [0]  # saved tensors through the no-op hooks
+        # a peer's checkpointed forward calls so far (None: not a checkpointing peer, or one that does not count)
+        self.checkpointed_calls: Callable[[], int | None] = lambda: None
 
     def step(self) -> None:
         self.model.zero_grad(set_to_none=True)
@@ -201,6 +203,8 @@ def installed(
         keywords.update(variant_keywords(name, config))  # (a variant's own keywords win)
         handle = memfit.apply(model, config, adapter=adapter, **keywords)
     run = Installed(model, batch, handle, context, adapter.loss)
+    if installation is not None:
+        run.checkpointed_calls = installation.checkpointed_calls
     if name == NOOP_HOOKS:
 
         def pack(tensor: torch.Tensor) -> torch.Tensor:

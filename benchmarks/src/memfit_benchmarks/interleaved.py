@@ -136,6 +136,7 @@ def measure_pair(
                 _timed_step(run_b, cuda)
             run_a.reset()
             run_b.reset()
+            calls_before = {name: run.checkpointed_calls() for name, run in ((a, run_a), (b, run_b))}
             ta, tb = [], []
             for _ in range(n):
                 ta.append(_timed_step(run_a, cuda))
@@ -143,6 +144,10 @@ def measure_pair(
             for name, run in ((a, run_a), (b, run_b)):
                 if run.handle is not None:
                     _add_per_step(per_step.setdefault(name, {}), run.handle.stats(), steps)
+                if calls_before[name] is not None:  # a peer's regions, to tell a peer that checkpoints fewer
+                    calls = run.checkpointed_calls() - calls_before[name]
+                    into = per_step.setdefault(name, {})
+                    into["checkpointed_calls"] = into.get("checkpointed_calls", 0.0) + calls / steps
         times[a] += ta
         times[b] += tb
         ratios += per_step_ratios(ta, tb)
@@ -174,6 +179,7 @@ def bound_ratio(row: dict[str, Any], d2h_gbs: float | None) -> float | None:
 
 # what each mode did per timed step (so a ratio near 1 can be told from a mode that did nothing)
 PER_STEP_STATS = (
+    "frames",  # regions checkpointed (a peer's ``checkpointed_calls``, counted by the peer)
     "recomputes",
     "bytes_offloaded",
     "bytes_reloaded",
@@ -197,6 +203,8 @@ def _describe_per_step(stats: dict[str, float]) -> str:
     parts = []
     if stats.get("recomputes"):
         parts.append(f"{stats['recomputes']:.0f} recomputes")
+    if stats.get("checkpointed_calls"):
+        parts.append(f"{stats['checkpointed_calls']:.0f} regions checkpointed")
     if stats.get("bytes_offloaded"):
         parts.append(f"{stats['bytes_offloaded'] / 2**20:.0f} MiB parked")
     if stats.get("attention_tensors_parked"):
@@ -235,15 +243,16 @@ def render(payload: dict[str, Any]) -> str:
         f"warm-up steps, the copies swapping modes halfway); each A step over the mean of its neighbouring B "
         f"steps. Commit: {payload.get('git_commit') or 'n/a'}.",
         "",
-        "| A / B | median ratio | interquartile | A step ms | B step ms | A per step | target |",
-        "|---|---|---|---|---|---|---|",
+        "| A / B | median ratio | interquartile | A step ms | B step ms | A per step | B per step | target |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in payload["pairs"]:
         target = _target_cell(r)
         lines.append(
             f"| {r['a']} / {r['b']} | {r['ratio_median']:.3f} | {r['ratio_q1']:.3f}–{r['ratio_q3']:.3f} | "
             f"{r['a_step_s'] * 1e3:.1f} | {r['b_step_s'] * 1e3:.1f} | "
-            f"{_describe_per_step(r.get('stats_per_step', {}).get(r['a'], {}))} | {target} |"
+            f"{_describe_per_step(r.get('stats_per_step', {}).get(r['a'], {}))} | "
+            f"{_describe_per_step(r.get('stats_per_step', {}).get(r['b'], {}))} | {target} |"
         )
     if any(r["a"] == BOUND and r.get("target") for r in payload["pairs"]):
         gbs = (payload.get("pinned_bandwidth") or {}).get("d2h_gbs")
@@ -283,14 +292,14 @@ def family_pairs(model: torch.nn.Module, adapter: FamilyAdapter) -> list[tuple[s
     return out
 
 
-def stem(*, family: str | None, tokens: int, config: TrainingConfig, compiled: bool, shape: str = "0") -> str:
-    """The results file of one run: ``interleaved`` for the synthetic stack's first shape (1024 tokens; its tiny
-    smoke shape too) with LoRA on every linear, eager; the family, another shape's tokens, the config and
-    compilation named where they differ."""
-    if family is not None:
-        return f"interleaved-{family}-{tokens}-{config.value}"
-    parts = ["interleaved"] + (["compiled"] if compiled else [])
-    parts += [] if shape in ("0", "tiny") else [str(tokens)]
+def stem(args: argparse.Namespace, *, tokens: int, config: TrainingConfig) -> str:
+    """The results file of one run (``args``: :func:`parse_args`'): ``interleaved`` for the synthetic stack's first
+    shape (1024 tokens; its tiny smoke shape too) with LoRA on every linear, eager; the family, another shape's
+    tokens, the config and compilation named where they differ."""
+    if args.family is not None:
+        return f"interleaved-{args.family}-{tokens}-{config.value}"
+    parts = ["interleaved"] + (["compiled"] if args.compile else [])
+    parts += [] if args.shape in ("0", "tiny") else [str(tokens)]
     parts += [] if config is TrainingConfig.LORA_ALL else [config.value]
     return "-".join(parts)
 
@@ -453,9 +462,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
             "pinned_bandwidth": bandwidth,
             "pairs": pairs,
         }
-        name = stem(
-            family=args.family, tokens=described["tokens"], config=config, compiled=bool(args.compile)
-        )
+        name = stem(args, tokens=described["tokens"], config=config)
         paths.append(write_results(args.out, payload, render, stem=name))
     return paths
 
