@@ -275,9 +275,31 @@ def test_only_parameters_big_enough_to_matter_are_reread_every_step():
     model.register_buffer("table", torch.zeros(64, 1024))  # 256 KiB: within the 8x margin below 1 MiB
     session = OffloadSession(make_engine(), model, min_offload_bytes=1 << 20)
     session.new_step()
-    assert {id(t) for t in session.static_tensors} == {id(model[0].weight), id(model.table)}
     assert not session.worth_parking(model[0].weight.t())
+    assert {id(t) for t in session.static_tensors} == {id(model[0].weight), id(model.table)}
     assert session.worth_parking(torch.randn(512, 1024))
+
+
+def test_the_parameters_are_read_when_the_step_first_parks_not_as_it_starts(monkeypatch):
+    """At a forward's start nothing is queued on the device, so host work there is time the device waits: the
+    step's parameter storages are read at its first ``worth_parking``, once; a parameter registered after the step
+    began (a model that registers one inside its forward) is read with them."""
+    from memfit.offload.session import OffloadSession
+
+    model = torch.nn.Sequential(torch.nn.Linear(1024, 512, bias=False))
+    session = OffloadSession(make_engine(), model, min_offload_bytes=1 << 20)
+    reads = []
+    read = session._read_param_storages
+    monkeypatch.setattr(session, "_read_param_storages", lambda: reads.append(1) or read())
+    session.new_step()
+    assert reads == []
+    model.late = torch.nn.Parameter(torch.zeros(512, 1024))  # registered after the step began
+    assert not session.worth_parking(model.late.t())
+    assert not session.worth_parking(model[0].weight)
+    assert session.worth_parking(torch.randn(512, 1024))
+    assert reads == [1]
+    session.new_step()
+    assert session.worth_parking(torch.randn(512, 1024)) and reads == [1, 1]
 
 
 def test_a_model_dropped_without_remove_is_not_kept_alive_by_the_registration_hooks(x):

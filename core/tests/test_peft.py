@@ -164,3 +164,24 @@ def test_adapter_unloaded_and_deleted_after_apply():
     for m in model.modules():
         assert not m._forward_pre_hooks and not m._forward_hooks
         assert "forward" not in m.__dict__
+
+
+def test_the_ffn_sites_are_located_again_only_after_a_module_was_registered():
+    """Each forward checks whether PEFT replaced modules since the last one; while no module, parameter or buffer
+    was registered anywhere, the adapter's FFN chains are not walked again (that walk ran at every forward's
+    start, before any kernel was queued). An adapter added later is still found at the next forward."""
+    model = frozen(lora=False)
+    handle = apply(model, CONFIGS["torch-ffn-i1"])
+    engine = handle._controller.installation.engine
+    located = []
+    locate = engine._locate
+    engine._locate = lambda: located.append(1) or locate()
+    for _ in range(3):
+        lora_grads(model.requires_grad_(True), only_lora=False)
+    assert located == []
+    model.add_adapter(lora_config())
+    lora_grads(model)
+    assert located == [1] and handle.stats()["ffn_resyncs"] == 1
+    lora_grads(model)
+    assert located == [1]
+    handle.remove()

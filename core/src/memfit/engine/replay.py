@@ -143,6 +143,11 @@ class ModuleTrees:
                 self._cache[module] = tree
         return tree
 
+    def watched_generation(self) -> int | None:
+        """The generation while registrations are watched (unchanged: no module, parameter or buffer was
+        registered anywhere since it was read); None once :meth:`close` stopped watching."""
+        return self.generation if self._handles else None
+
     def close(self) -> None:
         """Remove the registration hooks: every later lookup walks its module again, and a module changed between
         a forward and its recompute is no longer noticed."""

@@ -83,7 +83,7 @@ class OffloadSession:
         self._regions_started = 0  # regions of this step so far (parking or not)
         self._timeline: list[weakref.ref[ParkingRegion]] = []
         self._step_parked: list[weakref.ref] = []
-        self._param_storages: set[int] = set()
+        self._param_storages: set[int] | None = None  # this step's parameter storages, read on first use
         self._call_param_storages: set[int] = set()
         # The model's parameters and buffers, listed once: walking thousands of modules (Flux with LoRA: 5.5k)
         # every step cost ~10 ms of host time. A parameter or buffer registered anywhere (PEFT adding
@@ -112,6 +112,12 @@ class OffloadSession:
                 torch.nn.modules.module.register_module_buffer_registration_hook(hook),
             ]
             weakref.finalize(self, _remove_hooks, self._registration_hooks)
+        # read when the step first asks (``worth_parking``), not here: at the forward's start nothing is queued on
+        # the device yet, so host time spent here is time the device waits
+        self._param_storages = None
+
+    def _read_param_storages(self) -> set[int]:
+        """The storages of the model's parameters and buffers now (listed again after a registration)."""
         if self._static_tensors is None:
             # Only a storage of at least ``min_offload_bytes`` can hold a tensor worth parking (smaller tensors and
             # broadcast views are refused first in ``worth_parking``), so smaller ones are not re-read every step:
@@ -122,7 +128,7 @@ class OffloadSession:
                 t for t in (*self.model.parameters(), *self.model.buffers()) if _storage_nbytes(t) >= floor
             ]
             self._static_local_shards = any(hasattr(t, "_local_tensor") for t in self._static_tensors)
-        self._param_storages = _storage_ptrs(self._static_tensors, local_shards=self._static_local_shards)
+        return _storage_ptrs(self._static_tensors, local_shards=self._static_local_shards)
 
     @property
     def regions_started(self) -> int:
@@ -200,7 +206,10 @@ class OffloadSession:
             # so parking it would copy — and later allocate — far more than it frees.
             return False
         ptr = storage.data_ptr()
-        return ptr not in self._param_storages and ptr not in self._call_param_storages
+        params = self._param_storages
+        if params is None:
+            params = self._param_storages = self._read_param_storages()
+        return ptr not in params and ptr not in self._call_param_storages
 
     def park(self, tensor: torch.Tensor) -> Parked:
         """Park ``tensor`` (or share the parked copy made earlier this step for the same tensor)."""
