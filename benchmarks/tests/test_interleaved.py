@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 import tarfile
@@ -237,7 +238,7 @@ def test_the_device_parts_default_runs_parse_and_a_given_run_writes_its_file(tmp
 
     text = CHECKS.read_text()
     default = re.search(r'DEFAULT_INTERLEAVED_RUNS="(.*?)"', text, re.DOTALL).group(1).replace("\\\n", "")
-    runs = [run.split() for run in default.split(";")]
+    runs = [shlex.split(run) for run in default.split(";")]
     assert len(runs) >= 4
     for run in runs:
         args = interleaved.parse_args([*run, "--out", str(tmp_path)])
@@ -249,7 +250,7 @@ def test_the_device_parts_default_runs_parse_and_a_given_run_writes_its_file(tmp
         "PARTS": "interleaved-runs",
         "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}",
         "INTERLEAVED_RUNS": "--family flux --preset tiny --device cpu --steps 2 --warmup 1 --configs lora-attn "
-        "--pairs torch/diffusers-ckpt",
+        "--pairs 'torch/diffusers-ckpt,none + no-op hooks/none'",
     }
     done = subprocess.run(
         ["bash", str(CHECKS)], cwd=CHECKS.parents[2], env=env, capture_output=True, text=True, timeout=600
@@ -258,4 +259,8 @@ def test_the_device_parts_default_runs_parse_and_a_given_run_writes_its_file(tmp
     with tarfile.open(tmp_path / "interleaved-runs.tar.gz") as archive:
         member = archive.extractfile("interleaved-runs/interleaved-flux-64-lora-attn.json")
         payload = json.loads(member.read())
-    assert [(p["a"], p["b"]) for p in payload["pairs"]] == [("torch", "diffusers-ckpt")]
+    # a quoted side with spaces in it stays one side
+    assert [(p["a"], p["b"]) for p in payload["pairs"]] == [
+        ("torch", "diffusers-ckpt"),
+        ("none + no-op hooks", "none"),
+    ]

@@ -40,8 +40,8 @@
 #                (memfit_benchmarks.interleaved: interleaved.{json,md}; INTERLEAVED_PAIRS picks the pairs and
 #                INTERLEAVED_STEPS the steps per row (200); ~5 min:
 #                7 pairs of 200 + 200 steps at 40-100 ms)
-#   interleaved-runs  more runs of memfit_benchmarks.interleaved, each its own argument list, separated by ';'
-#                in INTERLEAVED_RUNS (default: the headline's families and synthetic cells that tie inside their
+#   interleaved-runs  more runs of memfit_benchmarks.interleaved, each its own argument list (split as a shell
+#                splits words: quote a pair whose side has spaces), separated by ';' in INTERLEAVED_RUNS (default: the headline's families and synthetic cells that tie inside their
 #                rounds' spread, see below); a family's run steps two copies of its model at its preset's size in
 #                turn (interleaved-<family>-<tokens>-<config>.{json,md}; ~1-4 min a family)
 #   park-cost    the host time of parking one region, piece by piece: stream and event calls, the copy's issue,
@@ -112,9 +112,11 @@ for part in ${PARTS:-gpu}; do
             # every run's files in one archive (a device call brings back a few files only)
             mkdir -p "$OUT/interleaved-runs"
             for args in "${runs[@]}"; do
-                # shellcheck disable=SC2086  # each run's arguments are split on spaces on purpose
+                # each run's arguments as a shell would split them: quote a side with spaces in it
+                # ('offload_attention[hooks only]/none')
+                eval "run_args=($args)"
                 elapsed "interleaved $args"
-                python3 -m memfit_benchmarks.interleaved $args --out "$OUT/interleaved-runs" \
+                python3 -m memfit_benchmarks.interleaved "${run_args[@]}" --out "$OUT/interleaved-runs" \
                     >> "$OUT/interleaved-runs.log" 2>&1 || { status=1; elapsed "interleaved $args: failed"; }
             done
             tail -n 40 "$OUT/interleaved-runs.log"
