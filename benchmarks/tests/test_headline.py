@@ -329,4 +329,13 @@ def test_a_familys_pairs_stepped_in_turn_get_the_families_limits(tmp_path):
         "meets it",
     ]
     assert _line(text, "| krea2 | 4096 | attention only | torch ÷ ckpt-block")[4:][2] == "meets it"
+    # a median a hair over its limit is not shown as the limit itself
+    payload["pairs"] = [_pair("torch", "ckpt-block", 1.0002)]
+    (tmp_path / "interleaved-krea2-4096-lora-attn.json").write_text(json.dumps(payload))
+    text = headline.headline(tmp_path, tmp_path, suite="families")
+    assert _line(text, "| krea2 | 4096 | attention only | torch ÷ ckpt-block")[4:] == [
+        "1.0002 (0.990–1.010)",
+        "≤ 1.00",
+        "**over**",
+    ]
     assert "stepped in turn" not in headline.headline(tmp_path, tmp_path, suite="synthetic")

@@ -209,7 +209,7 @@ def _stepped_rows(payload: dict[str, Any], tokens: int | None, counted: Measured
     rows = []
     for r in payload["pairs"]:
         limit = pair_limit(r["a"], r["b"], tokens)
-        ratio = f"{r['ratio_median']:.3f} ({r['ratio_q1']:.3f}–{r['ratio_q3']:.3f})"
+        ratio = f"{_ratio(r['ratio_median'], limit)} ({r['ratio_q1']:.3f}–{r['ratio_q3']:.3f})"
         if r["a"] == "offload_attention" and limit:
             bound = r.get("bound_ratio")
             value = "-" if bound is None else f"{bound:.3f}"
@@ -226,6 +226,14 @@ def _stepped_rows(payload: dict[str, Any], tokens: int | None, counted: Measured
             verdict = f"other work: memfit {counts[0]:g} regions, peer {counts[1]:g}"
         rows.append([f"{r['a']} ÷ {r['b']}", ratio, "-" if not limit else f"≤ {limit:.2f}", verdict])
     return rows
+
+
+def _ratio(value: float, limit: float | None) -> str:
+    """Three decimals, or four where three would round onto the limit from the other side (1.0002 over 1.00)."""
+    text = f"{value:.3f}"
+    if limit and float(text) == limit and value != limit:
+        return f"{value:.4f}"
+    return text
 
 
 def _pair_region_counts(pair: dict[str, Any], counted: Measured | None) -> tuple[float, float] | None:
