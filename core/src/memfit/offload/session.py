@@ -138,8 +138,8 @@ class OffloadSession:
 
     @property
     def static_tensors(self) -> list[torch.Tensor] | None:
-        """The parameters and buffers whose storages are never parked, as listed at the latest step (None until
-        the next step after one was registered)."""
+        """The parameters and buffers whose storages are never parked, as listed at the latest step's first park
+        (None until the next park after one was registered)."""
         return self._static_tensors
 
     def _tensors_registered(self, module: nn.Module, name: str, tensor: Any) -> None:
