@@ -185,3 +185,41 @@ def test_the_ffn_sites_are_located_again_only_after_a_module_was_registered():
     lora_grads(model)
     assert located == [1]
     handle.remove()
+
+
+@pytest.mark.parametrize("config", ["torch-ffn-i1", "unsloth-ffn"])
+def test_a_large_region_output_makes_every_recompute_stop_after_its_last_needed_tensor(
+    config, reference, monkeypatch
+):
+    """The FFN regions' outputs differ in size (a double block's text FFN is smaller than its image FFN). Once a
+    region of the forward has a large output (``CUT_TAIL_OUTPUT``: the GPU, not the host, is the step's bottleneck), every recompute stops after its last needed tensor, the small calls' too, as
+    ``torch.utils.checkpoint``'s early stop does; with none that large, small calls replay to their end (their
+    LoRA's last factor is cheaper than the cut on a host-bound step). Gradients bitwise either way."""
+    from memfit.engine import frame
+
+    model = frozen()
+    handle = apply(model, CONFIGS[config])
+    outputs: list[int] = []
+
+    def largest(module, args, out) -> None:
+        outs = out if isinstance(out, tuple) else (out,)
+        outputs.append(max(t.numel() for t in outs if isinstance(t, torch.Tensor)))
+
+    sites = handle._controller.installation.engine.hook_sites
+    hooks = [m.register_forward_hook(largest) for m, site in sites.items() if site.modules[-1] is m]
+    lora_grads(model)
+    for h in hooks:
+        h.remove()
+    handle.remove()
+    assert min(outputs) < max(outputs)
+    for limit, all_cut in ((max(outputs), True), (max(outputs) + 1, False)):
+        monkeypatch.setattr(frame, "CUT_TAIL_OUTPUT", limit)
+        handle = apply(model, CONFIGS[config])
+        lora_grads(model)
+        handle.reset_stats()
+        assert_bitwise(lora_grads(model), reference)
+        stats = handle.stats()
+        handle.remove()
+        recomputes, cut = stats["recomputes"], stats["calls_cut_early_stop"]
+        assert recomputes > 0 and stats["frames_by_scope"] == {"ffn": stats["frames"]}
+        assert cut == recomputes if all_cut else cut < recomputes
