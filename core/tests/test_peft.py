@@ -188,32 +188,36 @@ def test_the_ffn_sites_are_located_again_only_after_a_module_was_registered():
 
 
 @pytest.mark.parametrize("config", ["torch-ffn-i1", "unsloth-ffn"])
-def test_a_large_region_output_makes_every_recompute_stop_after_its_last_needed_tensor(
+def test_a_large_state_makes_every_recompute_stop_after_its_last_needed_tensor(
     config, reference, monkeypatch
 ):
-    """The FFN regions' outputs differ in size (a double block's text FFN is smaller than its image FFN). Once a
-    region of the forward has a large output (``CUT_TAIL_OUTPUT``: the GPU, not the host, is the step's bottleneck), every recompute stops after its last needed tensor, the small calls' too, as
-    ``torch.utils.checkpoint``'s early stop does; with none that large, small calls replay to their end (their
-    LoRA's last factor is cheaper than the cut on a host-bound step). Gradients bitwise either way."""
+    """The FFN regions' inputs differ in size (a double block's text FFN takes fewer tokens than its image FFN).
+    Once a state of ``CUT_TAIL_STATE`` elements entered a region of the forward (the GPU, not the host, is then the
+    step's bottleneck), every recompute stops after its last needed tensor, the small regions' too, as
+    ``torch.utils.checkpoint``'s early stop does; with none that large, a small call replays to its end (its LoRA's
+    last factor is cheaper than the cut on a host-bound step). Gradients bitwise either way."""
     from memfit.engine import frame
 
     model = frozen()
     handle = apply(model, CONFIGS[config])
-    outputs: list[int] = []
+    entering: list[int] = []
 
-    def largest(module, args, out) -> None:
-        outs = out if isinstance(out, tuple) else (out,)
-        outputs.append(max(t.numel() for t in outs if isinstance(t, torch.Tensor)))
+    def largest(module, args, kwargs) -> None:
+        entering.append(max(t.numel() for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)))
 
     sites = handle._controller.installation.engine.hook_sites
-    hooks = [m.register_forward_hook(largest) for m, site in sites.items() if site.modules[-1] is m]
+    hooks = [
+        m.register_forward_pre_hook(largest, with_kwargs=True)
+        for m, site in sites.items()
+        if site.modules[0] is m
+    ]
     lora_grads(model)
     for h in hooks:
         h.remove()
     handle.remove()
-    assert min(outputs) < max(outputs)
-    for limit, all_cut in ((max(outputs), True), (max(outputs) + 1, False)):
-        monkeypatch.setattr(frame, "CUT_TAIL_OUTPUT", limit)
+    assert min(entering) < max(entering)
+    for limit, all_cut in ((max(entering), True), (max(entering) + 1, False)):
+        monkeypatch.setattr(frame, "CUT_TAIL_STATE", limit)
         handle = apply(model, CONFIGS[config])
         lora_grads(model)
         handle.reset_stats()

@@ -38,9 +38,10 @@ holder is filled (:class:`_StopRecompute`, caught by the frame). Autograd saves 
 inputs before running its kernel, so the op that saves the last needed tensor is itself
 not run: the frozen projection at the end of a block. That exception costs host time,
 so the frame cuts a call only when the forward kept large parameters after the call's
-last needed holder (:data:`CUT_TAIL_WEIGHTS`), when a region of the latest forward had a
-large output (:data:`CUT_TAIL_OUTPUT`: the GPU is then the bottleneck, and the ops at a call's end
-are worth skipping), or when holders after it are dead.
+last needed holder (:data:`CUT_TAIL_WEIGHTS`), when the call's output is large
+(:data:`CUT_TAIL_OUTPUT`: the elementwise ops at a block's end are then worth skipping), when a
+large state entered any region of the latest forward (:data:`CUT_TAIL_STATE`: the GPU is then the
+bottleneck, and a small region's tail is worth skipping too), or when holders after it are dead.
 Entries only skipped calls read are not fetched.
 
 Safety checks (each raises :class:`~memfit.errors.MemfitError` instead of producing wrong
@@ -85,12 +86,15 @@ _STREAMED = state.streamed_parameter_ids()
 # elements (a 1024 x 1024 weight; LoRA factors are far smaller) after the call's last saved tensor still needed.
 # Calls after the last needed one are skipped whatever their size (that costs nothing).
 CUT_TAIL_WEIGHTS = 1 << 20
-# It also pays when a region of the step outputs this much (a 4096-token x 2048-wide state; Flux at 1024 tokens is
-# below it): the ops a cut skips (a block's gate multiply and residual add, Wan's in fp32, a LoRA's last factor) run
-# on the GPU, and regions that size keep the GPU, not the host, the bottleneck, so the exception's host time hides
-# behind them. That holds for the step's small regions too (a double-stream block's text FFN). A region's output, not
-# its calls': an MLP's inner activation is 4x the state at any length.
+# It also pays when the call's output is this large (a 4096-token x 2048-wide state; Flux at 1024 tokens is below it):
+# the ops it skips (a block's gate multiply and residual add, Wan's in fp32) are passes over the output that take
+# longer on the GPU than the exception on the host, and a call that size keeps the GPU, not the host, the bottleneck.
 CUT_TAIL_OUTPUT = 1 << 23
+# And when a tensor this large entered any region of the latest forward: states that size keep the GPU the
+# bottleneck, so the exception's host time hides behind them and whatever a cut skips is GPU time saved, in the
+# step's small regions too (a double-stream block's text FFN and its LoRA's last factor). What enters a region is a
+# state (hidden states, an FFN's normed input), never an MLP's 4x wider inner activation.
+CUT_TAIL_STATE = 1 << 23
 
 
 class _Holder:
@@ -138,6 +142,8 @@ class _Call:
     holders: list[weakref.ref] = field(default_factory=list)
     # parameter elements the forward kept after the call's last holder (the projections a cut would skip)
     tail: int = 0
+    # elements of the call's largest output tensor (the passes over it a cut would skip)
+    out_elements: int = 0
     # versions of ``tree.tensors`` when the call returned (parameters and buffers it read)
     versions: tuple[int, ...] = ()
     # weak references to this call's output tensors and their versions, for chaining detection
@@ -166,10 +172,9 @@ class FrameStats:
     calls_skipped_early_stop: int = 0
     calls_cut_early_stop: int = 0
     by_scope: dict[str, int] = field(default_factory=dict)
-    # not a counter: elements of the largest output of a region (its last call's) in the latest forward (the engine
-    # zeroes it as a forward starts), which tells early stop whether the step keeps the GPU or the host busy
-    # (CUT_TAIL_OUTPUT)
-    largest_output: int = 0
+    # not a counter: elements of the largest tensor entering a region in the latest forward (the engine zeroes it as
+    # a forward starts), which tells early stop whether the step keeps the GPU or the host busy (CUT_TAIL_STATE)
+    largest_entry: int = 0
 
     def reset(self) -> None:
         """Zero every counter in place (live frames keep updating this same object)."""
@@ -275,10 +280,7 @@ class Frame:
         # after the call: a module that updates its own buffers (running statistics) is not an edit
         call.versions = call.tree.versions()
         out_leaves = _flatten_output(output)
-        if self.complete:  # the region's own output (a hidden state; not an MLP's wider inner activation)
-            out_elements = max((t.numel() for t in out_leaves if isinstance(t, torch.Tensor)), default=0)
-            if out_elements > self.stats.largest_output:
-                self.stats.largest_output = out_elements
+        call.out_elements = max((t.numel() for t in out_leaves if isinstance(t, torch.Tensor)), default=0)
         call.outputs = [
             (weakref.ref(t), t._version) if isinstance(t, torch.Tensor) else (None, 0) for t in out_leaves
         ]
@@ -327,6 +329,8 @@ class Frame:
         self._entry_ids[id(tensor)] = index
         self.stats.entries += 1
         self.stats.entry_bytes += tensor.untyped_storage().nbytes()
+        if tensor.numel() > self.stats.largest_entry:
+            self.stats.largest_entry = tensor.numel()
         resident = self.stash.resident(entry.handle)
         if resident is not None:  # kept on its device: count it as held (parked entries are not)
             state.note_held(resident)
@@ -379,7 +383,8 @@ class Frame:
         if (
             stop_at == len(last_call.holders) - 1
             and last_call.tail < CUT_TAIL_WEIGHTS
-            and self.stats.largest_output < CUT_TAIL_OUTPUT
+            and last_call.out_elements < CUT_TAIL_OUTPUT
+            and self.stats.largest_entry < CUT_TAIL_STATE
         ):
             stop_at = -1  # what follows the last holder is cheaper than cutting the call short
         self.stats.recomputes += 1

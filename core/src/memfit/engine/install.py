@@ -495,7 +495,7 @@ class RegionEngine:
         self._close_open()
         self.sub_block_hooks.cancel()
         if torch.is_grad_enabled():
-            self.stats.largest_output = 0  # this forward's own (see memfit.engine.frame.CUT_TAIL_OUTPUT)
+            self.stats.largest_entry = 0  # this forward's own (see memfit.engine.frame.CUT_TAIL_STATE)
             self._sync_sites()
             self.sub_block_hooks.begin()
             for listener in self.step_listeners:
