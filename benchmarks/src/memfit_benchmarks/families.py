@@ -88,7 +88,8 @@ def skip_reason(
     return None
 
 
-def _batch_on(adapter: FamilyAdapter, preset_name: str, model: nn.Module, tokens: int, device: torch.device):
+def batch_on(adapter: FamilyAdapter, preset_name: str, model: nn.Module, tokens: int, device: torch.device):
+    """The preset's inputs for ``model`` at ``tokens`` (batch 1, seed 0) on ``device``, and their shapes."""
     batch = adapter.presets[preset_name].inputs(
         model, tokens=tokens, batch=1, generator=torch.Generator().manual_seed(0)
     )
@@ -110,7 +111,7 @@ def build_lora_model(
     ``device`` (seed 0), and what to record: ``lora_targets_count``, ``trainable_params``, ``total_params``,
     ``input_shapes``."""
     model = adapter.presets[preset_name].build(dtype=dtype, device=device)
-    batch, shapes = _batch_on(adapter, preset_name, model, tokens, device)
+    batch, shapes = batch_on(adapter, preset_name, model, tokens, device)
     training = prepare(model, batch, TrainingConfig.LORA_ALL, adapter, dtype=dtype, rank=rank)
     info = {k: v for k, v in training.info().items() if not k.startswith("config")}
     return model, batch, {**info, "input_shapes": shapes}
@@ -158,7 +159,7 @@ def run_family(
             torch.cuda.synchronize()
         payload["build_seconds"] = time.perf_counter() - started
         stop = family_deadline(args.stop_at, args.family_seconds)
-        batch, payload["input_shapes"] = _batch_on(adapter, args.preset, model, tokens, device)
+        batch, payload["input_shapes"] = batch_on(adapter, args.preset, model, tokens, device)
         skipped = {
             m.name: reason
             for m in args.modes

@@ -44,6 +44,7 @@ import memfit
 from memfit.adapters import FamilyAdapter
 from memfit_benchmarks import peers
 from memfit_benchmarks.environment import pinned_bandwidth, run_stamp
+from memfit_benchmarks.families import batch_on
 from memfit_benchmarks.host_overhead import Installed, installed, row_names
 from memfit_benchmarks.modes import Peer
 from memfit_benchmarks.report import attention_offload_bound_s, pair_limit
@@ -317,8 +318,7 @@ def _model(args: argparse.Namespace, device: torch.device) -> tuple[Any, dict, F
     preset = adapter.presets[args.preset]
     tokens = args.tokens or preset.default_tokens
     model = preset.build(dtype=dtype, device=device)
-    batch = preset.inputs(model, tokens=tokens, batch=1, generator=torch.Generator().manual_seed(0))
-    batch = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in batch.items()}
+    batch, _ = batch_on(adapter, args.preset, model, tokens, device)
     shape = f"{args.family} {args.preset}, {tokens} tokens"
     return (
         model,
