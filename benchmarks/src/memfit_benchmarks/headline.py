@@ -269,19 +269,12 @@ def stepped_table(
             (t for label, _, _, t in SHAPES if label == payload.get("shape")), None
         )
         model = [payload["family"], str(tokens)] if payload.get("family") else [payload["shape"]]
-        lora = HEADLINE_CONFIGS.get(payload.get("config", "lora-all"), payload.get("config", ""))
-        counted = (
-            found.get((payload["family"], payload.get("config", "lora-all"), str(tokens)))
-            if payload.get("family")
-            else None
-        )
+        config = payload.get("config", "lora-all")
+        lora = HEADLINE_CONFIGS.get(config, config)
+        counted = found.get((payload["family"], config, str(tokens))) if payload.get("family") else None
         rows += [[*model, lora, *row] for row in _stepped_rows(payload, tokens, counted)]
-        try:
-            shown = path.relative_to(base)
-        except ValueError:
-            shown = path
         sources.append(
-            f"- `{shown}`: {payload.get('device')}, torch {payload.get('torch')}, {payload.get('sdpa_backend')}, "
+            f"- `{_shown(path, base)}`: {payload.get('device')}, torch {payload.get('torch')}, {payload.get('sdpa_backend')}, "
             f"{payload.get('steps')} steps per row, {str(payload.get('date'))[:10]}"
         )
     head = (["family", "tokens"] if suite == "families" else ["shape"]) + [
@@ -302,6 +295,14 @@ def stepped_table(
         *sources,
         "",
     ]
+
+
+def _shown(path: Path, base: Path) -> Path:
+    """``path`` relative to ``base`` where it lies under it (as the README shows it), else as it is."""
+    try:
+        return path.relative_to(base)
+    except ValueError:
+        return path
 
 
 def _stepped_order(payload: dict[str, Any]) -> tuple:
@@ -334,10 +335,7 @@ def _sources(found: dict[tuple[str, str, str], Measured], base: Path) -> list[st
         return ["No results file measures a peer yet: every cell above is waiting for its run."]
     lines = ["Measured in:"]
     for path, p in sorted(files.items()):
-        try:
-            shown = path.relative_to(base)
-        except ValueError:
-            shown = path
+        shown = _shown(path, base)
         bw = (p.get("pinned_bandwidth") or {}).get("d2h_gbs")
         lines.append(
             f"- `{shown}`: {p.get('device')}, torch {p.get('torch')}, diffusers {p.get('diffusers')}, "
