@@ -275,7 +275,7 @@ def stepped_table(
         rows += [[*model, lora, *row] for row in _stepped_rows(payload, tokens, counted)]
         sources.append(
             f"- `{_shown(path, base)}`: {payload.get('device')}, torch {payload.get('torch')}, {payload.get('sdpa_backend')}, "
-            f"{payload.get('steps')} steps per row, {str(payload.get('date'))[:10]}"
+            f"{payload.get('steps')} steps per row, {str(payload.get('date'))[:10]}{_earlier_rows(payload)}"
         )
     head = (["family", "tokens"] if suite == "families" else ["shape"]) + [
         "LoRA",
@@ -295,6 +295,18 @@ def stepped_table(
         *sources,
         "",
     ]
+
+
+def _earlier_rows(payload: dict[str, Any]) -> str:
+    """The rows a later run of other pairs kept from an earlier one (``stepped_merge``), with their run's date."""
+    earlier = [r for r in payload.get("pairs", []) if r.get("run")]
+    if not earlier:
+        return ""
+    pairs = ", ".join(
+        f"{r['a']} ÷ {r['b']} ({str(r['run'].get('date'))[:10]}, {r['run'].get('steps')} steps)"
+        for r in earlier
+    )
+    return f"; kept from an earlier run: {pairs}"
 
 
 def _shown(path: Path, base: Path) -> Path:

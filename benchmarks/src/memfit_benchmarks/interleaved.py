@@ -247,14 +247,25 @@ def render(payload: dict[str, Any]) -> str:
         "| A / B | median ratio | interquartile | A step ms | B step ms | A per step | B per step | target |",
         "|---|---|---|---|---|---|---|---|",
     ]
+    earlier: dict[tuple, str] = {}  # a merged row's run (``stepped_merge``) -> its mark
     for r in payload["pairs"]:
         target = _target_cell(r)
+        mark = ""
+        if r.get("run"):
+            stamp = tuple(r["run"].get(k) for k in ("date", "git_commit", "steps", "warmup"))
+            mark = " " + earlier.setdefault(stamp, "†" * (len(earlier) + 1))
         lines.append(
-            f"| {r['a']} / {r['b']} | {r['ratio_median']:.3f} | {r['ratio_q1']:.3f}–{r['ratio_q3']:.3f} | "
+            f"| {r['a']} / {r['b']}{mark} | {r['ratio_median']:.3f} | {r['ratio_q1']:.3f}–{r['ratio_q3']:.3f} | "
             f"{r['a_step_s'] * 1e3:.1f} | {r['b_step_s'] * 1e3:.1f} | "
             f"{_describe_per_step(r.get('stats_per_step', {}).get(r['a'], {}))} | "
             f"{_describe_per_step(r.get('stats_per_step', {}).get(r['b'], {}))} | {target} |"
         )
+    for (date, commit, steps, warmup), mark in earlier.items():
+        lines += [
+            "",
+            f"{mark} From an earlier run of the same model: {date}, commit {commit or 'n/a'}, {steps} steps each "
+            f"after {warmup} warm-up steps.",
+        ]
     if any(r["a"] == BOUND and r.get("target") for r in payload["pairs"]):
         gbs = (payload.get("pinned_bandwidth") or {}).get("d2h_gbs")
         measured = f"{gbs:.1f} GB/s, measured in the run" if gbs else "not measured in this run"
