@@ -65,13 +65,13 @@ fit_test() {
     MEMFIT_REQUIRE_CUDA=1 MEMFIT_FIT_LOG_DIR="$OUT/fit" python3 -m pytest core/tests/gpu_fit_24gib.py -v -s \
         -p no:cacheprovider -k "$1"
 }
-# the headline cells that still tie inside their rounds' spread with no stepped run to settle them (24 steps a row:
-# a family's step is 0.5-2 s; both copies of a model must fit, which rules out LTX-2's FFN modes on an 80 GB card)
-DEFAULT_INTERLEAVED_RUNS="--family flux --steps 24 --pairs torch-ffn/ckpt-ffn,unsloth-ffn/ckpt-ffn;\
- --family z-image --configs lora-all --steps 24 --pairs torch-ffn/ckpt-ffn;\
- --family chroma --configs lora-attn --steps 24 --pairs torch-ffn/ckpt-ffn;\
- --shape 1 --steps 60 --pairs torch/ckpt-block,torch-ffn/ckpt-ffn;\
- --shape 0 --configs lora-attn --steps 150 --pairs unsloth/ckpt-block,unsloth-ffn/ckpt-ffn"
+# the headline cells that still tie inside their rounds' spread with no stepped run to settle them (a family's step is
+# 0.5-2.5 s; both copies of a model must fit: LTX-2's FFN modes need an H200), and the 1024-token pairs bound by host
+# time; stepped_merge folds each file into the committed one of the same model
+DEFAULT_INTERLEAVED_RUNS="--shape 0 --steps 150 --pairs unsloth/ckpt-block,unsloth-ffn/ckpt-ffn,offload_attention/none;\
+ --shape 0 --configs lora-attn --steps 150 --pairs unsloth/ckpt-block,unsloth-ffn/ckpt-ffn;\
+ --family flux --configs lora-all --steps 24 --pairs unsloth-ffn/ckpt-ffn;\
+ --family ltxvideo2 --configs lora-all --steps 16 --pairs torch-ffn/ckpt-ffn,unsloth-ffn/ckpt-ffn"
 for part in ${PARTS:-gpu}; do
     case "$part" in
         gpu) run_part nox-gpu python3 -m nox -s gpu ;;
