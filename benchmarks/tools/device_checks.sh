@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks that are not sweeps, in one device call, each part chosen by name. Run from the repository root
-# with the wheels carried in .whl/ (memfit's, diffusers', nox and its dependencies; see benchmarks/README.md):
+# with the wheels carried in .whl/ (memfit's, diffusers'; nox's in .whl/nox/; see benchmarks/README.md):
 #
 #     OUT=/where/results/go PARTS="gpu budget fit-flash" bash benchmarks/tools/device_checks.sh
 #
@@ -74,7 +74,7 @@ DEFAULT_INTERLEAVED_RUNS="--shape 0 --steps 150 --pairs unsloth/ckpt-block,unslo
  --family ltxvideo2 --configs lora-all --steps 16 --pairs torch-ffn/ckpt-ffn,unsloth-ffn/ckpt-ffn"
 for part in ${PARTS:-gpu}; do
     case "$part" in
-        gpu) run_part nox-gpu python3 -m nox -s gpu ;;
+        gpu) run_part nox-gpu python3 benchmarks/tools/run_nox.py -s gpu ;;
         failed-steps) run_part failed-steps env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest \
                 core/tests/test_gpu_failed_steps.py core/tests/test_gpu_auto.py -m gpu -q -p no:cacheprovider ;;
         engine) run_part engine env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest core/tests/test_gpu_frame.py \

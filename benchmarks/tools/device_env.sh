@@ -13,6 +13,12 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "could not install the carried wheels from .whl/ (carry .whl with the run)" >&2; exit 1; }
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 MEMFIT_NOX_SYSTEM_PYTHON=1
+# nox and its dependencies (benchmarks/tools/nox_wheels.sh), apart: run_nox.py puts them after the machine's packages
+if compgen -G ".whl/nox/*.whl" > /dev/null; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/nox-site \
+        .whl/nox/*.whl || { echo "could not install the carried nox wheels from .whl/nox/" >&2; exit 1; }
+    export MEMFIT_NOX_SITE=/tmp/nox-site
+fi
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 # the commit the wheels were built from: MEMFIT_GIT_COMMIT, else .whl/COMMIT (written beside them), never this
 # copy's git HEAD (the device's copy of the tree need not carry the commit the wheels came from)

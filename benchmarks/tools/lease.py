@@ -47,6 +47,8 @@ import threading
 import time
 from pathlib import Path
 
+RUN_NOX = Path(__file__).with_name("run_nox.py")  # nox on a machine that has it only as carried wheels
+
 
 def _split_options(spec: str, *keys: str) -> tuple[list[str], dict[str, str | None]]:
     """``"a,b,rounds=3"`` → ``(["a", "b"], {"rounds": "3"})``: the plain comma-separated items, and the last
@@ -76,7 +78,7 @@ def job_slug(job: str) -> str:
 def job_command(job: str, out: Path) -> list[str]:
     """The command line of one named job, writing its results under ``out``."""
     py = sys.executable
-    nox = [py, "-m", "nox", "-s"]
+    nox = [py, str(RUN_NOX), "-s"]  # nox from the carried wheels (the machine has none)
     if job == "gpu":
         return [*nox, "gpu"]
     if job.startswith("gpu-"):

@@ -2,6 +2,7 @@
 # Entry point on the GPU machine (no network, its own Python with torch): install the carried wheels
 # next to the machine's torch, then run the nox GPU sessions and the benchmarks. Output goes to $OUT.
 #   Here:   rm -f .whl/memfit*; uv build --all-packages -o .whl/ && rm -f .whl/*.tar.gz
+#           bash benchmarks/tools/nox_wheels.sh   (nox, which the machine lacks, into .whl/nox/)
 #           git describe --always --dirty > .whl/COMMIT
 #   There:  bash benchmarks/tools/remote.sh [nox sessions... | bench-families]   (default: gpu bench)
 #           bash benchmarks/tools/remote.sh lease --budget 570 PHASE...          (benchmarks/tools/lease.py)
@@ -17,12 +18,12 @@ status=0
 for s in "${sessions[@]}"; do
     log="$OUT/nox-$(echo "$s" | tr -c 'A-Za-z0-9._-' '_').log"
     if [ "$s" = bench ]; then
-        python3 -m nox -s bench -- --out "$OUT" --configs all 2>&1 | tee "$log" || status=1
+        python3 "$(dirname "$0")/run_nox.py" -s bench -- --out "$OUT" --configs all 2>&1 | tee "$log" || status=1
     elif [ "$s" = bench-families ]; then
-        python3 -m nox -s bench -- --suite families --family "${FAMILIES:-all}" --out "$OUT" 2>&1 | tee "$log" \
+        python3 "$(dirname "$0")/run_nox.py" -s bench -- --suite families --family "${FAMILIES:-all}" --out "$OUT" 2>&1 | tee "$log" \
             || status=1
     else
-        python3 -m nox -s "$s" 2>&1 | tee "$log" || status=1
+        python3 "$(dirname "$0")/run_nox.py" -s "$s" 2>&1 | tee "$log" || status=1
     fi
 done
 exit $status
