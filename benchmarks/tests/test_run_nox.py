@@ -23,7 +23,7 @@ def _run_nox(*args: str, site: Path | None = None) -> subprocess.CompletedProces
 def test_without_nox_it_says_how_to_carry_it():
     done = _run_nox("-s", "gpu")
     assert done.returncode != 0
-    assert "nox is not installed" in done.stderr and "nox_wheels.sh" in done.stderr
+    assert "nox is not installed" in done.stderr and "device_wheels.sh" in done.stderr
 
 
 def test_the_carried_nox_runs_with_the_arguments_after_the_machines_own_packages(tmp_path):

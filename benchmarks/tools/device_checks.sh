@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU checks that are not sweeps, in one device call, each part chosen by name. Run from the repository root
-# with the wheels carried in .whl/ (memfit's, diffusers'; nox's in .whl/nox/; see benchmarks/README.md):
+# with the wheels carried in .whl/ (benchmarks/tools/device_wheels.sh):
 #
 #     OUT=/where/results/go PARTS="gpu budget fit-flash" bash benchmarks/tools/device_checks.sh
 #
@@ -41,9 +41,10 @@
 #                INTERLEAVED_STEPS the steps per row (200); ~5 min:
 #                7 pairs of 200 + 200 steps at 40-100 ms)
 #   interleaved-runs  more runs of memfit_benchmarks.interleaved, each its own argument list (split as a shell
-#                splits words: quote a pair whose side has spaces), separated by ';' in INTERLEAVED_RUNS (default: the headline's families and synthetic cells that tie inside their
-#                rounds' spread, see below); a family's run steps two copies of its model at its preset's size in
-#                turn (interleaved-<family>-<tokens>-<config>.{json,md}; ~1-4 min a family)
+#                splits words: quote a pair whose side has spaces), separated by ';' in INTERLEAVED_RUNS (default:
+#                the cells still open, see below); a family's run steps two copies of its model at its preset's
+#                size in turn (interleaved-<family>-<tokens>-<config>.{json,md}; ~1-4 min a family); back here,
+#                memfit_benchmarks.stepped_merge folds each file into the committed one
 #   park-cost    the host time of parking one region, piece by piece: stream and event calls, the copy's issue,
 #                the device allocation, the engine's park and round trip of one tensor (park-cost.{json,md}), and the
 #                engine's Python alone on this host, over streams that do nothing (cpu/park-cost.{json,md}; <1 min)

@@ -1,5 +1,5 @@
 # Sourced by the GPU-machine scripts (no network, the machine's own python3 with torch): installs the carried
-# wheels (.whl/, built with `uv build --all-packages -o .whl/` and their commit in .whl/COMMIT, plus diffusers)
+# wheels (.whl/, from benchmarks/tools/device_wheels.sh: memfit's, their commit in .whl/COMMIT, diffusers, torchao)
 # into /tmp/site next to the machine's torch, exports the environment the benchmarks run in, and records it in
 # $OUT/env.txt.
 # DRY_RUN=1 (a CPU check of the scripts): nothing is installed and the python3 on PATH is used as it is.
@@ -13,7 +13,7 @@ fi
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     || { echo "could not install the carried wheels from .whl/ (carry .whl with the run)" >&2; exit 1; }
 export PYTHONPATH=/tmp/site PYTHONUNBUFFERED=1 MEMFIT_NOX_SYSTEM_PYTHON=1
-# nox and its dependencies (benchmarks/tools/nox_wheels.sh), apart: run_nox.py puts them after the machine's packages
+# nox and its dependencies (.whl/nox/), apart: run_nox.py puts them after the machine's packages
 if compgen -G ".whl/nox/*.whl" > /dev/null; then
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/nox-site \
         .whl/nox/*.whl || { echo "could not install the carried nox wheels from .whl/nox/" >&2; exit 1; }

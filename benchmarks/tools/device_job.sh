@@ -1,7 +1,6 @@
 #!/usr/bin/env bash
 # memfit against its peers on the synthetic stack, on one H200, in one device call of at most 9 minutes. Run from
-# the repository root with the wheels carried in .whl/ (memfit's, built with `uv build --all-packages -o .whl/`,
-# and diffusers'):
+# the repository root with the wheels carried in .whl/ (benchmarks/tools/device_wheels.sh):
 #
 #     OUT=/where/results/go MEMFIT_GIT_COMMIT=<sha> bash benchmarks/tools/device_job.sh
 #

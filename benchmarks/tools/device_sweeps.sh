@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # auto's budget promise, memfit against its peers on every family, and auto's floors, on one H200: each part fits
-# one device call of at most 9.5 minutes. Run from the repository root with the wheels carried in .whl/ (memfit's,
-# built with `uv build --all-packages -o .whl/`, and diffusers'):
+# one device call of at most 9.5 minutes. Run from the repository root with the wheels carried in .whl/
+# (benchmarks/tools/device_wheels.sh):
 #
 #     OUT=/where/results/go MEMFIT_GIT_COMMIT=<sha> PARTS=families-image bash benchmarks/tools/device_sweeps.sh
 #

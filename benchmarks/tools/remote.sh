@@ -1,9 +1,7 @@
 #!/usr/bin/env bash
 # Entry point on the GPU machine (no network, its own Python with torch): install the carried wheels
 # next to the machine's torch, then run the nox GPU sessions and the benchmarks. Output goes to $OUT.
-#   Here:   rm -f .whl/memfit*; uv build --all-packages -o .whl/ && rm -f .whl/*.tar.gz
-#           bash benchmarks/tools/nox_wheels.sh   (nox, which the machine lacks, into .whl/nox/)
-#           git describe --always --dirty > .whl/COMMIT
+#   Here:   bash benchmarks/tools/device_wheels.sh   (memfit's wheels, their commit, diffusers, torchao, nox)
 #   There:  bash benchmarks/tools/remote.sh [nox sessions... | bench-families]   (default: gpu bench)
 #           bash benchmarks/tools/remote.sh lease --budget 570 PHASE...          (benchmarks/tools/lease.py)
 set -uo pipefail
