@@ -67,11 +67,12 @@ fit_test() {
         -p no:cacheprovider -k "$1"
 }
 # the headline cells that still tie inside their rounds' spread with no stepped run to settle them (a family's step is
-# 0.5-2.5 s; both copies of a model must fit: LTX-2's FFN modes need an H200), and the 1024-token pairs bound by host
+# 0.5-5 s; both copies of a model must fit: LTX-2's FFN modes need an H200), and the 1024-token pairs bound by host
 # time; stepped_merge folds each file into the committed one of the same model
 DEFAULT_INTERLEAVED_RUNS="--shape 0 --steps 150 --pairs unsloth/ckpt-block,unsloth-ffn/ckpt-ffn,offload_attention/none;\
  --shape 0 --configs lora-attn --steps 150 --pairs unsloth/ckpt-block,unsloth-ffn/ckpt-ffn;\
- --family flux --configs lora-all --steps 24 --pairs unsloth-ffn/ckpt-ffn;\
+ --family wan --tokens 4680 --configs lora-all --steps 20 --pairs torch-ffn/ckpt-ffn;\
+ --family wan --configs lora-attn --steps 12 --pairs torch/diffusers-ckpt;\
  --family ltxvideo2 --configs lora-all --steps 16 --pairs torch-ffn/ckpt-ffn,unsloth-ffn/ckpt-ffn"
 for part in ${PARTS:-gpu}; do
     case "$part" in
