@@ -22,6 +22,42 @@ def test_park_cost_smoke_cpu(tmp_path):
     assert rows["make the tensor, engine park"]["us_over_making_the_tensor"] is not None
     assert rows["an event query"]["us_over_making_the_tensor"] is None
     assert "| make the tensor, engine park + reload + fetch |" in path.with_suffix(".md").read_text()
+    # off CUDA there is no caching allocator whose events a freed tensor could leave pending
+    assert park_cost.PENDING_ALLOCATION not in rows
+
+
+def test_a_pieces_set_up_runs_after_the_sync_and_before_its_timed_calls():
+    from memfit_benchmarks import park_cost
+
+    calls = []
+    park_cost._mean_us(
+        lambda: calls.append("piece"),
+        2,
+        lambda: calls.append("sync"),
+        lambda item: None,
+        lambda: calls.append("setup"),
+    )
+    assert calls == ["sync", "setup", "piece", "piece", "sync"]
+
+
+def test_the_pending_allocation_row_is_explained_where_it_was_measured():
+    from memfit_benchmarks import park_cost
+
+    row = {"us": 5.0, "us_min": 4.0, "us_max": 6.0, "us_over_making_the_tensor": None}
+    payload = {
+        "device": "NVIDIA H100",
+        "torch": "2.11",
+        "date": "2026-12-06",
+        "mib": 6,
+        "repeats": 200,
+        "passes": 3,
+    }
+    text = park_cost.render({**payload, "rows": [{**row, "piece": park_cost.PENDING_ALLOCATION}]})
+    assert f"| {park_cost.PENDING_ALLOCATION} | 5.0 | 4.0–6.0 |  |" in text
+    assert "asks that copy's event at every allocation" in text
+    assert "asks that copy's event" not in park_cost.render(
+        {**payload, "rows": [{**row, "piece": "an event query"}]}
+    )
 
 
 def test_park_cost_refuses_nonsense(tmp_path):

@@ -46,8 +46,9 @@
 #                size in turn (interleaved-<family>-<tokens>-<config>.{json,md}; ~1-4 min a family); back here,
 #                memfit_benchmarks.stepped_merge folds each file into the committed one
 #   park-cost    the host time of parking one region, piece by piece: stream and event calls, the copy's issue,
-#                the device allocation, the engine's park and round trip of one tensor (park-cost.{json,md}), and the
-#                engine's Python alone on this host, over streams that do nothing (cpu/park-cost.{json,md}; <1 min)
+#                the device allocation (alone, and while a freed tensor's copy is in flight), the engine's park and
+#                round trip of one tensor (park-cost.{json,md}), and the engine's Python alone on this host, over
+#                streams that do nothing (cpu/park-cost.{json,md}; <1 min)
 # Each part's exit status is printed; the script exits non-zero if any part failed.
 set -uo pipefail
 START=$(date +%s)

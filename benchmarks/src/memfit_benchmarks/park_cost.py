@@ -6,7 +6,10 @@ At 1024 tokens a step is bound by host time, and stepped in turn against the sam
 per region on a GPU machine than the copy engine's Python costs on a CPU (``host_overhead``, ``interleaved``). This
 times, on the host, each call a parked region makes — the stream and event calls, the copy's issue, the device
 allocation, the engine's whole park and reload of one tensor — as the mean over ``--repeats`` back-to-back calls
-without a sync between them (what a host that runs ahead of the GPU pays). Each piece is timed in turn, then again
+without a sync between them (what a host that runs ahead of the GPU pays). On CUDA one more row times a device
+allocation while a freed tensor waits for a copy that still reads it (``record_stream``): the caching allocator then
+queries that copy's event at every allocation until it completes, which a step's every op pays while parked
+regions' copies are in flight. Each piece is timed in turn, then again
 in reverse order, and the two means are averaged so that a drift of the host's speed cancels. On CUDA the engine runs
 on real streams; ``--device cpu`` runs the same engine over streams that do nothing (its Python alone). Writes
 ``park-cost.{json,md}``.
@@ -29,10 +32,17 @@ from memfit_benchmarks.host_overhead import null_copy_engine
 from memfit_benchmarks.results import write_results
 
 Piece = Callable[[], Any]  # returns what to release once the timed calls are over (None: nothing)
+PENDING_ALLOCATION = "a device allocation, a freed tensor's copy in flight (record_stream)"
+# GPU cycles the side stream is kept busy for, so that the freed tensor's event stays pending through the timed
+# calls (~13 ms at 1.5 GHz; 200 allocations take ~1 ms)
+BUSY_CYCLES = 20_000_000
 
 
-def _pieces(engine: CopyEngine, source: torch.Tensor, cuda: bool) -> dict[str, Piece]:
-    """What one parked region asks of the host, each as a call to time (every piece makes its own tensor)."""
+def _pieces(
+    engine: CopyEngine, source: torch.Tensor, cuda: bool
+) -> tuple[dict[str, Piece], dict[str, Callable[[], None]]]:
+    """What one parked region asks of the host, each as a call to time (every piece makes its own tensor), and the
+    set-up some need just before their timed calls (after the sync)."""
     api = engine.streams
     compute = api.current_stream(source.device)
     side = api.new_stream()
@@ -87,7 +97,16 @@ def _pieces(engine: CopyEngine, source: torch.Tensor, cuda: bool) -> dict[str, P
         engine.fetch(parked)
         return parked
 
-    return {
+    def copy_in_flight() -> None:
+        # the side stream busy, then a tensor it reads freed: its block waits for the copy's event
+        tensor = produce()
+        with api.use(side, restore=compute):
+            torch.cuda._sleep(BUSY_CYCLES)
+            host_view.copy_(tensor, non_blocking=True)
+        api.record_stream(tensor, side)
+
+    setups = {PENDING_ALLOCATION: copy_in_flight} if cuda else {}
+    pieces = {
         "make the tensor (a kernel)": make_tensor,
         "order a side stream after compute (record + wait)": order_side_stream,
         "a new event, recorded": new_event_recorded,
@@ -99,12 +118,23 @@ def _pieces(engine: CopyEngine, source: torch.Tensor, cuda: bool) -> dict[str, P
         "make the tensor, engine park": park,
         "make the tensor, engine park + reload + fetch": park_and_reload,
     }
+    if cuda:
+        pieces[PENDING_ALLOCATION] = device_allocation
+    return pieces, setups
 
 
-def _mean_us(piece: Piece, repeats: int, sync: Callable[[], None], release: Callable[[Any], None]) -> float:
+def _mean_us(
+    piece: Piece,
+    repeats: int,
+    sync: Callable[[], None],
+    release: Callable[[Any], None],
+    setup: Callable[[], None] | None = None,
+) -> float:
     """Mean host µs of ``piece``; what it returns is released after the timed calls, as a step's backward gives its
     parked buffers back long after its forward took them (released at once, the pool would wait for each copy)."""
     sync()
+    if setup is not None:
+        setup()
     held = []
     start = time.perf_counter()
     for _ in range(repeats):
@@ -129,14 +159,17 @@ def measure(*, device: str, nbytes: int, repeats: int, passes: int = 3) -> list[
     else:
         engine = null_copy_engine()
         sync = lambda: None  # noqa: E731
-    pieces = _pieces(engine, source, cuda)
-    for piece in pieces.values():  # warm up: pool buckets (as many buffers as a pass holds), allocator blocks
-        _mean_us(piece, repeats, sync, engine.release)
+    pieces, setups = _pieces(engine, source, cuda)
+    for (
+        name,
+        piece,
+    ) in pieces.items():  # warm up: pool buckets (as many buffers as a pass holds), allocator blocks
+        _mean_us(piece, repeats, sync, engine.release, setups.get(name))
     samples: dict[str, list[float]] = {name: [] for name in pieces}
     for i in range(passes * 2):  # forward, then reverse order: a drift of the host's speed cancels
         order = list(pieces) if i % 2 == 0 else list(reversed(pieces))
         for name in order:
-            samples[name].append(_mean_us(pieces[name], repeats, sync, engine.release))
+            samples[name].append(_mean_us(pieces[name], repeats, sync, engine.release, setups.get(name)))
     base = sum(samples["make the tensor (a kernel)"]) / len(samples["make the tensor (a kernel)"])
     rows = []
     for name, values in samples.items():
@@ -173,6 +206,16 @@ def render(payload: dict[str, Any]) -> str:
         "device allocation, its events and the fetch's wait); their buffers go back to the pool after the timed "
         "calls, as a step's backward gives them back long after its forward took them. Off CUDA the engine runs "
         "over streams that do nothing: its Python alone, the part a CPU harness sees.",
+        *(
+            [
+                "",
+                f"*{PENDING_ALLOCATION}*: the allocation above, timed while one tensor freed after a "
+                "`record_stream` waits for its copy (the side stream kept busy): the caching allocator asks that "
+                "copy's event at every allocation until it completes.",
+            ]
+            if any(r["piece"] == PENDING_ALLOCATION for r in payload["rows"])
+            else []
+        ),
         "",
         f"Commit: {payload.get('git_commit') or 'n/a'}.",
     ]
