@@ -228,6 +228,21 @@ def test_a_variant_that_needs_cuda_is_refused_off_cuda():
         pass
 
 
+@pytest.mark.parametrize("name", ["unsloth-ffn[reloads untied]", "offload_attention[reloads untied]"])
+def test_the_untied_reload_variants_run_their_mode_with_reloads_tied_to_no_stream(name, monkeypatch):
+    from memfit.offload.copy import ReloadRelease
+    from memfit_benchmarks import variants
+    from memfit_benchmarks.interleaved import parse_args
+    from memfit_benchmarks.modes import MODES
+
+    # (the engine makes CUDA streams: its keywords are what the variant decides)
+    monkeypatch.setattr(variants, "CopyEngine", lambda pool, **keywords: keywords)
+    mode = variants.VARIANTS[name][0]
+    engine = variants.variant_keywords(name, {m.name: m.config for m in MODES}[mode])["copy_engine"]
+    assert engine == {"reload_release": ReloadRelease.AFTER_COMPUTE_WAITS}
+    assert name in parse_args(["--out", "x", "--pairs", f"{name}/{mode}"]).chosen[0]
+
+
 CHECKS = Path(__file__).resolve().parents[1] / "tools" / "device_checks.sh"
 
 

@@ -65,3 +65,20 @@ def test_park_cost_refuses_nonsense(tmp_path):
 
     with pytest.raises(SystemExit):
         park_cost.main(["--out", str(tmp_path), "--device", "cpu", "--repeats", "0"])
+
+
+def test_the_step_profiler_needs_cuda(tmp_path):
+    """``benchmarks/tools/cprofile_steps.py`` profiles a GPU step's host time: off CUDA it says so."""
+    import importlib.util
+    from pathlib import Path
+
+    import torch
+
+    path = Path(__file__).resolve().parents[1] / "tools" / "cprofile_steps.py"
+    spec = importlib.util.spec_from_file_location("memfit_benchmarks_tools_cprofile_steps", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA machine runs the profiler itself")
+    with pytest.raises(SystemExit, match="needs CUDA"):
+        module.main(["--out", str(tmp_path), "torch-ffn"])

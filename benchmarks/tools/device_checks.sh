@@ -49,6 +49,8 @@
 #                the device allocation (alone, and while a freed tensor's copy is in flight), the engine's park and
 #                round trip of one tensor (park-cost.{json,md}), and the engine's Python alone on this host, over
 #                streams that do nothing (cpu/park-cost.{json,md}; <1 min)
+#   cprofile     cProfile over 1024-token steps of torch-ffn, unsloth-ffn and unsloth-ffn with its reloads tied to
+#                no stream (cprofile-1024-<row>.txt: where parking's host time goes, function by function; ~1 min)
 # Each part's exit status is printed; the script exits non-zero if any part failed.
 set -uo pipefail
 START=$(date +%s)
@@ -69,8 +71,10 @@ fit_test() {
 }
 # the headline cells that still tie inside their rounds' spread with no stepped run to settle them (a family's step is
 # 0.5-5 s; both copies of a model must fit: LTX-2's FFN modes need an H200), and the 1024-token pairs bound by host
-# time; stepped_merge folds each file into the committed one of the same model
-DEFAULT_INTERLEAVED_RUNS="--shape 0 --steps 150 --pairs unsloth/ckpt-block,unsloth-ffn/ckpt-ffn,offload_attention/none;\
+# time (with the reloads tied to no stream against the default: memfit.offload.copy, "Reloads' memory"); stepped_merge
+# folds each file into the committed one of the same model
+DEFAULT_INTERLEAVED_RUNS="--shape 0 --steps 150 --pairs 'unsloth/ckpt-block,unsloth-ffn/ckpt-ffn,offload_attention/none,\
+unsloth-ffn[reloads untied]/unsloth-ffn,offload_attention[reloads untied]/offload_attention';\
  --shape 0 --configs lora-attn --steps 150 --pairs unsloth/ckpt-block,unsloth-ffn/ckpt-ffn;\
  --family wan --tokens 4680 --configs lora-all --steps 20 --pairs torch-ffn/ckpt-ffn;\
  --family wan --configs lora-attn --steps 12 --pairs torch/diffusers-ckpt;\
@@ -126,6 +130,8 @@ for part in ${PARTS:-gpu}; do
             tar czf "$OUT/interleaved-runs.tar.gz" -C "$OUT" interleaved-runs && rm -rf "$OUT/interleaved-runs" ;;
         park-cost) run_part park-cost python3 -m memfit_benchmarks.park_cost --out "$OUT"
             run_part park-cost-cpu python3 -m memfit_benchmarks.park_cost --device cpu --out "$OUT/cpu" ;;
+        cprofile) run_part cprofile python3 benchmarks/tools/cprofile_steps.py --out "$OUT" \
+                torch-ffn unsloth-ffn "unsloth-ffn[reloads untied]" ;;
         *) echo "unknown part $part" >&2; status=1 ;;
     esac
 done

@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import memfit
+from memfit.offload.copy import ReloadRelease
 from memfit_conformance.streams import order_checking_copy_engine
 
 from helpers import assert_same, step
@@ -281,13 +282,17 @@ def test_a_released_host_buffer_waits_for_the_last_copy_that_used_it():
 )
 @pytest.mark.parametrize("landed", [True, False], ids=["landed", "in-flight"])
 @pytest.mark.parametrize("coalesce", [True, False], ids=["coalesced", "one-by-one"])
+@pytest.mark.parametrize("release", list(ReloadRelease), ids=lambda r: r.value)
 def test_backends_through_the_asynchronous_engine_keep_gradients_and_order(
-    model, x, config, landed, coalesce
+    model, x, config, landed, coalesce, release
 ):
     """The engine checks its own ordering as it runs; gradients as without memfit; every reload waited on
-    while in flight, none once landed; every host buffer back in the pool."""
+    while in flight, none once landed; every host buffer back in the pool; reloads' memory tied to the copy
+    stream only by default."""
     ref = step(model, x)
-    eng = order_checking_copy_engine(landed=landed, **({} if coalesce else {"coalesce_max_bytes": 0}))
+    eng = order_checking_copy_engine(
+        landed=landed, reload_release=release, **({} if coalesce else {"coalesce_max_bytes": 0})
+    )
     with memfit.apply(model, config, adapter=TOY, copy_engine=eng, min_offload_bytes=0) as handle:
         got = step(model, x)
         stats = handle.stats()
@@ -297,6 +302,7 @@ def test_backends_through_the_asynchronous_engine_keep_gradients_and_order(
         assert stats["coalesced_batches"] == 0
     reloads, compute_waits = set(recorded_on(eng.streams, "h2d")), set(eng.streams.waits("compute"))
     assert (reloads <= compute_waits) if not landed else not (reloads & compute_waits)
+    assert any(s == "h2d" for _, s in eng.streams.tied) is (release is ReloadRelease.RECORD_STREAM)
     gc.collect()
     assert eng.pool.stats().buffers_in_use == 0
 
@@ -443,3 +449,64 @@ def test_stall_timing_reuses_its_events_and_holds_a_bounded_number_unread():
     assert len(eng.stats.stall_events) <= STALL_PAIRS_HELD + 1
     assert Streams.made <= 2 * (STALL_PAIRS_HELD + 1)  # events recorded again, not made per stall
     assert eng.stall_ms() == pytest.approx(stalls * 1.0)  # and every stall is counted once
+
+
+def _reloaded(eng, tensors):
+    parked = eng.offload_many(tensors)
+    for p in parked:
+        p.source = None
+    eng.reload_many(parked)
+    return parked
+
+
+@pytest.mark.parametrize("coalesce", [0, 64 << 20], ids=["one by one", "packed"])
+def test_untied_reloads_are_waited_for_once_before_use_and_released_without_another_wait(coalesce):
+    eng = order_checking_copy_engine(
+        coalesce_max_bytes=coalesce, reload_release=ReloadRelease.AFTER_COMPUTE_WAITS
+    )
+    tensors = [torch.randn(4, 8), torch.randn(6)]
+    parked = _reloaded(eng, tensors)
+    assert not any(s == "h2d" for _, s in eng.streams.tied)
+    since = len(eng.streams.log)
+    for p, t in zip(parked, tensors, strict=True):
+        assert torch.equal(eng.fetch(p), t)
+    assert eng.streams.waits("compute", since) == [parked[0].h2d_done.event.id]  # once, before the first use
+    since = len(eng.streams.log)
+    for p in parked:
+        eng.release(p)  # fetched: compute already waited, nothing more
+    assert eng.streams.waits("compute", since) == []
+
+
+def test_an_untied_reload_released_unfetched_goes_back_only_after_its_stream_waited_for_it():
+    eng = order_checking_copy_engine(reload_release=ReloadRelease.AFTER_COMPUTE_WAITS)
+    (in_flight,) = _reloaded(eng, [torch.randn(4, 8)])
+    since = len(eng.streams.log)
+    eng.release(in_flight)  # never fetched (a step that stopped): the allocation stream waits for the copy
+    assert eng.streams.waits("compute", since) == [in_flight.h2d_done.event.id]
+    assert in_flight.reloaded is None and in_flight.buffer is None
+    (landed,) = _reloaded(eng, [torch.randn(4, 8)])
+    landed.h2d_done.event.done = True
+    since = len(eng.streams.log)
+    eng.release(landed)  # its copy is known complete: nothing to wait for
+    assert eng.streams.waits("compute", since) == [] and landed.reloaded is None
+
+    broken = order_checking_copy_engine(reload_release=ReloadRelease.AFTER_COMPUTE_WAITS)
+    (p,) = _reloaded(broken, [torch.randn(4, 8)])
+    broken.streams.compute.wait_event = lambda event: None  # an engine whose release wait does nothing
+    with pytest.raises(AssertionError, match="before it waited for its reload"):
+        broken.release(p)
+
+
+def test_an_untied_reload_fetched_on_another_stream_makes_its_allocation_stream_wait_too():
+    from memfit_conformance.streams import RecordingStream
+
+    eng = order_checking_copy_engine(reload_release=ReloadRelease.AFTER_COMPUTE_WAITS)
+    (p,) = _reloaded(eng, [torch.randn(4, 8)])
+    other = RecordingStream(eng.streams, "other")
+    eng.streams.current = other
+    since = len(eng.streams.log)
+    eng.fetch(p)
+    eng.streams.current = eng.streams.compute
+    # the tensor is used on ``other`` but its memory returns to compute's pool: both wait for the write
+    assert eng.streams.waits("other", since) == [p.h2d_done.event.id]
+    assert eng.streams.waits("compute", since) == [p.h2d_done.event.id]

@@ -26,8 +26,7 @@ from memfit_benchmarks.environment import run_stamp
 from memfit_benchmarks.modes import MODES
 from memfit_benchmarks.results import write_results
 from memfit_benchmarks.shapes import SHAPES
-from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
-from memfit_benchmarks.training import TrainingConfig, prepare
+from memfit_benchmarks.synthetic import SYNTHETIC, lora_stack
 
 _MARKER = "_forward_done_marker"
 MiB = 1 << 20
@@ -175,10 +174,8 @@ def main(argv: list[str] | None = None) -> Path:
     if not torch.cuda.is_available():
         raise SystemExit("needs CUDA: the allocator's history is a CUDA feature")
     torch.backends.cuda.enable_cudnn_sdp(False)
-    label, width, depth, tokens = SHAPES[args.shape]
-    model = build(dim=width, depth=depth, dtype=torch.bfloat16, device="cuda")
-    batch = inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
-    prepare(model, batch, TrainingConfig.LORA_ALL, SYNTHETIC, dtype=torch.bfloat16)
+    label = SHAPES[args.shape][0]
+    model, batch = lora_stack(SHAPES[args.shape])
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     results = []

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from memfit import BlockSpec, FamilyAdapter, Preset
+from memfit_benchmarks.training import TrainingConfig, prepare
 
 
 class SynthAttention(nn.Module):
@@ -111,3 +112,13 @@ SYNTHETIC = FamilyAdapter(
     loss=lambda out: out.float().pow(2).mean(),
     notes="benchmark stack (not an installed family)",
 )
+
+
+def lora_stack(shape: tuple[str, int, int, int], *, device: str = "cuda") -> tuple[SynthStack, dict]:
+    """The stack of ``shape`` (an entry of :data:`memfit_benchmarks.shapes.SHAPES`: label, width, depth, tokens) in
+    bfloat16 on ``device`` with PEFT LoRA on every block linear (the sweeps' ``lora-all``), and its seeded batch."""
+    _, width, depth, tokens = shape
+    model = build(dim=width, depth=depth, dtype=torch.bfloat16, device=device)
+    batch = inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
+    prepare(model, batch, TrainingConfig.LORA_ALL, SYNTHETIC, dtype=torch.bfloat16)
+    return model, batch

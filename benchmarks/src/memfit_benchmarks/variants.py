@@ -11,10 +11,18 @@ from collections.abc import Callable
 from typing import Any
 
 from memfit.config import MemfitConfig
-from memfit.offload.copy import CopyEngine
+from memfit.offload.copy import CopyEngine, ReloadRelease
 from memfit.offload.pool import PinnedBucketPool
 
 Keywords = Callable[[MemfitConfig], dict[str, Any]]
+
+
+def _untied_reloads(cfg: MemfitConfig) -> dict[str, Any]:
+    """Reloads tied to no stream: compute's waits order their memory's reuse (``memfit.offload.copy``, "Reloads'
+    memory"), where the default leaves the caching allocator an event to ask at every allocation after a free."""
+    engine = CopyEngine(PinnedBucketPool.from_config(cfg), reload_release=ReloadRelease.AFTER_COMPUTE_WAITS)
+    return {"copy_engine": engine}
+
 
 VARIANTS: dict[str, tuple[str, Keywords]] = {
     # name: (mode name, apply() keyword arguments built from the parsed config)
@@ -30,8 +38,9 @@ VARIANTS: dict[str, tuple[str, Keywords]] = {
         "offload_attention",
         lambda cfg: {"copy_engine": CopyEngine(PinnedBucketPool.from_config(cfg), coalesce_max_bytes=0)},
     ),
+    "unsloth-ffn[reloads untied]": ("unsloth-ffn", _untied_reloads),
+    "offload_attention[reloads untied]": ("offload_attention", _untied_reloads),
 }
-
 # the variants that only change which tensors are parked: they run on CPU too, through the harness's own engine
 CPU_VARIANTS = frozenset({"unsloth[min 16MiB]", "offload_attention[hooks only]"})
 

@@ -19,6 +19,14 @@ exceed ``max_inflight_bytes``, the compute stream is made to wait for the oldest
 (a GPU-side wait, still no host sync). Without that bound a copy queue that falls
 behind compute would keep every source alive and the saving would vanish.
 
+Reloads' memory.  A reload's device tensor is allocated on compute and written by the host-to-device stream.
+By default it is tied to that stream with ``record_stream`` (``ReloadRelease.RECORD_STREAM``): once freed, the
+caching allocator keeps its block until the copy stream's work queued by then has finished, and until then asks
+that event at every allocation, which every op of a host-bound step pays while reloads are queued ahead.
+``ReloadRelease.AFTER_COMPUTE_WAITS`` ties nothing: compute waits for a reload before using it (:meth:`fetch`, or
+the copy was seen landed), so its memory, freed on compute afterwards, is reused after the write; a reload dropped
+without a fetch makes its allocation stream wait for it as it is released (:meth:`release`).
+
 Reload ahead.  :meth:`CopyEngine.reload` only *issues* a reload; :meth:`fetch` makes the
 compute stream wait for it. The session reloads the next regions in backward order while
 the current one recomputes (``OffloadSession.needed``).
@@ -79,6 +87,7 @@ freed (every step's block inputs and the step's leaf inputs leaked). Parking run
 
 from __future__ import annotations
 
+import enum
 import weakref
 from collections import deque
 from dataclasses import dataclass, field
@@ -116,17 +125,26 @@ def _flat_in_memory_order(tensor: torch.Tensor) -> tuple[torch.Tensor, tuple[int
     return dense.view(-1), dense.stride()
 
 
+class ReloadRelease(enum.Enum):
+    """When a reloaded tensor's device memory may be reused (see "Reloads' memory")."""
+
+    RECORD_STREAM = "record_stream"  # tied to the copy stream: the allocator waits for its event
+    AFTER_COMPUTE_WAITS = "after_compute_waits"  # compute waits for the reload before the memory goes back
+
+
 class CopyDone:
     """A copy's completion event that remembers once it has been seen complete (see "Fewer event calls").
 
     Passes as a pool's ``ready`` event (``query``, ``synchronize``)."""
 
-    __slots__ = ("event", "landed", "waited_by")
+    __slots__ = ("event", "landed", "waited_by", "allocated_on")
 
-    def __init__(self, event: Any) -> None:
+    def __init__(self, event: Any, allocated_on: Any = None) -> None:
         self.event = event
         self.landed = False  # a query (or a synchronize) said the copy has completed
         self.waited_by: Any = None  # the stream made to wait for it (its later work waits too)
+        # a reload's: the stream its device memory was allocated on (None: tied with ``record_stream``)
+        self.allocated_on = allocated_on
 
     def query(self) -> bool:
         if not self.landed:
@@ -251,6 +269,7 @@ class CopyEngine:
         streams: the stream and event calls (default: ``torch.cuda``'s).
         coalesce_max_bytes: a batch of several tensors up to this many bytes in all is copied through one
             packed buffer each way (see "Coalescing"); 0 copies every tensor on its own.
+        reload_release: when a reloaded tensor's memory may be reused (see "Reloads' memory").
     """
 
     parks_cpu_tensors = False  # CPU tensors stay where they are: there is no device memory to free
@@ -263,6 +282,7 @@ class CopyEngine:
         timing: bool = True,
         streams: StreamApi | None = None,
         coalesce_max_bytes: int = COALESCE_MAX_BYTES,
+        reload_release: ReloadRelease = ReloadRelease.RECORD_STREAM,
     ) -> None:
         if coalesce_max_bytes < 0:
             raise ValueError(
@@ -271,6 +291,7 @@ class CopyEngine:
         self.pool = pool
         self.max_inflight_bytes = max_inflight_bytes
         self.coalesce_max_bytes = coalesce_max_bytes
+        self.reload_release = ReloadRelease(reload_release)
         self._pads: dict[Any, torch.Tensor] = {}  # device -> _ALIGN zero bytes; (device, n) -> its first n
         self.timing = timing
         self.stats = CopyStats()
@@ -537,15 +558,20 @@ class CopyEngine:
             for group, out in packed.items():
                 out.copy_(group.buffer.tensor[: group.nbytes], non_blocking=group.buffer.pinned)
             done = self._record_done(h2d)
+        tie = self.reload_release is ReloadRelease.RECORD_STREAM
+        if not tie:
+            done.allocated_on = compute
         reloaded_bytes = 0  # copied, as bytes_offloaded counts them
         for p, out in zip(singles, outs, strict=True):
-            api.record_stream(out, h2d)
+            if tie:
+                api.record_stream(out, h2d)
             reloaded_bytes += p.nbytes
             p.fetches_left = p.users
             p.reloaded, p.h2d_done, p.copied_back = out, done, True
         typed: dict[tuple[_Coalesced, torch.dtype], Any] = {}  # a group's buffer viewed as a dtype
         for group, out in packed.items():
-            api.record_stream(out, h2d)
+            if tie:
+                api.record_stream(out, h2d)
             group.last_read = done
             reloaded_bytes += group.payload
         for p in members:  # a view of its group's buffer, with the strides it was parked with
@@ -606,6 +632,9 @@ class CopyEngine:
             stream = self.streams.current_stream(parked.device)
             self._stall(stream, done)
             done.waited_by = stream
+            owner = done.allocated_on
+            if owner is not None and owner != stream:  # untied memory is reused in its own stream's order
+                owner.wait_event(done.event)
 
     def _wait(self, stream: Any, done: CopyDone) -> None:
         if not done.query():  # already complete (the usual case when reloads run ahead): nothing to wait for
@@ -640,6 +669,13 @@ class CopyEngine:
 
     def release(self, parked: Parked) -> None:
         """Return the host buffer once nothing reads it any more (a coalesced one with its last member)."""
+        done = parked.h2d_done
+        if parked.reloaded is not None and done is not None and done.allocated_on is not None:
+            # reloaded, never fetched, its memory tied to no stream: it goes back only after the copy writing it
+            if done.waited_by != done.allocated_on and not done.query():
+                done.allocated_on.wait_event(done.event)
+                done.waited_by = done.allocated_on
+            parked.reloaded = None
         buf, parked.buffer = parked.buffer, None
         if buf is None:
             return

@@ -97,8 +97,9 @@ class OrderCheckingEngine(CopyEngine):
     """:class:`CopyEngine` on CPU tensors over :class:`RecordingStreams`, checking its ordering as it runs.
 
     Raises:
-        AssertionError: a reload did not wait for the host copy it reads, or a tensor whose reload was still
-            in flight was handed to compute without compute waiting for it.
+        AssertionError: a reload did not wait for the host copy it reads, a tensor whose reload was still
+            in flight was handed to compute without compute waiting for it, or (``ReloadRelease.AFTER_COMPUTE_WAITS``)
+            one released unfetched went back to its stream before that stream waited for it.
     """
 
     parks_cpu_tensors = True  # the CUDA engine leaves CPU tensors alone; here they stand for device tensors
@@ -118,6 +119,16 @@ class OrderCheckingEngine(CopyEngine):
                     f"a reload of {tuple(p.shape)} did not wait for the device-to-host copy it reads"
                 )
 
+    def release(self, parked: Parked) -> None:
+        done = parked.h2d_done
+        owner = done.allocated_on if done is not None else None
+        in_flight = parked.reloaded is not None and owner is not None and not done.event.done
+        super().release(parked)
+        if in_flight:  # reloaded, never fetched, its memory tied to no stream
+            assert done.event.id in self.streams.waited.get(owner.name, ()), (
+                f"a reloaded {tuple(parked.shape)} went back to {owner.name} before it waited for its reload"
+            )
+
     def fetch(self, parked: Parked) -> torch.Tensor:
         out = super().fetch(parked)
         if parked.copied_back and not parked.h2d_done.query():
@@ -129,7 +140,7 @@ class OrderCheckingEngine(CopyEngine):
 
 def order_checking_copy_engine(*, landed: bool = False, **kwargs) -> OrderCheckingEngine:
     """An :class:`OrderCheckingEngine` parking into pageable CPU buffers (no CUDA needed); ``kwargs`` go to
-    :class:`CopyEngine` (``max_inflight_bytes``, ``timing``, ``coalesce_max_bytes``)."""
+    :class:`CopyEngine` (``max_inflight_bytes``, ``timing``, ``coalesce_max_bytes``, ``reload_release``)."""
     pool = PinnedBucketPool(
         allocate=lambda n, pinned: torch.empty(n, dtype=torch.uint8),
         available_host_bytes=lambda: 1 << 40,
