@@ -139,12 +139,12 @@ class CopyDone:
 
     __slots__ = ("event", "landed", "waited_by", "allocated_on")
 
-    def __init__(self, event: Any, allocated_on: Any = None) -> None:
+    def __init__(self, event: Any) -> None:
         self.event = event
         self.landed = False  # a query (or a synchronize) said the copy has completed
         self.waited_by: Any = None  # the stream made to wait for it (its later work waits too)
-        # a reload's: the stream its device memory was allocated on (None: tied with ``record_stream``)
-        self.allocated_on = allocated_on
+        # an untied reload's: the stream its device memory was allocated on (None: tied with ``record_stream``)
+        self.allocated_on: Any = None
 
     def query(self) -> bool:
         if not self.landed:
