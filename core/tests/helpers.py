@@ -1,12 +1,14 @@
 """Helpers shared by the core tests: one training step on the toy stack, bitwise comparison of two, an ``auto``
 plan forced, and the offload configurations whose failed steps are checked."""
 
+import contextlib
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import nn
 
 from memfit.auto import BlockPolicy
+from memfit.offload.copy import StreamApi
 
 from toy import build, loss_of
 
@@ -159,3 +161,18 @@ FAILED_STEP_CONFIGS = {
         "gradient_checkpointing_memory_budget": "100GiB",
     },
 }
+
+
+class DelayedCopies(StreamApi):
+    """CUDA's streams, with a copy stream put to sleep before every batch of copies (GPU tests): a copy lands long
+    after compute asked for it, so a missing wait reads a half-written buffer, or compute reuses memory a copy is
+    still writing."""
+
+    def __init__(self, cycles: int) -> None:
+        self.cycles = cycles
+
+    @contextlib.contextmanager
+    def use(self, stream, *, restore):
+        with super().use(stream, restore=restore):
+            torch.cuda._sleep(self.cycles)
+            yield

@@ -8,8 +8,10 @@ import pytest
 import torch
 
 import memfit
+from memfit.offload.copy import CopyEngine, ReloadRelease
+from memfit.offload.pool import PinnedBucketPool
 
-from helpers import assert_same, step
+from helpers import DelayedCopies, assert_same, step
 from toy import TOY, build
 
 pytestmark = pytest.mark.gpu
@@ -110,6 +112,33 @@ def test_delayed_compute_stream_still_gives_identical_gradients():
             assert_same(ref, step(model, x))
     for h in hooks:
         h.remove()
+
+
+@pytest.mark.parametrize("release", list(ReloadRelease), ids=lambda r: r.value)
+@pytest.mark.parametrize(
+    "config",
+    [
+        {**ON, "gradient_checkpointing_backend": "unsloth-ffn"},
+        {"gradient_checkpointing_offload_attention": True},
+    ],
+    ids=["unsloth-ffn", "offload_attention"],
+)
+def test_delayed_copies_give_identical_gradients_whether_reloads_are_tied_or_not(config, release):
+    """Every batch of copies waits ~5 ms on its stream: reloads land long after they were issued ahead, so compute
+    must wait for each before its first use, and memory freed after it must not be handed out under a copy still
+    writing it (a reload tied to no stream relies on compute's wait alone)."""
+    model = build(dim=1024, blocks=6, device="cuda")
+    x = torch.randn(1, 2048, 1024, device="cuda")
+    ref = step(model, x)
+    engine = CopyEngine(
+        PinnedBucketPool(available_host_bytes=lambda: 1 << 40, host_reserve_bytes=0),
+        streams=DelayedCopies(10_000_000),
+        reload_release=release,
+    )
+    with memfit.apply(model, config, adapter=TOY, copy_engine=engine, min_offload_bytes=0) as handle:
+        for _ in range(2):
+            assert_same(ref, step(model, x))
+        assert handle.stats()["bytes_reloaded"] > 0
 
 
 def test_200_steps_with_alternating_shapes_leak_nothing():

@@ -17,11 +17,10 @@ from test_weights import streamer_of
 
 import memfit
 import memfit.controller
-from memfit.offload.copy import StreamApi
 from memfit.offload.streamable import frozen_block_bytes
 from memfit_conformance.plugin import require_cuda
 
-from helpers import assert_same, frozen_toy, step, streamed_uploads
+from helpers import DelayedCopies, assert_same, frozen_toy, step, streamed_uploads
 from toy import TOY
 
 pytestmark = pytest.mark.gpu
@@ -190,20 +189,6 @@ def test_no_new_pinned_memory_and_no_leak_after_the_first_step():
     assert after[2] - before[2] < 2 << 20  # one block's upload left behind per step would be 10 x 37 MiB
 
 
-class _DelayedCopies(StreamApi):
-    """CUDA's streams, with the upload stream put to sleep before every copy: an upload lands long after compute
-    asked for it, so a missing wait reads a half-written buffer."""
-
-    def __init__(self, cycles: int) -> None:
-        self.cycles = cycles
-
-    @contextlib.contextmanager
-    def use(self, stream, *, restore):
-        with super().use(stream, restore=restore):
-            torch.cuda._sleep(self.cycles)
-            yield
-
-
 @pytest.mark.parametrize("delayed", ["copies", "compute"])
 def test_delayed_streams_still_give_identical_gradients(monkeypatch, delayed):
     """``copies``: every upload waits ~5 ms on its stream. ``compute``: compute sleeps after each block's FFN, so
@@ -212,7 +197,7 @@ def test_delayed_streams_still_give_identical_gradients(monkeypatch, delayed):
     x = torch.randn(1, 2048, 1024, device="cuda")
     hooks = []
     if delayed == "copies":
-        monkeypatch.setattr(memfit.controller, "stream_api_for", lambda device: _DelayedCopies(10_000_000))
+        monkeypatch.setattr(memfit.controller, "stream_api_for", lambda device: DelayedCopies(10_000_000))
     else:
         hooks = [
             b.ff_out.register_forward_hook(lambda *_: torch.cuda._sleep(2_000_000)) for b in model.blocks
