@@ -80,6 +80,9 @@ def gpu(session: nox.Session, adapter: str) -> None:
         "-q",
         "-p",
         "no:cacheprovider",
+        # a test module that cannot be imported there (a carried wheel that does not fit the image's torch) fails
+        # the session, but the other modules' GPU tests still run
+        "--continue-on-collection-errors",
         *session.posargs,
         env=env,
         external=True,
