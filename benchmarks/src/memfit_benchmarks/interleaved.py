@@ -64,6 +64,8 @@ PAIRS = [
     ("unsloth-ffn", "torch-ffn"),
     (BOUND, "none"),
 ]
+# what identifies the run a row was measured in (a row kept from an earlier run carries these as ``run``)
+RUN_STAMP_KEYS = ("date", "git_commit", "steps", "warmup")
 # a family's pairs: its headline's columns (the block peer falls back to ckpt-block, see :func:`family_pairs`)
 FAMILY_PAIRS = [
     ("torch", Peer.DIFFUSERS),
@@ -252,7 +254,7 @@ def render(payload: dict[str, Any]) -> str:
         target = _target_cell(r)
         mark = ""
         if r.get("run"):
-            stamp = tuple(r["run"].get(k) for k in ("date", "git_commit", "steps", "warmup"))
+            stamp = tuple(r["run"].get(k) for k in RUN_STAMP_KEYS)
             mark = " " + earlier.setdefault(stamp, "†" * (len(earlier) + 1))
         lines.append(
             f"| {r['a']} / {r['b']}{mark} | {r['ratio_median']:.3f} | {r['ratio_q1']:.3f}–{r['ratio_q3']:.3f} | "

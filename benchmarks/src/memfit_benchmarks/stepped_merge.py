@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from memfit_benchmarks.interleaved import render
+from memfit_benchmarks.interleaved import RUN_STAMP_KEYS, render
 from memfit_benchmarks.results import write_results
 
 # what must agree for two runs to be one file's rows (the file name says most of it; the device is not in it)
@@ -31,7 +31,6 @@ SAME_RUN_KEYS = (
     "compile",
     "sdpa_backend",
 )
-RUN_STAMP_KEYS = ("date", "git_commit", "steps", "warmup")
 
 
 def merge(committed: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
