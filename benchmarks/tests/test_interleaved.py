@@ -279,3 +279,19 @@ def test_the_device_parts_default_runs_parse_and_a_given_run_writes_its_file(tmp
         ("torch", "diffusers-ckpt"),
         ("none + no-op hooks", "none"),
     ]
+
+
+def test_lora_weights_take_the_dtype_the_model_was_built_in_not_its_first_parameters(tmp_path, monkeypatch):
+    """Wan keeps its norms and time embedding in float32 whatever it is built in; its LoRA weights (and the config
+    the results describe) follow the build dtype, as on every other family."""
+    import torch
+
+    from memfit_benchmarks import interleaved
+
+    monkeypatch.setattr(interleaved, "_dtype", lambda device: torch.bfloat16)
+    (path,) = interleaved.main(
+        f"--out {tmp_path} --family wan --preset tiny --steps 2 --warmup 1 --device cpu --configs lora-attn "
+        "--pairs torch/diffusers-ckpt".split()
+    )
+    regime = json.loads(path.read_text())["regime"]
+    assert regime.startswith("frozen bfloat16 base + PEFT LoRA r16"), regime

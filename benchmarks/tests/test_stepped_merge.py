@@ -134,3 +134,30 @@ def test_runs_of_another_device_or_shape_are_refused_with_what_differs(tmp_path,
     err = capsys.readouterr().err
     assert f"differ in {key}" in err and "separate files" in err
     assert json.loads((into / name).read_text())["git_commit"] == "aaa1111"  # left as it was
+
+
+def test_a_file_from_before_the_lora_config_axis_holds_lora_on_every_linear(tmp_path, capsys):
+    """Its rows merge with a later ``lora-all`` run of the same shape; a later ``lora-attn`` run is refused."""
+    into = tmp_path / "results"
+    into.mkdir()
+    name = "interleaved.json"
+    legacy = _run("2026-12-05T10:00:00", "aaa1111", 24, [("torch", "ckpt-block", 0.88)])
+    del legacy["config"]
+    (into / name).write_text(json.dumps(legacy))
+    new = tmp_path / name
+    new.write_text(json.dumps(_run("2026-12-06T08:00:00", "bbb2222", 30, [("unsloth", "ckpt-block", 0.95)])))
+    stepped_merge.main([str(new), "--into", str(into)])
+    merged = json.loads((into / name).read_text())
+    assert [(p["a"], p["run"]["git_commit"] if "run" in p else None) for p in merged["pairs"]] == [
+        ("unsloth", None),
+        ("torch", "aaa1111"),
+    ]
+    (into / name).write_text(json.dumps(legacy))
+    new.write_text(
+        json.dumps(
+            _run("2026-12-06T08:00:00", "bbb2222", 30, [("unsloth", "ckpt-block", 0.95)], config="lora-attn")
+        )
+    )
+    with pytest.raises(SystemExit):
+        stepped_merge.main([str(new), "--into", str(into)])
+    assert "differ in config: None vs 'lora-attn'" in capsys.readouterr().err

@@ -318,10 +318,16 @@ def stem(args: argparse.Namespace, *, tokens: int, config: TrainingConfig) -> st
     return "-".join(parts)
 
 
+def _dtype(device: torch.device) -> torch.dtype:
+    """The dtype the model is built in and its LoRA weights take (not its first parameter's: a family may keep
+    some modules in float32, as Wan does its norms and time embedding)."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+
 def _model(args: argparse.Namespace, device: torch.device) -> tuple[Any, dict, FamilyAdapter, dict[str, Any]]:
     """The model (random weights) and its batch, the adapter that declares it, and what the results record
     about it."""
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = _dtype(device)
     if args.family is None:
         label, width, depth, tokens = TINY_SHAPE if args.shape == "tiny" else SHAPES[int(args.shape)]
         model = build(dim=width, depth=depth, dtype=dtype, device=device)
@@ -423,7 +429,7 @@ def main(argv: list[str] | None = None) -> list[Path]:
     )  # the bound's copies
     paths = []
     for config in configs:
-        training = prepare(model, batch, config, adapter, dtype=next(model.parameters()).dtype)
+        training = prepare(model, batch, config, adapter, dtype=_dtype(device))
         models = (model, copy.deepcopy(model))
         if args.compile:
             for m in models:

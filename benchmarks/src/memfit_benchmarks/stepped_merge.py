@@ -32,6 +32,14 @@ SAME_RUN_KEYS = (
     "sdpa_backend",
 )
 
+# a file written before the LoRA-config axis has no "config": those runs put LoRA on every linear of the blocks
+CONFIG_BEFORE_THE_AXIS = "lora-all"
+
+
+def _what_it_holds(run: dict[str, Any], key: str) -> Any:
+    value = run.get(key)
+    return CONFIG_BEFORE_THE_AXIS if key == "config" and value is None else value
+
 
 def merge(committed: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     """``new`` with the rows of ``committed`` whose pair it did not measure, each stamped with its own run.
@@ -39,7 +47,7 @@ def merge(committed: dict[str, Any], new: dict[str, Any]) -> dict[str, Any]:
     Raises:
         ValueError: the two runs differ in what a file holds (device, model, shape, config, SDPA backend).
     """
-    differ = [k for k in SAME_RUN_KEYS if committed.get(k) != new.get(k)]
+    differ = [k for k in SAME_RUN_KEYS if _what_it_holds(committed, k) != _what_it_holds(new, k)]
     if differ:
         detail = ", ".join(f"{k}: {committed.get(k)!r} vs {new.get(k)!r}" for k in differ)
         raise ValueError(
