@@ -49,6 +49,9 @@
 #                the device allocation (alone, and while a freed tensor's copy is in flight), the engine's park and
 #                round trip of one tensor (park-cost.{json,md}), and the engine's Python alone on this host, over
 #                streams that do nothing (cpu/park-cost.{json,md}; <1 min)
+#   reserve      what the caching allocator holds above the allocated peak per offload mode, reloads tied to the
+#                copy stream and to none, at 16384 tokens, then each at 1.1x its own peak (memfit_benchmarks.reserve:
+#                reserve.{json,md}; ~3 min)
 #   cprofile     cProfile over 1024-token steps of torch-ffn, unsloth-ffn and unsloth-ffn with its reloads tied to
 #                no stream (cprofile-1024-<row>.txt: where parking's host time goes, function by function; ~1 min)
 # Each part's exit status is printed; the script exits non-zero if any part failed.
@@ -130,6 +133,7 @@ for part in ${PARTS:-gpu}; do
             tar czf "$OUT/interleaved-runs.tar.gz" -C "$OUT" interleaved-runs && rm -rf "$OUT/interleaved-runs" ;;
         park-cost) run_part park-cost python3 -m memfit_benchmarks.park_cost --out "$OUT"
             run_part park-cost-cpu python3 -m memfit_benchmarks.park_cost --device cpu --out "$OUT/cpu" ;;
+        reserve) run_part reserve python3 -m memfit_benchmarks.reserve --limits 1.1 --out "$OUT" ;;
         cprofile) run_part cprofile python3 benchmarks/tools/cprofile_steps.py --out "$OUT" \
                 torch-ffn unsloth-ffn "unsloth-ffn[reloads untied]" ;;
         *) echo "unknown part $part" >&2; status=1 ;;

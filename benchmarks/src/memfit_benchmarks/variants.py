@@ -38,6 +38,7 @@ VARIANTS: dict[str, tuple[str, Keywords]] = {
         "offload_attention",
         lambda cfg: {"copy_engine": CopyEngine(PinnedBucketPool.from_config(cfg), coalesce_max_bytes=0)},
     ),
+    "unsloth[reloads untied]": ("unsloth", _untied_reloads),
     "unsloth-ffn[reloads untied]": ("unsloth-ffn", _untied_reloads),
     "offload_attention[reloads untied]": ("offload_attention", _untied_reloads),
 }
