@@ -15,7 +15,7 @@ steps, then timed steps; the row's peak allocated and reserved over its timed st
 step, and the reserve above the peak per byte copied. With ``--limits`` each row runs again in a process limited
 to that multiple of its own unconstrained peak (``torch.cuda.set_per_process_memory_fraction``): whether its
 steps made the allocator free its cache and retry (slow: a device sync each) or ran out of memory. Off CUDA there
-is no caching allocator: the smoke run proves the script. Writes ``reserve.{json,md}`` to ``--out``.
+is no caching allocator: the smoke run proves the script. Writes ``<--stem>.{json,md}`` (default ``reserve``) to ``--out``.
 """
 
 from __future__ import annotations
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+import os
 import statistics
 import time
 from pathlib import Path
@@ -137,7 +138,8 @@ def render(payload: dict[str, Any]) -> str:
         "",
         f"Synthetic stack {payload['shape']}, {payload['regime']}; SDPA: {payload['sdpa_backend']}. Each row: cache "
         f"emptied, mode installed, {payload['warmup']} warm-up and {payload['steps']} timed steps, {payload['rounds']} "
-        "rounds in alternating order; peaks are the largest over the timed steps of every round. *Reserve*: peak "
+        "rounds in alternating order; caching allocator: "
+        f"{payload.get('allocator_conf', 'default')}; peaks are the largest over the timed steps of every round. *Reserve*: peak "
         "reserved less peak allocated, what the caching allocator holds that no tensor uses. Commit: "
         f"{payload.get('git_commit') or 'n/a'}.",
         "",
@@ -188,6 +190,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--device", default="cuda")
     parser.add_argument("--out", type=Path, required=True)
+    parser.add_argument("--stem", default="reserve", help="the results files' name (<stem>.json, <stem>.md)")
     args = parser.parse_args(argv)
     args.modes = [m.strip() for m in args.modes.split(",") if m.strip()]
     from memfit_benchmarks.host_overhead import row_names
@@ -241,13 +244,15 @@ def main(argv: list[str] | None = None) -> Path:
         "tokens": tokens,
         "regime": training.description,
         "sdpa_backend": "flash (cuDNN SDPA disabled)" if cuda else "default (CPU)",
+        # the caching allocator's settings (expandable segments change what a freed block can be reused for)
+        "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default",
         "rounds": args.rounds,
         "warmup": args.warmup,
         "steps": args.steps,
         "modes": summaries,
         "limited": limited,
     }
-    return write_results(args.out, payload, render)
+    return write_results(args.out, payload, render, stem=args.stem)
 
 
 if __name__ == "__main__":
