@@ -587,7 +587,7 @@ def markdown(result: dict[str, Any]) -> str:
     names = sorted({t.get("device_name") for t in result["targets"] if t.get("device_name")})
     lines += [
         f"Device: {', '.join(names) or env.get('device')}; torch {env.get('torch')}; {result['date']}; "
-        f"commit {env.get('git_commit')}. {result['rounds']} round-robin rounds per budget ({result['warmup']} "
+        f"commit {env.get('git_commit')}; caching allocator: {env.get('allocator_conf', 'default')}. {result['rounds']} round-robin rounds per budget ({result['warmup']} "
         f"warm-up + {result['steps']} timed steps per measurement{_floor_steps_note(result)}; auto {result['auto_warmup']} warm-up steps, the "
         f"first with its planning forward, then up to {result.get('auto_settle', 0)} more until its closed loop "
         "settled); a mode out of memory is not measured again at that budget, and after the first round only "

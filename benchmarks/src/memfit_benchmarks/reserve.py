@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
-import os
 import statistics
 import time
 from pathlib import Path
@@ -244,8 +243,6 @@ def main(argv: list[str] | None = None) -> Path:
         "tokens": tokens,
         "regime": training.description,
         "sdpa_backend": "flash (cuDNN SDPA disabled)" if cuda else "default (CPU)",
-        # the caching allocator's settings (expandable segments change what a freed block can be reused for)
-        "allocator_conf": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or "default",
         "rounds": args.rounds,
         "warmup": args.warmup,
         "steps": args.steps,

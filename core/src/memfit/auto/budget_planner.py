@@ -29,12 +29,13 @@ from torch import nn
 
 import memfit.offload.hostmem as hostmem
 from memfit.adapters.spec import FamilyAdapter
+from memfit.auto.allocator import EXPANDABLE_HINT, expandable_segments
 from memfit.auto.planner import (
     CARD_FIT,
-    COPY_RESERVE,
     Plan,
     card_need,
     plan_policies,
+    reserve_per_copied_byte,
     suggested_budget,
 )
 from memfit.auto.policy import allowed_policies
@@ -264,6 +265,7 @@ class BudgetPlanner:
         self._installed: dict[Hashable, Plan] = {}  # the plan last handed to the controller per signature
         self._warned_unneeded = False
         self._warned_capacity = False
+        self._warned_copy_reserve = False
         self._warned_over = False
         self._warned_unreadable = False
         self._warned_limit = False
@@ -636,7 +638,26 @@ class BudgetPlanner:
         best = (
             min(fitting, key=lambda p: p.predicted_extra_seconds) if fitting else min(within, key=_card_need)
         )
+        if best.predicted_extra_seconds > chosen.predicted_extra_seconds:
+            self._warn_copy_reserve(chosen, best)
         return dataclasses.replace(best, budget_bytes=target, smallest_peak_bytes=chosen.smallest_peak_bytes)
+
+    def _warn_copy_reserve(self, cheapest: Plan, chosen: Plan) -> None:
+        """Once: the allocator's reserve for copies kept ``cheapest`` off this card, and ``chosen`` is slower;
+        expandable segments would need no such reserve (:mod:`memfit.auto.allocator`)."""
+        if self._warned_copy_reserve or expandable_segments():
+            return
+        self._warned_copy_reserve = True
+        warnings.warn(
+            f"gradient_checkpointing_backend='auto': the cheapest plan copies {format_bytes(cheapest.copied_bytes)} "
+            f"per step to host memory, and with its default segments the CUDA caching allocator needs about that "
+            f"much room again on the device, which this process does not have; a plan predicted "
+            f"{chosen.predicted_extra_seconds - cheapest.predicted_extra_seconds:.2f} s per step slower runs instead. "
+            f"Set {EXPANDABLE_HINT} in the environment before CUDA starts: with expandable segments copies need "
+            f"no such room.",
+            MemfitWarning,
+            stacklevel=6,
+        )
 
     def _quieter(self, profile: ModelProfile, than: Plan, lean: int | None) -> Plan | None:
         """The cheapest plan that copies nothing (no parked activations, no streamed weights) for ``lean``, the
@@ -661,7 +682,7 @@ class BudgetPlanner:
         park: bool = True,
     ) -> Plan:
         """:meth:`_plan_at`'s search for one ``variant``: every policy (plain), copies weighed with their reserve
-        (the budget counts :data:`COPY_RESERVE` per byte copied), no parked activations, or no copies at all (nor
+        (the budget counts the allocator's reserve per byte copied, :func:`reserve_per_copied_byte`), no parked activations, or no copies at all (nor
         streamed weights). A plan that parks blocks whole where its copies and streamed weights would not fit in
         host RAM is searched again without parking blocks (``park=False``)."""
         can_offload = self.can_offload and variant not in (_NO_OFFLOAD, _NO_COPY)
@@ -678,7 +699,7 @@ class BudgetPlanner:
         if held is None or held[0] is not profile:  # held with its profile: an id is never reused under it
             held = self._memos[id(profile)] = (profile, {})
         memo = held[1].setdefault((variant, park), {})
-        copy_reserve = COPY_RESERVE if variant == _RESERVE else 0.0
+        copy_reserve = reserve_per_copied_byte() if variant == _RESERVE else 0.0
 
         def plan(bytes_: int) -> Plan:
             return choose_streaming(
@@ -722,14 +743,21 @@ class BudgetPlanner:
     def _card_error(self, plan: Plan, card: int) -> BudgetError:
         need = _card_need(plan)
         suggested = suggested_budget(plan.predicted_peak_bytes, copied_bytes=plan.copied_bytes)
+        expandable = expandable_segments()
+        copies = "" if expandable else ", and about what a step copies"
+        hint = (
+            ""
+            if expandable or not plan.copied_bytes
+            else f", or set {EXPANDABLE_HINT} in the environment before CUDA starts (copies then need no reserve)"
+        )
         return BudgetError(
             f"this process can hold {format_bytes(int(card / CARD_FIT))} on its device, and the leanest plan for "
             f"a budget of {format_bytes(self.budget_bytes)} peaks at {format_bytes(plan.predicted_peak_bytes)} "
             f"allocated, copying {format_bytes(plan.copied_bytes)} per step to host memory: with the reserve the "
-            f"CUDA caching allocator keeps (up to {1 / ALLOCATOR_HEADROOM:.2f}x the allocated peak, and about what a "
-            f"step copies) that needs {format_bytes(need)}, over the {CARD_FIT:.0%} of it a step can use without "
-            f"running out of memory. It needs a device (or a per-process memory fraction) of at least "
-            f"{format_bytes(suggested)}: free memory on the device, or shrink the step (batch, resolution).",
+            f"CUDA caching allocator keeps (up to {1 / ALLOCATOR_HEADROOM:.2f}x the allocated peak{copies}) that "
+            f"needs {format_bytes(need)}, over the {CARD_FIT:.0%} of it a step can use without running out of "
+            f"memory. It needs a device (or a per-process memory fraction) of at least {format_bytes(suggested)}: "
+            f"free memory on the device, or shrink the step (batch, resolution){hint}.",
             smallest_peak_bytes=plan.predicted_peak_bytes,
             suggested_budget_bytes=suggested,
         )

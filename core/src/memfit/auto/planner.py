@@ -62,6 +62,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import memfit.auto.search as search
+from memfit.auto.allocator import expandable_segments
 from memfit.auto.cost import HOOKED_TENSOR_SECONDS, Choice, block_choices
 from memfit.auto.profile import BlockProfile, ModelProfile
 from memfit.auto.streaming import StreamedSet
@@ -76,10 +77,17 @@ _UNITS = 1024  # kept bytes are counted in units of 1/_UNITS of the total (searc
 # stack, whose 2.6 GiB floor 0.5% alone did not cover), and the suggestion must still plan
 FLOOR_ALLOWANCE = 0.005
 WORKSPACE_ALLOWANCE = 128 << 20
-# bytes the caching allocator reserves per byte a step copies to host memory, and the share of what the process can
-# hold that a plan's peak and that reserve may reach together (docs/cost-model.md, "Copy reserve")
+# bytes the caching allocator reserves per byte a step copies to host memory, with its default segments and with
+# expandable ones, and the share of what the process can hold that a plan's peak and that reserve may reach together
+# (docs/cost-model.md, "Copy reserve")
 COPY_RESERVE = 1.0
+EXPANDABLE_COPY_RESERVE = 0.0
 CARD_FIT = 0.92
+
+
+def reserve_per_copied_byte() -> float:
+    """:data:`COPY_RESERVE`, or :data:`EXPANDABLE_COPY_RESERVE` where the allocator grows expandable segments."""
+    return EXPANDABLE_COPY_RESERVE if expandable_segments() else COPY_RESERVE
 
 
 def suggested_budget(smallest_peak_bytes: int, *, copied_bytes: int | None = None) -> int:
@@ -95,7 +103,7 @@ def suggested_budget(smallest_peak_bytes: int, *, copied_bytes: int | None = Non
 def card_need(peak_bytes: int, copied_bytes: int) -> int:
     """What a plan needs of what the process can hold: its peak allocated and the reserve its copies leave the
     caching allocator (see "Copy reserve")."""
-    return peak_bytes + int(COPY_RESERVE * copied_bytes)
+    return peak_bytes + int(reserve_per_copied_byte() * copied_bytes)
 
 
 @dataclass(frozen=True)
