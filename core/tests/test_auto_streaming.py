@@ -537,15 +537,9 @@ def test_quantized_blocks_without_streamable_weights_are_never_streamed():
     assert plan.streamed and all(int(name.rpartition(".")[2]) % 2 == 0 for name in plan.streamed)
 
 
-def test_where_copies_would_leave_the_allocator_no_room_a_plan_that_copies_less_runs(monkeypatch):
-    """A plan's copies leave the caching allocator a reserve about as large as what they move (an H200 limited to
-    16 GiB: 12.2 GiB allocated and 6.2 GiB copied per step reserved all 16 and ran out of memory in one of two
-    runs). Where the process cannot hold the cheapest plan's peak and that reserve, auto runs the cheapest plan
-    that fits both, within the same budget; with room for them, the cheapest plan as before."""
-    from memfit.auto.planner import CARD_FIT, card_need
-
-    for variable in ALLOC_CONF_VARIABLES:  # the caching allocator's default segments
-        monkeypatch.delenv(variable, raising=False)
+def copying_plan(monkeypatch):
+    """A profile, a budget whose cheapest plan copies, a planner with a copy engine, and that plan on a device
+    without a cap."""
     prof = profile()
     floor, none = floor_without_streaming(prof), plan_for(prof, 1 << 40).predicted_peak_bytes
     budget = int(floor + 0.3 * (none - floor))
@@ -559,7 +553,19 @@ def test_where_copies_would_leave_the_allocator_no_room_a_plan_that_copies_less_
         can_stream=False,
     )
     monkeypatch.setattr(budget_planner, "device_capacity", lambda device: None)
-    roomy = planner._plan_at(prof, budget)
+    return prof, budget, planner, planner._plan_at(prof, budget)
+
+
+def test_where_copies_would_leave_the_allocator_no_room_a_plan_that_copies_less_runs(monkeypatch):
+    """A plan's copies leave the caching allocator a reserve about as large as what they move (an H200 limited to
+    16 GiB: 12.2 GiB allocated and 6.2 GiB copied per step reserved all 16 and ran out of memory in one of two
+    runs). Where the process cannot hold the cheapest plan's peak and that reserve, auto runs the cheapest plan
+    that fits both, within the same budget; with room for them, the cheapest plan as before."""
+    from memfit.auto.planner import CARD_FIT, card_need
+
+    for variable in ALLOC_CONF_VARIABLES:  # the caching allocator's default segments
+        monkeypatch.delenv(variable, raising=False)
+    prof, budget, planner, roomy = copying_plan(monkeypatch)
     assert roomy.copied_bytes > 0 and roomy.predicted_peak_bytes <= budget
     capacity = int(budget / 0.9)
     card = CARD_FIT * capacity
@@ -583,20 +589,7 @@ def test_with_expandable_segments_copies_need_no_reserve_and_the_cheapest_plan_r
     test's copies did not fit runs the cheapest plan, without a warning."""
     from memfit.auto.planner import CARD_FIT, card_need
 
-    prof = profile()
-    floor, none = floor_without_streaming(prof), plan_for(prof, 1 << 40).predicted_peak_bytes
-    budget = int(floor + 0.3 * (none - floor))
-    planner = budget_planner.BudgetPlanner(
-        frozen_toy(blocks=2, dim=8),
-        TOY,
-        budget,
-        can_offload=True,
-        min_offload_bytes=0,
-        copy_bytes_per_second=prof.copy_bytes_per_second,
-        can_stream=False,
-    )
-    monkeypatch.setattr(budget_planner, "device_capacity", lambda device: None)
-    roomy = planner._plan_at(prof, budget)
+    prof, budget, planner, roomy = copying_plan(monkeypatch)
     monkeypatch.setenv(variable, "max_split_size_mb:512, expandable_segments:True")
     capacity = int(budget / 0.9)
     assert card_need(roomy.predicted_peak_bytes, roomy.copied_bytes) == roomy.predicted_peak_bytes
