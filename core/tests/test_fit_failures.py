@@ -13,6 +13,7 @@ pytest.importorskip("memfit_flux")
 
 from fit_standins import CUDA_FAULT, crashing_workload, failing_build  # noqa: E402
 
+from memfit.config import Backend  # noqa: E402
 from memfit.fit import FitReport, InProcessRunner, Rung, RungResult, run_ladder  # noqa: E402
 from memfit.isolation import ChildRunner, SetupError  # noqa: E402
 from memfit.job import FitJob, build_workload  # noqa: E402
@@ -328,3 +329,31 @@ def test_a_full_fine_tune_is_measured_with_an_adamw_step_in_every_rung():
     for optimizer in made:  # one warm-up and two timed steps each, on every trainable weight
         assert len(optimizer.state) == len(trainable)
         assert all(int(state["step"]) == 3 for state in optimizer.state.values())
+
+
+def test_copying_rungs_out_of_memory_with_the_default_segments_suggest_expandable_segments(monkeypatch):
+    """On CUDA a rung that parks activations or streams weights needs room for the allocator's reserve with the
+    default segments; where one ran out of memory the report names the setting that removes it, once it is set
+    (or off CUDA, or where only non-copying rungs ran out of memory) it says nothing."""
+    for variable in ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"):
+        monkeypatch.delenv(variable, raising=False)
+
+    def out_of_memory(rung: Rung) -> RungResult:
+        return RungResult(
+            rung, None, False, failure=RungFailure(FailureKind.OUT_OF_MEMORY, "CUDA out of memory")
+        )
+
+    report = FitReport("cuda", 24 * 2**30, "peak allocated")
+    report.results = [out_of_memory(Rung.of(Backend.TORCH_FFN)), out_of_memory(Rung.of(Backend.UNSLOTH_FFN))]
+    advice = report.allocator_advice()
+    assert advice.startswith("unsloth-ffn ran out of memory") and "expandable_segments:True" in advice
+    assert report.to_json()["allocator_advice"] == advice
+    report.results = [out_of_memory(Rung.of(Backend.TORCH_FFN)), out_of_memory(Rung.auto(1 << 30))]
+    assert report.allocator_advice().startswith("auto ran out")
+    assert FitReport("cpu", None, "held activations", results=report.results).allocator_advice() is None
+    report.results = [out_of_memory(Rung.of(Backend.TORCH))]
+    assert report.allocator_advice() is None
+    report.results = [out_of_memory(Rung.streaming(1 << 30))]
+    assert report.allocator_advice().startswith("unsloth + stream 1024MiB ran out")
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+    assert report.allocator_advice() is None

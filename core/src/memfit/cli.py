@@ -574,6 +574,9 @@ def _cmd_fit(args: argparse.Namespace) -> int:
             console.print(crash_line(advice))
         _print_recommendation(report, plan)
         code = 0
+    allocator = report.allocator_advice()
+    if allocator:
+        console.print(f"[yellow]Note:[/] {allocator}")
     if plan.json_path:
         _write_json(plan, report, info, budget)
     if plan.plot_path:

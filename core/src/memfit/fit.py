@@ -31,6 +31,7 @@ import torch
 from torch import nn
 
 from memfit.adapters.spec import FamilyAdapter
+from memfit.auto.allocator import EXPANDABLE_HINT, expandable_segments
 from memfit.config import Backend
 from memfit.measure import (
     FailureKind,
@@ -41,6 +42,8 @@ from memfit.measure import (
     sdpa_context,
 )
 
+# backends whose rungs may copy to host memory (see RungResult.may_copy)
+_COPYING_BACKENDS = {Backend.UNSLOTH.value, Backend.UNSLOTH_FFN.value, Backend.AUTO.value}
 MIN_TIE = 0.01  # step times closer than this are the same speed (see "Ranking")
 # weight-streaming rungs tried when nothing fits by activations: frozen bytes to stream, as shares of the budget
 STREAM_SHARES = (0.25, 0.5, 0.75)
@@ -113,6 +116,17 @@ class RungResult:
     @property
     def crashed(self) -> bool:
         return self.failure is not None and self.failure.kind is FailureKind.CRASHED
+
+    @property
+    def may_copy(self) -> bool:
+        """Whether the rung's configuration copies to host memory: activations parked, weights streamed, or a plan
+        of ``auto`` that may do either."""
+        cfg = self.rung.config or {}
+        return (
+            cfg.get("gradient_checkpointing_backend") in _COPYING_BACKENDS
+            or bool(cfg.get("gradient_checkpointing_offload_attention"))
+            or bool(cfg.get("gradient_checkpointing_stream_blocks"))
+        )
 
     @property
     def status(self) -> str:
@@ -248,6 +262,24 @@ class FitReport:
             f"try `--sdpa math` to rule out the attention kernels, and keep the --json report for a bug report."
         )
 
+    def allocator_advice(self) -> str | None:
+        """On CUDA with the caching allocator's default segments, where a rung that copies to host memory ran out
+        of memory: one line naming expandable segments (None otherwise; docs/cost-model.md, "Copy reserve")."""
+        if not self.device.startswith("cuda") or expandable_segments():
+            return None
+        out_of_memory = [
+            r.rung.name
+            for r in self.results
+            if r.may_copy and r.failure is not None and r.failure.kind is FailureKind.OUT_OF_MEMORY
+        ]
+        if not out_of_memory:
+            return None
+        return (
+            f"{', '.join(out_of_memory)} ran out of memory with the CUDA caching allocator's default segments, "
+            f"where what a step copies to host memory needs about as much room again on the card. Run fit again "
+            f"(and train) with {EXPANDABLE_HINT} set in the environment: copies then need no such room."
+        )
+
     def to_json(self) -> dict[str, Any]:
         return {
             "device": self.device,
@@ -260,6 +292,7 @@ class FitReport:
             "recommended_config": self.recommended_config() if self.recommended else None,
             "weights_on_host": self.weights_on_host,
             "crash_advice": self.crash_advice(),
+            "allocator_advice": self.allocator_advice(),
         }
 
 
