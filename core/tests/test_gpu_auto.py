@@ -243,7 +243,13 @@ def test_on_a_card_of_the_budget_s_size_auto_keeps_its_copies_reserve_and_runs_c
     about as long as that bookkeeping), so copies look nearly free and the cheapest plan copies. What is checked
     is memory (the reserve real copies leave), which the price does not change."""
     from memfit.auto import budget_planner, cost
+    from memfit.auto.allocator import expandable_segments
     from memfit.auto.budget_planner import ALLOCATOR_HEADROOM, CARD_FIT, card_need
+
+    if (
+        expandable_segments()
+    ):  # read by the allocator as the process started; the planner then counts no reserve
+        pytest.skip("this process's allocator grows expandable segments: copies need no reserve on the card")
 
     real_probe = budget_planner._probe_bandwidth
     monkeypatch.setattr(budget_planner, "_probe_bandwidth", lambda *a, **kw: 100 * real_probe(*a, **kw))
