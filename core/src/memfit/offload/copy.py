@@ -25,7 +25,10 @@ caching allocator keeps its block until the copy stream's work queued by then ha
 that event at every allocation, which every op of a host-bound step pays while reloads are queued ahead.
 ``ReloadRelease.AFTER_COMPUTE_WAITS`` ties nothing: compute waits for a reload before using it (:meth:`fetch`, or
 the copy was seen landed), so its memory, freed on compute afterwards, is reused after the write; a reload dropped
-without a fetch makes its allocation stream wait for it as it is released (:meth:`release`).
+without a fetch makes its allocation stream wait for it as it is released (:meth:`release`). On an H100 it bought
+nothing measurable: at 1024 tokens, stepped in turn against the default, `unsloth-ffn` 1.003x and
+`offload_attention` 0.989x (interquartile ranges over 1); at 16384 tokens the same allocator reserve (within
+0.3 GiB). So the default stays.
 
 Reload ahead.  :meth:`CopyEngine.reload` only *issues* a reload; :meth:`fetch` makes the
 compute stream wait for it. The session reloads the next regions in backward order while
