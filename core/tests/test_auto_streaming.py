@@ -580,6 +580,13 @@ def test_where_copies_would_leave_the_allocator_no_room_a_plan_that_copies_less_
     assert tight.predicted_extra_seconds > roomy.predicted_extra_seconds  # room costs time, and only here
     monkeypatch.setattr(budget_planner, "device_capacity", lambda device: int(budget / 0.5))
     assert planner._plan_at(prof, budget).blocks == roomy.blocks
+    # a card the cheapest plan's peak alone overflows: expandable segments would not help, so no hint
+    fresh = copying_plan(monkeypatch)[2]
+    below = int(0.95 * roomy.predicted_peak_bytes / CARD_FIT)
+    monkeypatch.setattr(budget_planner, "device_capacity", lambda device: below)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MemfitWarning)
+        assert fresh._plan_at(prof, budget).predicted_extra_seconds > roomy.predicted_extra_seconds
 
 
 @pytest.mark.parametrize("variable", ["PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"])

@@ -32,6 +32,7 @@ from memfit.adapters.spec import FamilyAdapter
 from memfit.auto.allocator import EXPANDABLE_HINT, expandable_segments
 from memfit.auto.planner import (
     CARD_FIT,
+    EXPANDABLE_COPY_RESERVE,
     Plan,
     card_need,
     plan_policies,
@@ -638,13 +639,14 @@ class BudgetPlanner:
         best = (
             min(fitting, key=lambda p: p.predicted_extra_seconds) if fitting else min(within, key=_card_need)
         )
-        if best.predicted_extra_seconds > chosen.predicted_extra_seconds:
+        expandable_need = chosen.predicted_peak_bytes + int(EXPANDABLE_COPY_RESERVE * chosen.copied_bytes)
+        if best.predicted_extra_seconds > chosen.predicted_extra_seconds and expandable_need <= card:
             self._warn_copy_reserve(chosen, best)
         return dataclasses.replace(best, budget_bytes=target, smallest_peak_bytes=chosen.smallest_peak_bytes)
 
     def _warn_copy_reserve(self, cheapest: Plan, chosen: Plan) -> None:
-        """Once: the allocator's reserve for copies kept ``cheapest`` off this card, and ``chosen`` is slower;
-        expandable segments would need no such reserve (:mod:`memfit.auto.allocator`)."""
+        """Once: the allocator's reserve for copies kept ``cheapest`` off this card, where it would fit with expandable
+        segments, and ``chosen`` is slower (:mod:`memfit.auto.allocator`)."""
         if self._warned_copy_reserve or expandable_segments():
             return
         self._warned_copy_reserve = True
