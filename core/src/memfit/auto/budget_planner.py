@@ -684,8 +684,8 @@ class BudgetPlanner:
         park: bool = True,
     ) -> Plan:
         """:meth:`_plan_at`'s search for one ``variant``: every policy (plain), copies weighed with their reserve
-        (the budget counts the allocator's reserve per byte copied, :func:`reserve_per_copied_byte`), no parked activations, or no copies at all (nor
-        streamed weights). A plan that parks blocks whole where its copies and streamed weights would not fit in
+        (the budget counts :func:`reserve_per_copied_byte` per byte copied), no parked activations, or no copies at
+        all (nor streamed weights). A plan that parks blocks whole where its copies and streamed weights would not fit in
         host RAM is searched again without parking blocks (``park=False``)."""
         can_offload = self.can_offload and variant not in (_NO_OFFLOAD, _NO_COPY)
 

@@ -102,7 +102,7 @@ def suggested_budget(smallest_peak_bytes: int, *, copied_bytes: int | None = Non
 
 def card_need(peak_bytes: int, copied_bytes: int) -> int:
     """What a plan needs of what the process can hold: its peak allocated and the reserve its copies leave the
-    caching allocator (see "Copy reserve")."""
+    caching allocator, none with expandable segments (see "Copy reserve")."""
     return peak_bytes + int(reserve_per_copied_byte() * copied_bytes)
 
 
