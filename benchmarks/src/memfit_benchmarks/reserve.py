@@ -1,21 +1,25 @@
-"""What the caching allocator holds above the allocated peak under each offload mode, with the reloads tied to
-the copy stream (the default) and tied to none (``ReloadRelease.AFTER_COMPUTE_WAITS``).
+"""What the caching allocator holds above the allocated peak under each offload mode, and whether the mode runs in
+a process limited to a little more than that peak: with the allocator's default segments or expandable ones (the
+process's environment), with the reloads tied to the copy stream (the default) or to none.
 
     python -m memfit_benchmarks.reserve --out DIR                               # GPU: the stack at 16384 tokens
+    PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True python -m memfit_benchmarks.reserve --limits 1.087,1.04 \
+        --stem reserve-expandable --out DIR
     python -m memfit_benchmarks.reserve --shape tiny --device cpu --modes unsloth --out DIR   # smoke
 
-The planner charges a plan one byte of card per byte it copies to host memory (``COPY_RESERVE``,
-docs/cost-model.md "Copy reserve"): measured in processes limited to the budget, the reserve above the allocated
-peak grew with the bytes copied. A reload tied to its copy stream with ``record_stream`` is freed into a block the
-allocator may not hand out until the copy stream's work queued by then has finished; reload-ahead keeps that
-stream busy, so compute allocates elsewhere. This measures whether untied reloads hold less.
+The planner charges a plan one byte of card per byte it copies to host memory with the default segments
+(``COPY_RESERVE``), none with expandable ones (docs/cost-model.md, "Copy reserve"). This is the measurement behind
+both. A reload tied to its copy stream with ``record_stream`` is freed into a block the allocator may not hand out
+until the copy stream's work queued by then has finished; the ``[reloads untied]`` variants tell whether that is
+where the reserve comes from (it is not).
 
 Per round (the rows' order reversed every other round), per row: the cache emptied, the mode installed, warm-up
 steps, then timed steps; the row's peak allocated and reserved over its timed steps, the bytes it copied per
 step, and the reserve above the peak per byte copied. With ``--limits`` each row runs again in a process limited
 to that multiple of its own unconstrained peak (``torch.cuda.set_per_process_memory_fraction``): whether its
 steps made the allocator free its cache and retry (slow: a device sync each) or ran out of memory. Off CUDA there
-is no caching allocator: the smoke run proves the script. Writes ``<--stem>.{json,md}`` (default ``reserve``) to ``--out``.
+is no caching allocator: the smoke run proves the script. Writes ``<--stem>.{json,md}`` (default ``reserve``) to
+``--out``.
 """
 
 from __future__ import annotations
