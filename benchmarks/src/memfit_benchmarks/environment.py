@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from memfit.auto.allocator import ALLOC_CONF_VARIABLES
+from memfit.auto.allocator import allocator_settings
 
 
 def run_stamp(suite: str, device: str) -> dict[str, Any]:
@@ -22,13 +22,8 @@ def run_stamp(suite: str, device: str) -> dict[str, Any]:
         "torch": torch.__version__,
         "git_commit": os.environ.get("MEMFIT_GIT_COMMIT"),
         # the CUDA caching allocator's settings, as torch reads them (expandable segments change what fits a card)
-        "allocator_conf": allocator_conf(),
+        "allocator_conf": allocator_settings() or "default",
     }
-
-
-def allocator_conf() -> str:
-    """The caching allocator's settings from the environment, or ``default``."""
-    return next((os.environ[v] for v in ALLOC_CONF_VARIABLES if os.environ.get(v)), "default")
 
 
 def environment(suite: str, device: torch.device, *, sdpa: str) -> dict[str, Any]:

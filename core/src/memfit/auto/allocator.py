@@ -16,10 +16,14 @@ ALLOC_CONF_VARIABLES = ("PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF")
 EXPANDABLE_HINT = "PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True"
 
 
+def allocator_settings() -> str:
+    """The caching allocator's settings as torch reads them from the environment ('' where none is set)."""
+    return next((os.environ[v] for v in ALLOC_CONF_VARIABLES if os.environ.get(v)), "")
+
+
 def allocator_setting(key: str) -> str | None:
     """The value the environment gives the caching allocator's ``key`` (None: not set)."""
-    settings = next((os.environ[v] for v in ALLOC_CONF_VARIABLES if os.environ.get(v)), "")
-    for item in settings.split(","):
+    for item in allocator_settings().split(","):
         name, _, value = item.partition(":")
         if name.strip() == key:
             return value.strip()
