@@ -39,8 +39,8 @@ from memfit_benchmarks.environment import run_stamp
 from memfit_benchmarks.host_overhead import installed
 from memfit_benchmarks.results import write_results
 from memfit_benchmarks.shapes import SHAPES, TINY_SHAPE
-from memfit_benchmarks.synthetic import SYNTHETIC, build, inputs
-from memfit_benchmarks.training import TrainingConfig, prepare
+from memfit_benchmarks.synthetic import lora_stack
+from memfit_benchmarks.training import TrainingConfig, describe
 from memfit_benchmarks.variants import VARIANTS
 
 DEFAULT_MODES = (
@@ -219,10 +219,8 @@ def main(argv: list[str] | None = None) -> Path:
     if cuda:
         torch.backends.cuda.enable_cudnn_sdp(False)
     dtype = torch.bfloat16 if cuda else torch.float32
-    label, width, depth, tokens = TINY_SHAPE if args.shape == "tiny" else SHAPES[int(args.shape)]
-    model = build(dim=width, depth=depth, dtype=dtype, device=device)
-    batch = inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
-    training = prepare(model, batch, TrainingConfig.LORA_ALL, SYNTHETIC, dtype=dtype)
+    shape = TINY_SHAPE if args.shape == "tiny" else SHAPES[int(args.shape)]
+    model, batch = lora_stack(shape, device=device, dtype=dtype)
     options = {"cuda": cuda, "warmup": args.warmup, "steps": args.steps}
     per_mode: dict[str, list[dict[str, Any]]] = {m: [] for m in args.modes}
     limited: list[dict[str, Any]] = []
@@ -243,9 +241,9 @@ def main(argv: list[str] | None = None) -> Path:
                     print(limited[-1], flush=True)
     payload = {
         **run_stamp("reserve", torch.cuda.get_device_name() if cuda else "cpu"),
-        "shape": label,
-        "tokens": tokens,
-        "regime": training.description,
+        "shape": shape[0],
+        "tokens": shape[3],
+        "regime": describe(TrainingConfig.LORA_ALL, dtype=dtype),
         "sdpa_backend": "flash (cuDNN SDPA disabled)" if cuda else "default (CPU)",
         "rounds": args.rounds,
         "warmup": args.warmup,

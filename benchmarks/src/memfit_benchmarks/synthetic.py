@@ -114,11 +114,16 @@ SYNTHETIC = FamilyAdapter(
 )
 
 
-def lora_stack(shape: tuple[str, int, int, int], *, device: str = "cuda") -> tuple[SynthStack, dict]:
+def lora_stack(
+    shape: tuple[str, int, int, int],
+    *,
+    device: str | torch.device = "cuda",
+    dtype: torch.dtype = torch.bfloat16,
+) -> tuple[SynthStack, dict]:
     """The stack of ``shape`` (an entry of :data:`memfit_benchmarks.shapes.SHAPES`: label, width, depth, tokens) in
-    bfloat16 on ``device`` with PEFT LoRA on every block linear (the sweeps' ``lora-all``), and its seeded batch."""
+    ``dtype`` on ``device`` with PEFT LoRA on every block linear (the sweeps' ``lora-all``), and its seeded batch."""
     _, width, depth, tokens = shape
-    model = build(dim=width, depth=depth, dtype=torch.bfloat16, device=device)
+    model = build(dim=width, depth=depth, dtype=dtype, device=device)
     batch = inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
-    prepare(model, batch, TrainingConfig.LORA_ALL, SYNTHETIC, dtype=torch.bfloat16)
+    prepare(model, batch, TrainingConfig.LORA_ALL, SYNTHETIC, dtype=dtype)
     return model, batch
