@@ -204,3 +204,22 @@ def test_runs_of_different_commits_do_not_merge(tmp_path, capsys):
     with pytest.raises(SystemExit) as exit_info:
         streaming.main(["--merge", *map(str, files), "--out", str(tmp_path)])
     assert exit_info.value.code == 2 and "runs differ in git_commit" in capsys.readouterr().err
+
+
+def test_auto_is_paired_with_its_plan_of_copies_charged_per_block(tmp_path, monkeypatch):
+    """``--per-block`` adds, per budget, ``auto`` planned with the copy queue off (planner, "Queue"), only for that
+    row, and the auto row's step against it."""
+    from memfit.auto import planner
+    from memfit_benchmarks import streaming
+
+    seen = []
+    queue = planner._copy_queue
+    monkeypatch.setattr(planner, "_copy_queue", lambda *a: seen.append(planner.QUEUE_LEVELS) or queue(*a))
+    args = ["--preset", "tiny", "--device", "cpu", "--backend", "torch", "--blocks", "0", "--steps", "1"]
+    path = streaming.main([*args, "--budgets", "1GiB", "--per-block", "--out", str(tmp_path)])
+    rows = {r["mode"]: r for r in json.loads(path.read_text())["rows"]}
+    assert list(rows) == ["torch", "auto 1GiB", "auto 1GiB [copies per block]"]
+    auto, per_block = rows["auto 1GiB"], rows["auto 1GiB [copies per block]"]
+    assert auto["x_per_block"] == pytest.approx(auto["step_s"] / per_block["step_s"])
+    assert "copies charged against its own forward" in (tmp_path / "streaming.md").read_text()
+    assert set(seen) == {planner.QUEUE_LEVELS, 0} and planner.QUEUE_LEVELS > 0

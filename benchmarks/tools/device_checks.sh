@@ -45,6 +45,9 @@
 #                the cells still open, see below); a family's run steps two copies of its model at its preset's
 #                size in turn (interleaved-<family>-<tokens>-<config>.{json,md}; ~1-4 min a family); back here,
 #                memfit_benchmarks.stepped_merge folds each file into the committed one
+#   wan-queue    Wan 2.1 14B at its preset's tokens: auto at 24 GiB against the same budget planned with each block's
+#                copies charged against its own forward (the planner's copy queue off), paired by round, and unsloth
+#                unconstrained (fits an H100; streaming.{json,md}; no round starts after WAN_QUEUE_SECONDS, 420)
 #   park-cost    the host time of parking one region, piece by piece: stream and event calls, the copy's issue,
 #                the device allocation (alone, and while a freed tensor's copy is in flight), the engine's park and
 #                round trip of one tensor (park-cost.{json,md}), and the engine's Python alone on this host, over
@@ -105,6 +108,9 @@ for part in ${PARTS:-gpu}; do
                 core/tests/test_gpu_weights.py -m gpu -q -p no:cacheprovider
             run_part streaming-wan python3 -m memfit_benchmarks.streaming --family wan --backend torch-ffn --blocks 0 \
                 --fixed offload_attention --budgets 24GiB --rounds 2 --warmup 2 --steps 2 --out "$OUT" ;;
+        wan-queue) run_part streaming-wan-queue python3 -m memfit_benchmarks.streaming --family wan --backend unsloth \
+                --blocks 0 --budgets 24GiB --per-block --rounds 2 --warmup 2 --steps 2 \
+                --stop-at $(( $(date +%s) + ${WAN_QUEUE_SECONDS:-420} )) --out "$OUT" ;;
         host-bound) run_part offload-tests env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest core/tests/test_gpu_offload.py \
                 core/tests/test_gpu_failed_steps.py -m gpu -q -p no:cacheprovider
             diag="${TMPDIR:-/tmp}/memfit-diagnose-1024"

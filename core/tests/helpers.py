@@ -81,10 +81,12 @@ def force_auto_plan(
     monkeypatch,
     choose: Callable[[list[str]], Sequence[BlockPolicy]],
     stream: Callable[[list[str]], Sequence[str]] = lambda names: (),
+    copies_in_flight: int = 0,
 ) -> None:
     """``auto`` plans the policies ``choose`` gives for its blocks' names, whatever the budget (it still profiles
     the model and runs its closed loop): a plan the planner would not pick at a test's size, copies on CPU. The
-    blocks ``stream`` names stream their weights (a GPU's plan: on CPU ``auto`` never streams)."""
+    blocks ``stream`` names stream their weights (a GPU's plan: on CPU ``auto`` never streams); ``copies_in_flight``
+    is the plan's copy queue (:attr:`memfit.auto.planner.Plan.copies_in_flight_bytes`)."""
     from memfit.auto import budget_planner
     from memfit.auto.planner import Plan
 
@@ -100,6 +102,7 @@ def force_auto_plan(
             copied_bytes=1,
             metric="held activations",
             streamed=tuple(stream(names)),
+            copies_in_flight_bytes=copies_in_flight,
         )
 
     monkeypatch.setattr(budget_planner, "plan_policies", forced)

@@ -591,3 +591,29 @@ def test_every_family_parked_whole_gives_the_same_gradients(monkeypatch, family)
     assert stats["block_calls_parked"] == sum(1 for _ in range(0, len(handle.region_plan.blocks), 2))
     if stats["block_calls_parked"] > 2:  # the step's last two regions keep theirs
         assert stats["bytes_offloaded"] > 0
+
+
+def test_an_auto_plan_sets_the_copy_engines_in_flight_bound_and_a_fixed_backend_restores_it(
+    monkeypatch, model, x
+):
+    """``auto`` counts the forward's copies queued across blocks in its peak (planner, "Queue") and lets the copy
+    engine hold that many bytes in flight; never less than the engine's own bound, which the next installation
+    without a queue puts back."""
+    from memfit.auto import BlockPolicy
+
+    engine = make_engine()
+    own = engine.max_inflight_bytes
+    engine.allow_in_flight(own // 2)
+    assert engine.max_inflight_bytes == own  # never below its own bound
+    force_auto_plan(
+        monkeypatch, lambda names: [BlockPolicy.BLOCK_OFFLOAD] * len(names), copies_in_flight=3 * own
+    )
+    config = {**ON, "gradient_checkpointing_backend": "auto", "gradient_checkpointing_memory_budget": "1GiB"}
+    handle = offload_apply(model, config, engine=engine)
+    step(model, x)
+    assert engine.max_inflight_bytes == 3 * own
+    handle.remove()
+    handle = offload_apply(model, {**ON, "gradient_checkpointing_backend": "unsloth"}, engine=engine)
+    step(model, x)
+    assert engine.max_inflight_bytes == own
+    handle.remove()

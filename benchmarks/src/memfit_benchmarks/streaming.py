@@ -36,10 +36,12 @@ import statistics
 from collections import Counter
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
 import memfit
+from memfit.auto import planner
 from memfit.units import parse_bytes
 from memfit_benchmarks.card import card_of
 from memfit_benchmarks.environment import environment
@@ -99,6 +101,16 @@ def auto_mode(budget: str, optimizer: str = "adamw") -> Mode:
             "gradient_checkpointing_optimizer_state": optimizer,
         },
     )
+
+
+PER_BLOCK = " [copies per block]"  # an auto row planned with each block's copies against its own forward
+
+
+def per_block_mode(budget: str, optimizer: str = "adamw") -> Mode:
+    """The row of ``auto`` at ``budget`` planned as before the copy queue (each block's device-to-host copies
+    charged against its own forward: ``memfit.auto.planner``, "Queue"), to pair with :func:`auto_mode`'s."""
+    auto = auto_mode(budget, optimizer)
+    return Mode(auto.name + PER_BLOCK, auto.config)
 
 
 def card_mode(budget: str, optimizer: str = "adamw") -> Mode:
@@ -180,6 +192,9 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
         if "budget_bytes" in r and fastest is not None:
             r["fastest_fixed"] = fastest["mode"]
             r["x_fastest_fixed"] = paired_ratio(r, fastest) or r["step_s"] / fastest["step_s"]
+        per_block = next((p for p in rows if p["mode"] == r["mode"] + PER_BLOCK and measured(p)), None)
+        if per_block is not None:
+            r["x_per_block"] = paired_ratio(r, per_block) or r["step_s"] / per_block["step_s"]
 
 
 def _unconstrained(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -343,6 +358,11 @@ def render(payload: dict[str, Any]) -> str:
     for r in payload["rows"]:
         if r.get("fixed_knob"):
             lines.append(fixed_knob_note(r))
+        if r.get("x_per_block"):
+            lines.append(
+                f"- {r['mode']}: {r['x_per_block']:.3f}× the step of the same budget planned with each block's "
+                "copies charged against its own forward (paired by round)"
+            )
         if r.get("fastest_fixed") and len(_unconstrained(payload["rows"])) > 1:
             lines.append(
                 f"- {r['mode']}: {r['x_fastest_fixed']:.3f}× the step of `{r['fastest_fixed']}`, the fastest fixed "
@@ -387,6 +407,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     modes = [mode_for(args.backend, t) for t in args.blocks] + args.fixed
     modes += [auto_mode(b, args.optimizer) for b in args.budgets]
     budgets = {auto_mode(b).name: parse_bytes(b) for b in args.budgets}
+    if args.per_block:
+        modes += [per_block_mode(b, args.optimizer) for b in args.budgets]
+        budgets |= {per_block_mode(b).name: parse_bytes(b) for b in args.budgets}
     cards = {card_mode(b).name: parse_bytes(b) for b in args.card_budgets}
     modes += [card_mode(b, args.optimizer) for b in args.card_budgets]
     budgets |= cards
@@ -403,7 +426,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def measure(mode: Mode) -> dict[str, Any]:
         row = weight_row(None, args.steps) if mode.config is None else {}
         card = card_of(model, cards[mode.name], device) if mode.name in cards else contextlib.nullcontext()
-        with card:
+        # the planner's queue off for this row's plans (a benchmark's switch, not a user's)
+        per_block = mode.name.endswith(PER_BLOCK)
+        queue = mock.patch.object(planner, "QUEUE_LEVELS", 0) if per_block else contextlib.nullcontext()
+        with card, queue:
             row |= measure_mode(
                 model,
                 batch,
@@ -479,6 +505,12 @@ def main(argv: list[str] | None = None) -> Path | None:
         "--budgets",
         default="",
         help="comma-separated budgets for rows of auto (e.g. 16GiB,12GiB; default none)",
+    )
+    parser.add_argument(
+        "--per-block",
+        action="store_true",
+        help="for each of --budgets also a row of auto planned with each block's device-to-host copies charged "
+        "against its own forward (the planner's copy queue off), paired with the auto row",
     )
     parser.add_argument(
         "--card-budgets",

@@ -125,6 +125,8 @@ def install(
     copies = any(b.policy.copies for b in plan.blocks)
     if copies and session is None:
         raise MemfitError("internal error: a plan that copies to host memory was installed without a session")
+    if session is not None:
+        session.copy.allow_in_flight(plan.copies_in_flight)
     offload: Callable[[], Stash] | None = (lambda: OffloadStash(session)) if session is not None else None
     keep: Callable[[], Stash] = device_stash_after_parking(session) if copies and session else DeviceStash
 

@@ -148,6 +148,8 @@ class RegionPlan:
             fixed knob: 1; ``auto`` may lead further, :mod:`memfit.auto.streaming`).
         kept_uploads: the first streamed blocks whose last recompute's upload serves the next forward (held
             between steps); ``None``: the turnaround rule, :attr:`uploads_kept_first`.
+        copies_in_flight: device-to-host bytes the forward may have in flight before compute waits for the link
+            (``auto``'s copy queue, :mod:`memfit.auto.planner`, "Queue"); 0: the copy engine's own bound.
     """
 
     blocks: tuple[PlannedBlock, ...]
@@ -155,6 +157,7 @@ class RegionPlan:
     checkpoint_routed: bool = False
     forward_uploads_ahead: int = 1
     kept_uploads: int | None = None
+    copies_in_flight: int = 0
 
     @property
     def uploads_kept_first(self) -> int:
@@ -225,18 +228,23 @@ class RegionPlan:
         streamed: Collection[str] = (),
         forward_uploads_ahead: int = 1,
         kept_uploads: int | None = None,
+        copies_in_flight: int = 0,
         entry: BlockEntry = BlockEntry.AUTO,
     ) -> RegionPlan:
         """One policy per block name (``"transformer_blocks.3"``), each block its own region; the blocks named in
         ``streamed`` stream their frozen weights (any policy: see "Saved weights"), the forward
         uploading them ``forward_uploads_ahead`` ahead, the first ``kept_uploads`` of them on the uploads of their
-        last recompute."""
+        last recompute; ``copies_in_flight`` as the class says."""
         blocks = []
         for name, policy in policies:
             path, _, index = name.rpartition(".")
             blocks.append(PlannedBlock(path, int(index), policy, int(index), stream_weights=name in streamed))
         return cls(
-            tuple(blocks), entry, forward_uploads_ahead=forward_uploads_ahead, kept_uploads=kept_uploads
+            tuple(blocks),
+            entry,
+            forward_uploads_ahead=forward_uploads_ahead,
+            kept_uploads=kept_uploads,
+            copies_in_flight=copies_in_flight,
         )
 
     @property

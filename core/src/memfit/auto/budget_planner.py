@@ -289,6 +289,7 @@ class BudgetPlanner:
             streamed=shape.plan.streamed,
             forward_uploads_ahead=shape.plan.streamed_forward_ahead,
             kept_uploads=shape.plan.streamed_kept_first,
+            copies_in_flight=shape.plan.copies_in_flight_bytes,
         )
 
     def needs_bare_model(self, signature: Hashable) -> bool:

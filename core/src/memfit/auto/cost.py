@@ -27,6 +27,9 @@ class Choice:
     # with attention offload: its own peak from its attention's backward on, when the reload ahead is issued
     # (None: the reload ahead meets the whole backward)
     own_late: int | None = None
+    # the part of ``seconds`` that is its device-to-host copy not hidden behind its own forward: where the search
+    # runs the forward's copies as one queue (memfit.auto.search, "Queue"), it charges the queue's waits instead
+    forward_exposed: float = 0.0
 
     def need(self, ahead: int) -> int:
         """Bytes above what the blocks before it keep while its backward runs, with ``ahead`` bytes reloaded
@@ -54,9 +57,7 @@ def block_choices(
     ffn_rate = profile.ffn_flops_per_second or rate
     nominal = NOMINAL_FLOPS_PER_SECOND.get(profile.device.split(":")[0], NOMINAL_FLOPS_PER_SECOND["cpu"])
     bandwidth = profile.copy_bytes_per_second
-    forward_seconds = (
-        block.flops / rate * profile.forward_with_grad
-    )  # what a device-to-host copy hides behind
+    forward_seconds = forward_with_grad_seconds(block, profile)  # what a device-to-host copy hides behind
     if reload_cover is None:  # what the host-to-device reload hides behind
         reload_cover = profile.backward_to_forward * forward_seconds
     out = []
@@ -76,11 +77,13 @@ def block_choices(
         if policy.parks_block:
             flops += HOOKED_TENSOR_SECONDS * block.park_hook_calls * nominal
         seconds = flops / rate + recomputed_ffn / ffn_rate
+        exposed = 0.0
         if copied:
             if not bandwidth:
                 continue
             copy = copied / bandwidth
-            seconds += max(0.0, copy - forward_seconds) + max(0.0, copy - reload_cover)
+            exposed = max(0.0, copy - forward_seconds)
+            seconds += exposed + max(0.0, copy - reload_cover)
         own, own_late = 0, None
         if profile.counts_transient:
             # measured with its inputs and everything it saves held; what the policy holds beyond that adds
@@ -90,8 +93,13 @@ def block_choices(
                 # its only parked regions are its attention calls: backward reaches them, and reloads the
                 # blocks before, once the FFN's backward is over (memfit.auto.blockpeak, "Attention phase")
                 own_late = block.attention_backward_peak_bytes + extra
-        out.append(Choice(policy, max(kept, 0) + saved_after, seconds, copied, own, own_late))
+        out.append(Choice(policy, max(kept, 0) + saved_after, seconds, copied, own, own_late, exposed))
     return out
+
+
+def forward_with_grad_seconds(block: BlockProfile, profile: ModelProfile) -> float:
+    """How long ``block``'s forward runs with gradients: the time its device-to-host copies hide behind."""
+    return block.flops / profile.flops_per_second * profile.forward_with_grad
 
 
 def _effect(policy: BlockPolicy, b: BlockProfile) -> tuple[int, int, int, int]:

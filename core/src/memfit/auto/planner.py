@@ -46,6 +46,16 @@ converted to FLOPs at a nominal rate of the device kind, so that without copies 
 is FLOPs over one measured rate and the plan does not depend on that measurement at all; otherwise it
 depends on the measured rates only through their snapped values (:func:`memfit.auto.profile.round_rate`).
 
+Queue.  A block's device-to-host copies may run on over the forwards of the blocks after it: the link copies one
+at a time, and compute waits for it only where the bytes in flight would pass what the plan allows. So on CUDA
+the search runs the forward's copies as one queue (:class:`memfit.auto.search.Queue`): each block's forward drains
+``its forward seconds × bandwidth`` bytes of it; the bytes still queued as a block starts are on the device during
+its forward, a term ``Σ_{j<b} kept(j) + its inputs + its forward's peak + queued`` beside its backward's; what is
+queued as the forward ends is held at the forward's end and its copy time is charged as exposed (the last blocks'
+reloads wait for it). The queue holds at most :data:`QUEUE_CAP_COPIES` of the largest copy a block may make; the
+plan's copies in flight at most (:attr:`Plan.copies_in_flight_bytes`) bound the copy engine's in-flight bytes, so
+a link slower than planned costs time, never memory.
+
 Search.  :mod:`memfit.auto.search`: a dynamic programme over the blocks in forward order whose state is
 the kept bytes so far (in units of 1/1024 of the total, rounded up: never optimistic) and the two nearest
 copies before the block (what is reloaded ahead of it), exact under this model up to the units. It answers
@@ -63,7 +73,7 @@ from typing import Any
 
 import memfit.auto.search as search
 from memfit.auto.allocator import expandable_segments
-from memfit.auto.cost import HOOKED_TENSOR_SECONDS, Choice, block_choices
+from memfit.auto.cost import HOOKED_TENSOR_SECONDS, Choice, block_choices, forward_with_grad_seconds
 from memfit.auto.profile import BlockProfile, ModelProfile
 from memfit.auto.streaming import StreamedSet
 from memfit.errors import BudgetError
@@ -83,6 +93,11 @@ WORKSPACE_ALLOWANCE = 128 << 20
 COPY_RESERVE = 1.0
 EXPANDABLE_COPY_RESERVE = 0.0
 CARD_FIT = 0.92
+# the forward's copy queue holds at most this many of the largest copy a block may make, counted in this many
+# levels (rounded up each block: the search's view of the backlog is never optimistic; 0: no queue, each block's
+# copies charged against its own forward, as the benchmarks compare); see "Queue"
+QUEUE_CAP_COPIES = 2
+QUEUE_LEVELS = 64
 
 
 def reserve_per_copied_byte() -> float:
@@ -125,6 +140,8 @@ class Plan:
     # between steps)
     streamed_kept_first: int = 0
     streamed_kept_bytes: int = 0
+    # the most device-to-host bytes its forward has in flight (the copy queue, see "Queue"); 0: none planned
+    copies_in_flight_bytes: int = 0
 
     @property
     def needed(self) -> bool:
@@ -135,12 +152,19 @@ class Plan:
         return dict(self.blocks)[name]
 
     def runs_like(self, other: Plan) -> bool:
-        """Whether ``other`` installs the same regions and streaming (its predictions aside)."""
-        return (self.blocks, self.streamed, self.streamed_forward_ahead, self.streamed_kept_first) == (
+        """Whether ``other`` installs the same regions, streaming and copy queue (its predictions aside)."""
+        return (
+            self.blocks,
+            self.streamed,
+            self.streamed_forward_ahead,
+            self.streamed_kept_first,
+            self.copies_in_flight_bytes,
+        ) == (
             other.blocks,
             other.streamed,
             other.streamed_forward_ahead,
             other.streamed_kept_first,
+            other.copies_in_flight_bytes,
         )
 
     def counts(self) -> dict[str, int]:
@@ -163,6 +187,7 @@ class Plan:
             "streamed_forward_ahead": self.streamed_forward_ahead,
             "streamed_kept_first": self.streamed_kept_first,
             "streamed_kept_bytes": self.streamed_kept_bytes,
+            "copies_in_flight_bytes": self.copies_in_flight_bytes,
         }
 
     def describe(self) -> str:
@@ -225,15 +250,21 @@ def plan_policies(
     metric = "peak allocated" if profile.static_bytes or profile.workspace_bytes else "held activations"
     depth = PREFETCH_DEPTH if profile.counts_transient else 0
 
+    queue: search.Queue | None = None
+
     def peak(picks: list[Choice], base: int, forward: int = 0) -> int:
+        starts, end = (queue.run(picks)[:2]) if queue is not None else ([0] * len(picks), 0)
         prefix = worst = 0
         for b, c in enumerate(picks):
             if profile.counts_transient:
                 worst = max(
                     worst, prefix + c.need(bytes_ahead([p.copied for p in reversed(picks[:b])], depth))
                 )
+                if starts[b]:
+                    assert queue is not None
+                    worst = max(worst, prefix + queue.forward_need[b] + starts[b])
             prefix += c.kept
-        return base + max(worst, prefix + profile.workspace_bytes + forward)
+        return base + max(worst, prefix + profile.workspace_bytes + forward + end)
 
     keep_all = [next(c for c in opts if c.policy is BlockPolicy.KEEP) for opts in options]
     no_checkpoint = peak(keep_all, base)
@@ -243,6 +274,7 @@ def plan_policies(
         base -= streamed.total_bytes
         forward = streamed.forward_bytes
         _check_forward_start(options, base, budget_bytes, streamed)
+    queue = _copy_queue(profile, options, forward)
     allocated = options
     if copy_reserve:  # the search weighs each copy's reserve as if kept; the plan reports what is allocated
         options = [
@@ -250,7 +282,7 @@ def plan_policies(
             for opts in options
         ]
     unit = max(1, -(-sum(b.saved_bytes for b in profile.blocks) // _UNITS))
-    problem = search.Problem(options, unit, depth, own_counts=profile.counts_transient)
+    problem = search.Problem(options, unit, depth, own_counts=profile.counts_transient, queue=queue)
     # the least peak any plan reaches: exact under the model up to the units, recomputed in bytes
     key = (
         "smallest",
@@ -259,9 +291,15 @@ def plan_policies(
     )
     floor_picks = memo.get(key) if memo is not None else None
     if floor_picks is None:
+        # a plan keeping more than the leanest plan's peak is not the smallest: the search's width stops there
+        # (its units round up by less than one per block)
+        leanest = peak([min(opts, key=lambda c: c.kept) for opts in options], 0, forward)
         floor_picks = search.smallest(
             problem,
-            sum(max(problem.units(c) for c in opts) for opts in options),
+            min(
+                sum(max(problem.units(c) for c in opts) for opts in options),
+                (leanest - profile.workspace_bytes - forward) // unit + len(options),
+            ),
             profile.workspace_bytes + forward,
         )
         if memo is not None:
@@ -272,11 +310,15 @@ def plan_policies(
 
     def make(picks: list[Choice]) -> Plan:
         held = [kept[opts.index(c)] for c, opts, kept in zip(picks, options, allocated, strict=True)]
+        seconds, in_flight = sum(c.seconds for c in picks), 0
+        if queue is not None:
+            _, _, waited, in_flight = queue.run(picks)
+            seconds += waited - sum(c.forward_exposed for c in picks)
         return Plan(
             blocks=tuple((b.name, c.policy) for b, c in zip(profile.blocks, picks, strict=True)),
             budget_bytes=budget_bytes,
             predicted_peak_bytes=peak(held, base, forward),
-            predicted_extra_seconds=sum(c.seconds for c in picks) + (streamed.seconds if streamed else 0.0),
+            predicted_extra_seconds=seconds + (streamed.seconds if streamed else 0.0),
             no_checkpoint_peak_bytes=no_checkpoint,
             smallest_peak_bytes=smallest,
             copied_bytes=sum(c.copied for c in picks),
@@ -286,6 +328,7 @@ def plan_policies(
             streamed_forward_ahead=streamed.forward_ahead if streamed is not None else 1,
             streamed_kept_first=streamed.kept_first if streamed is not None else 0,
             streamed_kept_bytes=streamed.kept_bytes if streamed is not None else 0,
+            copies_in_flight_bytes=in_flight,
         )
 
     if streamed is None and no_checkpoint <= budget_bytes:
@@ -314,6 +357,23 @@ def plan_policies(
     ):  # only the units' rounding stood in the way
         picks = floor_picks  # the smallest plan, which fits exactly
     return make(picks)
+
+
+def _copy_queue(profile: ModelProfile, options: list[list[Choice]], uploads: int) -> search.Queue | None:
+    """The forward's device-to-host copies as one queue (see "Queue"), where a block may copy and the peak counts
+    each block's own (CUDA); ``uploads``: weight uploads alive during the forward, held beside a backlog."""
+    largest = max((c.copied for opts in options for c in opts), default=0)
+    bandwidth = profile.copy_bytes_per_second
+    if not (QUEUE_LEVELS and largest and bandwidth and profile.counts_transient):
+        return None
+    unit = -(-QUEUE_CAP_COPIES * largest // QUEUE_LEVELS)
+    return search.Queue(
+        drain=tuple(int(forward_with_grad_seconds(b, profile) * bandwidth) for b in profile.blocks),
+        forward_need=tuple(b.input_bytes + b.forward_peak_bytes + uploads for b in profile.blocks),
+        unit=unit,
+        levels=QUEUE_LEVELS,
+        bandwidth=bandwidth,
+    )
 
 
 def _check_forward_start(

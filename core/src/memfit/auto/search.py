@@ -18,6 +18,14 @@ choice, the moved values of all rows; per target state, the least over the (stat
 It gives the pair-by-pair loop's picks exactly (``core/tests/search_reference.py``) in half its time (57 blocks:
 0.15 against 0.28 s on a CPU core); ``auto`` re-plans inside a training step while it calibrates.
 
+Queue.  A block's device-to-host copies need not finish within its own forward: the link copies one at a time,
+and a block that copies little leaves link time to the blocks before it (:class:`Queue`). Where the planner
+runs the forward's copies as one queue, the state also holds the bytes still queued as the block starts (in
+levels, rounded up: never optimistic), which the block's forward holds on the device on top of what the blocks
+before it keep (its ``forward_need``); compute waits only where the queue would exceed its cap, and what is
+still queued when the forward ends is held at the forward's end and charged as exposed. A choice's own
+``forward_exposed`` (its copy charged against its own forward alone) is then left out of its seconds.
+
 Ties.  Within a cell the earlier pair wins: the lower state, then the earlier choice (choices come in
 ``BlockPolicy`` order, least intrusive first); among the cheapest end cells, the fewest kept bytes, then the lowest state: the same inputs always
 give the same plan.
@@ -36,6 +44,46 @@ _INF = float("inf")
 
 
 @dataclass(frozen=True)
+class Queue:
+    """The forward's device-to-host copies as one queue across blocks (see "Queue")."""
+
+    drain: tuple[int, ...]  # per block: bytes the link copies while its forward runs
+    forward_need: tuple[int, ...]  # per block: its forward's peak above what the blocks before it keep
+    unit: int  # bytes per backlog level
+    levels: int  # levels above an empty queue: the most it holds is unit * levels
+    bandwidth: float  # bytes per second
+
+    @property
+    def cap(self) -> int:
+        return self.unit * self.levels
+
+    def advance(self, backlog: int, block: int, c: Choice) -> tuple[int, float, int]:
+        """(bytes queued after ``block``, seconds compute waits for the link, the most bytes in flight meanwhile)
+        for ``block`` taking ``c`` with ``backlog`` bytes queued as it starts. A parked block's tensors are
+        copied once the next region starts: its copy joins the queue after its forward."""
+        drain = self.drain[block]
+        if c.policy.parks_block:
+            queued = max(0, backlog - drain) + c.copied
+            peak = max(backlog, queued)
+        else:
+            queued = max(0, backlog + c.copied - drain)
+            peak = backlog + c.copied
+        wait = max(0, queued - self.cap) / self.bandwidth
+        return min(queued, self.cap), wait, min(peak, self.cap + c.copied)
+
+    def run(self, picks: list[Choice]) -> tuple[list[int], int, float, int]:
+        """Exact in bytes: the backlog as each block starts, what is queued as the forward ends, the seconds
+        compute waits (the end's backlog included) and the most bytes in flight."""
+        backlog, waited, in_flight, starts = 0, 0.0, 0, []
+        for b, c in enumerate(picks):
+            starts.append(backlog)
+            backlog, wait, peak = self.advance(backlog, b, c)
+            waited += wait
+            in_flight = max(in_flight, peak)
+        return starts, backlog, waited + backlog / self.bandwidth, in_flight
+
+
+@dataclass(frozen=True)
 class Problem:
     """The choices per block (forward order) and how the peak model weighs them."""
 
@@ -43,13 +91,15 @@ class Problem:
     unit: int  # bytes per unit of kept bytes
     depth: int  # copies reloaded ahead of a block's backward (0: none, off CUDA)
     own_counts: bool  # each block's own peak counts (CUDA); else only Σ kept does
+    queue: Queue | None = None  # the forward's copies as one queue (None: each against its own forward)
 
     def units(self, c: Choice) -> int:
         return -(-c.kept // self.unit)
 
 
-class _Copies:
-    """States: the nearest two copy sizes before a block (index 0 = none), and what they reload ahead."""
+class _States:
+    """States: the nearest two copy sizes before a block (index 0 = none), what they reload ahead, and with a
+    queue the bytes queued as the block starts (levels). Tables per state, moves per batch of states."""
 
     def __init__(self, problem: Problem) -> None:
         if problem.depth > 2:
@@ -59,41 +109,73 @@ class _Copies:
         sizes = (
             sorted({c.copied for opts in problem.options for c in opts if c.copied}) if problem.depth else []
         )
-        self.sizes = [0, *sizes]
-        self.index = {s: i for i, s in enumerate(self.sizes)}
-        self.n = len(self.sizes)
-        self.count = self.n * self.n if problem.depth > 1 else self.n
+        self.index = {s: i for i, s in enumerate([0, *sizes])}
+        self.n = n = len(sizes) + 1
         self.depth = problem.depth
+        self.queue = problem.queue
+        self.levels = problem.queue.levels + 1 if problem.queue is not None else 1
+        pairs = n * n if problem.depth > 1 else n
+        self.count = pairs * self.levels
+        state = torch.arange(self.count)
+        pair = state // self.levels
+        size = torch.tensor([0, *sizes], dtype=torch.int64)
+        self.nearest = pair // n if problem.depth > 1 else pair  # index of the nearest copy before the block
+        nearest = size[self.nearest]
+        before = size[pair % n] if problem.depth > 1 else torch.zeros_like(nearest)
+        # what the copy engine reloads ahead (memfit.offload.ahead): the nearest, and the one before when larger
+        self.ahead = torch.where(before > nearest, nearest + before, nearest) if self.depth else 0 * nearest
+        unit = problem.queue.unit if problem.queue is not None else 0
+        self.backlog = (state % self.levels) * unit  # bytes queued as the block starts
 
-    def split(self, state: int) -> tuple[int, int]:
-        return (state // self.n, state % self.n) if self.depth > 1 else (state, 0)
+    def moves(
+        self, states: torch.Tensor, block: int, c: Choice
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Per state in ``states`` (as ``block`` takes ``c``): the next block's state, what ``c`` costs in seconds
+        from it, and the bytes the block needs above what the blocks before it keep (its backward's, or its
+        forward's with a backlog)."""
+        ahead = self.ahead[states]
+        need = c.own + ahead if c.own_late is None else torch.clamp(c.own_late + ahead, min=c.own)
+        pair = states // self.levels
+        if self.depth and c.copied:
+            i = self.index[c.copied]
+            pair = i * self.n + self.nearest[states] if self.depth > 1 else torch.full_like(pair, i)
+        if self.queue is None:
+            return pair, torch.full(states.shape, c.seconds, dtype=torch.float64), need
+        q = self.queue
+        backlog = self.backlog[states]
+        need = torch.where(backlog > 0, torch.maximum(need, q.forward_need[block] + backlog), need)
+        if c.policy.parks_block:  # as Queue.advance
+            queued = (backlog - q.drain[block]).clamp(min=0) + c.copied
+        else:
+            queued = (backlog + c.copied - q.drain[block]).clamp(min=0)
+        wait = (queued - q.cap).clamp(min=0).to(torch.float64) / q.bandwidth
+        level = (queued.clamp(max=q.cap) + q.unit - 1) // q.unit
+        return pair * self.levels + level, (c.seconds - c.forward_exposed) + wait, need
 
-    def ahead(self, state: int) -> int:
-        nearest, before = (self.sizes[i] for i in self.split(state))
-        if not self.depth or not nearest:
-            return 0
-        return nearest + (before if self.depth > 1 and before > nearest else 0)
-
-    def after(self, state: int, copied: int) -> int:
-        """The state of the next block once a block that copies ``copied`` bytes is passed."""
-        if not self.depth or not copied:
-            return state
-        nearest, _ = self.split(state)
-        i = self.index[copied]
-        return i * self.n + nearest if self.depth > 1 else i
+    def end(self, state: int) -> tuple[int, float]:
+        """(bytes still queued as the forward ends, seconds backward waits for them)."""
+        backlog = int(self.backlog[state])
+        return backlog, backlog / self.queue.bandwidth if self.queue is not None else 0.0
 
 
 def cheapest(problem: Problem, capacity: int, room: int) -> list[Choice] | None:
     """The least-seconds picks with Σ kept ≤ ``capacity`` units and, where own peaks count, every block's
     ``need`` on top of the kept bytes before it within ``room`` bytes (None: no such plan)."""
 
-    def step(values: torch.Tensor, c: Choice, aheads: list[int], w: int) -> tuple[torch.Tensor, list[int]]:
-        last = [capacity - w] * len(aheads)
+    def step(
+        values: torch.Tensor, needs: torch.Tensor, seconds: torch.Tensor, w: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        last = torch.full_like(needs, capacity - w)
         if problem.own_counts:
-            last = [min(capacity - w, (room - c.need(a)) // problem.unit) for a in aheads]
-        return values + c.seconds, last
+            last = torch.clamp(torch.div(room - needs, problem.unit, rounding_mode="floor"), max=capacity - w)
+        return values + seconds[:, None], last
 
-    return _run(problem, capacity, step, lambda value, _state: value)
+    def final(value: torch.Tensor, backlog: int, wait: float) -> torch.Tensor:
+        # what is still queued is held as the forward ends, beside the kept bytes
+        fits = torch.arange(value.shape[0]) <= capacity - -(-backlog // problem.unit)
+        return torch.where(fits, value + wait, _INF)
+
+    return _run(problem, capacity, step, final)
 
 
 def smallest(problem: Problem, capacity: int, workspace: int) -> list[Choice]:
@@ -101,88 +183,94 @@ def smallest(problem: Problem, capacity: int, workspace: int) -> list[Choice]:
     ``workspace``) is least, with Σ kept ≤ ``capacity`` units (enough for every choice)."""
     prefix = torch.arange(capacity + 1, dtype=torch.float64) * problem.unit
 
-    def step(values: torch.Tensor, c: Choice, aheads: list[int], w: int) -> tuple[torch.Tensor, list[int]]:
+    def step(
+        values: torch.Tensor, needs: torch.Tensor, _seconds: torch.Tensor, w: int
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         if problem.own_counts:
-            need = torch.tensor([c.need(a) for a in aheads], dtype=torch.float64)
-            values = torch.maximum(values, prefix + need[:, None])
-        return values, [capacity - w] * len(aheads)
+            values = torch.maximum(values, prefix + needs.to(torch.float64)[:, None])
+        return values, torch.full_like(needs, capacity - w)
 
-    def final(value: torch.Tensor, _: int) -> torch.Tensor:
-        return torch.maximum(value, prefix + workspace)
+    def final(value: torch.Tensor, backlog: int, _wait: float) -> torch.Tensor:
+        return torch.maximum(value, prefix + workspace + backlog)
 
     picks = _run(problem, capacity, step, final)
     assert picks is not None  # every block has a choice and the capacity fits the largest
     return picks
 
 
-def _run(
-    problem: Problem,
-    capacity: int,
-    step: Callable[[torch.Tensor, Choice, list[int], int], tuple[torch.Tensor, list[int]]],
-    final: Callable[[torch.Tensor, int], torch.Tensor],
-) -> list[Choice] | None:
+Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+Final = Callable[[torch.Tensor, int, float], torch.Tensor]
+
+
+def _run(problem: Problem, capacity: int, step: Step, final: Final) -> list[Choice] | None:
     """The programme (see "Batches"): ``step`` gives a choice's values over the prefixes of every reachable state
-    at once (one row each) and, per row, the last prefix it may follow; cells keep the least; ``final`` scores the
-    end cells."""
+    at once (one row each, with that state's need and seconds for the choice) and, per row, the last prefix it may
+    follow; cells keep the least; ``final`` scores the end cells (with what is still queued, and its wait). Only
+    reachable states have rows."""
     if capacity < 0:
         return None
-    copies = _Copies(problem)
+    space = _States(problem)
     width = capacity + 1
     columns = torch.arange(width)
-    value = torch.full((copies.count, width), _INF, dtype=torch.float64)
+    states = torch.zeros(1, dtype=torch.int64)  # the reachable states, ascending: one row of ``value`` each
+    value = torch.full((1, width), _INF, dtype=torch.float64)
     value[0, 0] = 0.0
-    trail: list[tuple[torch.Tensor, torch.Tensor]] = []
-    for opts in problem.options:
-        states = torch.isfinite(value).any(dim=1).nonzero().flatten().tolist()  # ascending
-        if not states:  # no plan reaches this block
-            return None
-        rows = value[states]
-        aheads = [copies.ahead(state) for state in states]
-        candidates, targets = [], []  # per (state, choice) pair, in the order the ties are broken
+    trail: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    for block, opts in enumerate(problem.options):
+        candidates, targets = [], []  # per (row, choice) pair, in the order the ties are broken
         for c in opts:
             w = problem.units(c)
-            moved, last = step(rows, c, aheads, w)
-            shifted = torch.full_like(rows, _INF)
+            to, seconds, needs = space.moves(states, block, c)
+            moved, last = step(value, needs, seconds, w)
+            shifted = torch.full_like(value, _INF)
             if w < width:
                 shifted[:, w:] = moved[:, : width - w]
-            limit = torch.tensor(last)[:, None] + w  # columns past a row's last prefix stay out
-            candidates.append(shifted.masked_fill(columns[None, :] > limit, _INF))
-            targets.append([copies.after(state, c.copied) for state in states])
+            candidates.append(shifted.masked_fill(columns[None, :] > last[:, None] + w, _INF))
+            targets.append(to)
         k, count = len(opts), len(states) * len(opts)
-        pairs = torch.stack(candidates, dim=1).reshape(count, width)  # pair p = (states[p // k], p % k)
-        target = torch.tensor([targets[p % k][p // k] for p in range(count)])[:, None].expand(count, width)
-        new = torch.full_like(value, _INF).scatter_reduce(0, target, pairs, "amin")
+        pairs = torch.stack(candidates, dim=1).reshape(count, width)  # pair p = (row p // k, choice p % k)
+        reached_states, inverse = torch.unique(
+            torch.stack(targets, dim=1).reshape(count), return_inverse=True
+        )
+        target = inverse[:, None].expand(count, width)
+        new = torch.full((len(reached_states), width), _INF, dtype=torch.float64)
+        new = new.scatter_reduce(0, target, pairs, "amin")
         # the first pair at its target's least value: the earlier state, then the earlier choice, wins ties
         at_least = (pairs == new.gather(0, target)) & torch.isfinite(pairs)
         numbers = torch.where(at_least, torch.arange(count)[:, None], count)
-        first = torch.full(value.shape, count).scatter_reduce(0, target, numbers, "amin")
+        first = torch.full(new.shape, count).scatter_reduce(0, target, numbers, "amin")
         reached = first < count
         pair = first.clamp(max=count - 1)
         which = torch.where(reached, pair % k, -1).to(torch.int32)
-        origin = torch.where(reached, torch.tensor(states)[pair // k], -1).to(torch.int32)
-        value = new
-        trail.append((which, origin))
-    return _picks(problem, value, trail, final)
+        origin = torch.where(reached, pair // k, -1).to(torch.int32)  # the row it came from
+        live = torch.isfinite(new).any(dim=1)
+        if not live.any():  # no plan reaches past this block
+            return None
+        states, value = reached_states[live], new[live]
+        trail.append((which[live], origin[live], states))
+    return _picks(problem, space, states, value, trail, final)
 
 
 def _picks(
     problem: Problem,
+    space: _States,
+    states: torch.Tensor,
     value: torch.Tensor,
-    trail: list[tuple[torch.Tensor, torch.Tensor]],
-    final: Callable[[torch.Tensor, int], torch.Tensor],
+    trail: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    final: Final,
 ) -> list[Choice] | None:
-    """The choices back from the best end cell: ``value`` holds the end cells per state, ``trail`` each block's
-    chosen choice and origin state per cell (see "Ties")."""
-    scores = torch.stack([final(value[s], s) for s in range(value.shape[0])])
+    """The choices back from the best end cell: ``value`` holds the end cells of the reachable ``states``,
+    ``trail`` each block's chosen choice and origin row per cell, and its rows' states (see "Ties")."""
+    scores = torch.stack([final(value[r], *space.end(s)) for r, s in enumerate(states.tolist())])
     if not torch.isfinite(scores).any():
         return None
     best = scores.min()
-    # the fewest kept units among the best, then the lowest state
+    # the fewest kept units among the best, then the lowest state (rows are in state order)
     hits = (scores == best).nonzero().tolist()
-    state, w = min(hits, key=lambda sw: (sw[1], sw[0]))
+    row, w = min(hits, key=lambda rw: (rw[1], rw[0]))
     picks: list[Choice] = []
-    for opts, (which, origin) in zip(reversed(problem.options), reversed(trail), strict=True):
-        c = opts[int(which[state, w])]
+    for opts, (which, origin, _) in zip(reversed(problem.options), reversed(trail), strict=True):
+        c = opts[int(which[row, w])]
         picks.append(c)
-        state, w = int(origin[state, w]), w - problem.units(c)
+        row, w = int(origin[row, w]), w - problem.units(c)
     return picks[::-1]

@@ -260,6 +260,7 @@ class _StreamSwitch:
 
 COALESCE_MAX_BYTES = 64 << 20
 STALL_PAIRS_HELD = 64  # stall-timing pairs held unresolved before the completed ones are summed (and reused)
+MAX_INFLIGHT_BYTES = 2 << 30  # device→host bytes in flight before compute waits, unless a plan allows more
 
 
 class CopyEngine:
@@ -281,7 +282,7 @@ class CopyEngine:
         self,
         pool: PinnedBucketPool,
         *,
-        max_inflight_bytes: int = 2 << 30,
+        max_inflight_bytes: int = MAX_INFLIGHT_BYTES,
         timing: bool = True,
         streams: StreamApi | None = None,
         coalesce_max_bytes: int = COALESCE_MAX_BYTES,
@@ -292,7 +293,7 @@ class CopyEngine:
                 f"coalesce_max_bytes must be 0 (never coalesce) or more, not {coalesce_max_bytes}"
             )
         self.pool = pool
-        self.max_inflight_bytes = max_inflight_bytes
+        self.max_inflight_bytes = self._own_inflight_bytes = max_inflight_bytes
         self.coalesce_max_bytes = coalesce_max_bytes
         self.reload_release = ReloadRelease(reload_release)
         self._pads: dict[Any, torch.Tensor] = {}  # device -> _ALIGN zero bytes; (device, n) -> its first n
@@ -491,6 +492,12 @@ class CopyEngine:
         event = self.streams.new_event()
         event.record(stream)
         return CopyDone(event)
+
+    def allow_in_flight(self, nbytes: int) -> None:
+        """Let up to ``nbytes`` of device→host copies be in flight before compute waits (a plan that queues the
+        forward's copies across blocks counted them in its peak); never below the engine's own bound, to which 0
+        returns it."""
+        self.max_inflight_bytes = max(self._own_inflight_bytes, nbytes)
 
     def _track_inflight(self, done: CopyDone, nbytes: int, compute: Any) -> None:
         self._inflight.append((done, nbytes))
@@ -709,6 +716,8 @@ class SyncCopyEngine(CopyEngine):
         self.pool = pool
         self.stats = CopyStats()
         self.timing = False
+        # nothing is ever in flight; kept so that a plan's bound reads the same on either engine
+        self.max_inflight_bytes = self._own_inflight_bytes = MAX_INFLIGHT_BYTES
 
     def offload_many(self, tensors: list[torch.Tensor]) -> list[Parked]:
         with self.pool.release_on_error():  # as the CUDA engine's
