@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections import Counter
 
 import pytest
 import torch
@@ -448,9 +449,13 @@ def test_blocks_are_not_parked_whole_past_what_host_ram_can_pin(monkeypatch):
     from memfit.auto import budget_planner
     from memfit.auto.planner import Plan
 
-    def parking_where_allowed(profile, budget, *, allowed, streamed=None, memo=None, copy_reserve=0.0):
+    def parking_where_allowed(
+        profile, budget, *, allowed, streamed=None, memo=None, copy_reserve=0.0, copy_price=0.0
+    ):
         def pick(b):
-            return BlockPolicy.PARK if BlockPolicy.PARK in allowed(b) else BlockPolicy.BLOCK
+            return (
+                BlockPolicy.PARK if BlockPolicy.PARK in allowed(b) and not copy_price else BlockPolicy.BLOCK
+            )
 
         policies = tuple((b.name, pick(b)) for b in profile.blocks)
         copied = 1 << 20 if any(p is BlockPolicy.PARK for _, p in policies) else 0
@@ -471,3 +476,40 @@ def test_blocks_are_not_parked_whole_past_what_host_ram_can_pin(monkeypatch):
     model = TINY.build(dtype=torch.float32, device="cpu")
     assert planned(1 << 40) == {BlockPolicy.PARK}
     assert planned(1 << 19) == {BlockPolicy.BLOCK}  # 1 MiB of copies over 512 KiB of host RAM
+
+
+def test_past_host_ram_a_plan_parks_what_fits_where_parking_is_cheaper_than_recomputing(monkeypatch):
+    """Where every block parked would not fit in host RAM, pricing the copies parks as many blocks as fit (each
+    parked block saves a second over recomputing it), rather than none."""
+    from memfit.auto import budget_planner
+    from memfit.auto.planner import Plan
+
+    prices = []
+
+    def parks_fewer_at_higher_prices(
+        profile, budget, *, allowed, streamed=None, memo=None, copy_reserve=0.0, copy_price=0.0
+    ):
+        prices.append(copy_price)
+        parkable = [b.name for b in profile.blocks if BlockPolicy.PARK in allowed(b)]
+        # a price of the link's time per byte makes parking dearer than recomputing, by equal steps below it
+        share = copy_price * profile.copy_bytes_per_second
+        parked = set(parkable[: max(0, round(len(parkable) * (1 - share)))])
+        policies = tuple(
+            (b.name, BlockPolicy.PARK if b.name in parked else BlockPolicy.BLOCK) for b in profile.blocks
+        )
+        extra = float(len(profile.blocks) - len(parked))  # a second per recomputed block
+        return Plan(
+            policies, budget, 0, extra, 0, 0, copied_bytes=len(parked) << 20, metric="held activations"
+        )
+
+    monkeypatch.setattr(budget_planner, "plan_policies", parks_fewer_at_higher_prices)
+    monkeypatch.setattr(budget_planner.hostmem, "available_host_bytes", lambda: (2 << 20) + (1 << 19))
+    monkeypatch.setattr(budget_planner.hostmem, "default_host_reserve", lambda: 0)
+    torch.manual_seed(0)
+    model = TINY.build(dtype=torch.float32, device="cpu")
+    with memfit.apply(model, auto_config("1GiB"), copy_engine=cpu_copy_engine(), min_offload_bytes=0) as h:
+        step(model, inputs(model))
+        counts = Counter(policy for _, policy in h.plan.blocks)
+    assert counts[BlockPolicy.PARK] == 2  # 2 MiB of copies in 2.5 MiB of host RAM: the most that fit
+    assert h.plan.predicted_extra_seconds == len(h.plan.blocks) - 2  # reported without the price
+    assert max(prices) > 0 and min(prices) == 0

@@ -25,6 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+from memfit.auto.budget_planner import priced_for_host
 from memfit.auto.planner import Plan, plan_policies, priced_options
 from memfit.auto.policy import allowed_policies
 from memfit.auto.profile import BlockProfile, ModelProfile
@@ -67,9 +68,15 @@ def _label(row: dict[str, Any]) -> str:
 
 
 def replan(
-    profile: ModelProfile, target: int, *, park: bool = True, stream: bool = True
+    profile: ModelProfile,
+    target: int,
+    *,
+    park: bool = True,
+    stream: bool = True,
+    host_bytes: int | None = None,
 ) -> tuple[Plan, list[list[Any]]]:
-    """The plan for ``target`` and every block's priced choices (see the module's docstring).
+    """The plan for ``target`` and every block's priced choices (see the module's docstring); with ``host_bytes``, a
+    plan that parks blocks past it gives way as the budget planner's does (without parking, or its copies priced).
 
     Raises:
         BudgetError: no plan reaches ``target``.
@@ -92,6 +99,22 @@ def replan(
         seconds=lambda p: p.predicted_extra_seconds,
         max_count=max_count,
     )
+    parks = any(policy.parks_block for _, policy in plan.blocks)
+    if host_bytes is not None and parks and plan.copied_bytes + plan.streamed_bytes > host_bytes:
+        lean = replan(profile, target, park=False, stream=stream)[0]
+        priced = priced_for_host(
+            profile,
+            plan,
+            host_bytes,
+            lambda price, streamed: plan_policies(
+                profile, target, allowed=allowed, streamed=streamed, memo=memo, copy_price=price
+            ),
+        )
+        plan = (
+            lean
+            if priced is None or priced.predicted_extra_seconds >= lean.predicted_extra_seconds
+            else priced
+        )
     # the search's sets are built by count: the plan's is the one of its size
     streamed = streamed_set(profile, len(plan.streamed)) if plan.streamed else None
     return plan, priced_options(profile, allowed=allowed, streamed=streamed)
@@ -133,6 +156,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--blocks", help="block indices to price, comma separated (default: every block)")
     parser.add_argument("--no-park", action="store_true", help="offer no block parking (BlockPolicy.PARK)")
     parser.add_argument("--no-stream", action="store_true", help="stream no block's weights")
+    parser.add_argument(
+        "--host-ram", help="host RAM the copies and streamed weights may pin (100GiB; default: not limited)"
+    )
     ns = parser.parse_args(argv)
     try:
         ns.rows = list(profiled_rows(json.loads(ns.results.read_text())))
@@ -169,7 +195,10 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     profile = ModelProfile.from_json(ns.rows[ns.row]["profile"])
     try:
-        plan, options = replan(profile, int(ns.target), park=not ns.no_park, stream=not ns.no_stream)
+        host = parse_bytes(ns.host_ram) if ns.host_ram else None
+        plan, options = replan(
+            profile, int(ns.target), park=not ns.no_park, stream=not ns.no_stream, host_bytes=host
+        )
     except BudgetError as exc:
         print(f"no plan for {format_bytes(int(ns.target))}: {exc}")
         return 1

@@ -41,7 +41,7 @@ from memfit.auto.planner import (
 )
 from memfit.auto.policy import allowed_policies
 from memfit.auto.profile import BlockProfile, ModelProfile, profile_model, streamed_allocation
-from memfit.auto.streaming import choose_streaming, streamable_counts
+from memfit.auto.streaming import StreamedSet, choose_streaming, streamable_counts
 from memfit.config import OPTIMIZER_STATE, OPTIMIZER_STEP_TEMPORARIES
 from memfit.errors import BudgetError, MemfitWarning
 from memfit.offload.streamable import choose_streamed_blocks, frozen_sizes
@@ -687,7 +687,8 @@ class BudgetPlanner:
         """:meth:`_plan_at`'s search for one ``variant``: every policy (plain), copies weighed with their reserve
         (the budget counts :func:`reserve_per_copied_byte` per byte copied), no parked activations, or no copies at
         all (nor streamed weights). A plan that parks blocks whole where its copies and streamed weights would not fit in
-        host RAM is searched again without parking blocks (``park=False``)."""
+        host RAM gives way to the cheaper of the same search without parking blocks (``park=False``) and the same
+        streamed set with its copies priced until they fit (:func:`priced_for_host`)."""
         can_offload = self.can_offload and variant not in (_NO_OFFLOAD, _NO_COPY)
 
         def allowed(b: BlockProfile) -> tuple[BlockPolicy, ...]:
@@ -723,7 +724,24 @@ class BudgetPlanner:
             # below what any plan reaches: the smallest plan, or the BudgetError that names the user's budget
             chosen = plan(exc.smallest_peak_bytes if exc.smallest_peak_bytes <= limit else limit)
         if park and self._parks_past_host_memory(chosen):
-            return self._cheapest(profile, target, at_least=at_least, variant=variant, park=False)
+            lean = self._cheapest(profile, target, at_least=at_least, variant=variant, park=False)
+            priced = priced_for_host(
+                profile,
+                chosen,
+                self._host_bytes(),
+                lambda price, streamed: plan_policies(
+                    profile,
+                    chosen.budget_bytes,
+                    allowed=allowed,
+                    streamed=streamed,
+                    memo=memo,
+                    copy_reserve=copy_reserve,
+                    copy_price=price,
+                ),
+            )
+            if priced is None or priced.predicted_extra_seconds >= lean.predicted_extra_seconds:
+                return lean
+            chosen = priced
         step = _optimizer_step_peak(profile, chosen)
         return (
             dataclasses.replace(chosen, predicted_peak_bytes=step)
@@ -824,6 +842,47 @@ class BudgetPlanner:
                 f"auto: budget {format_bytes(self.budget_bytes)}; planned at the first forward with gradients"
             )
         return self.plan.describe()
+
+
+# Host RAM's price on copies (a plan that parks more than host RAM can pin): bisection steps, and the highest price
+# tried in multiples of the link's own time per byte (where copying anything is dearer than recomputing it)
+HOST_PRICE_STEPS = 8
+HOST_PRICE_CEILING = 8.0
+
+
+def priced_for_host(
+    profile: ModelProfile, plan: Plan, host_bytes: int, priced: Callable[[float, StreamedSet | None], Plan]
+) -> Plan | None:
+    """``plan``'s streamed set planned with each copied byte charged ``price`` seconds, at the least price found
+    (bisection, :data:`HOST_PRICE_STEPS`) whose copies and streamed weights fit in ``host_bytes`` (None: not even at
+    the highest, :data:`HOST_PRICE_CEILING` times the link's time per byte). ``priced(price, set)`` plans one."""
+    if not profile.copy_bytes_per_second:
+        return None
+    names = {b.name: i for i, b in enumerate(profile.blocks)}
+    streamed = (
+        StreamedSet.of(
+            profile,
+            [names[n] for n in plan.streamed],
+            forward_ahead=plan.streamed_forward_ahead,
+            kept_first=plan.streamed_kept_first,
+        )
+        if plan.streamed
+        else None
+    )
+    low, high, fitting = 0.0, HOST_PRICE_CEILING / profile.copy_bytes_per_second, None
+    for _ in range(HOST_PRICE_STEPS):
+        price = high if fitting is None else (low + high) / 2
+        try:
+            candidate = priced(price, streamed)
+        except BudgetError:
+            return fitting
+        if candidate.copied_bytes + candidate.streamed_bytes <= host_bytes:
+            fitting, high = candidate, price
+        elif fitting is None:
+            return None  # copying too much even at the highest price: nothing cheaper fits
+        else:
+            low = price
+    return fitting
 
 
 def _card_need(plan: Plan) -> int:

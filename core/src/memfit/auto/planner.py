@@ -225,6 +225,7 @@ def plan_policies(
     streamed: StreamedSet | None = None,
     memo: dict[Any, Any] | None = None,
     copy_reserve: float = 0.0,
+    copy_price: float = 0.0,
 ) -> Plan:
     """The fastest plan (by the cost model) whose predicted peak is within ``budget_bytes``.
 
@@ -236,6 +237,8 @@ def plan_policies(
     every step).
     ``copy_reserve``: bytes counted against ``budget_bytes`` per byte a block copies to host memory (the caching
     allocator's reserve, :func:`card_need`); the plan's predicted peak stays the allocated bytes alone.
+    ``copy_price``: seconds the search charges per byte a block copies to host memory (host RAM's price, where a
+    plan's copies must fit in it); the plan's predicted seconds leave it out.
 
     Raises:
         BudgetError: no plan reaches the budget (the message and ``smallest_peak_bytes`` give the smallest).
@@ -276,9 +279,14 @@ def plan_policies(
         _check_forward_start(options, base, budget_bytes, streamed)
     queue = _copy_queue(profile, options, forward)
     allocated = options
-    if copy_reserve:  # the search weighs each copy's reserve as if kept; the plan reports what is allocated
+    if copy_reserve or copy_price:  # the search weighs each copy's reserve as if kept, and its price
         options = [
-            [dataclasses.replace(c, kept=c.kept + int(copy_reserve * c.copied)) for c in opts]
+            [
+                dataclasses.replace(
+                    c, kept=c.kept + int(copy_reserve * c.copied), seconds=c.seconds + copy_price * c.copied
+                )
+                for c in opts
+            ]
             for opts in options
         ]
     unit = max(1, -(-sum(b.saved_bytes for b in profile.blocks) // _UNITS))
@@ -289,7 +297,9 @@ def plan_policies(
         (streamed.indices, streamed.forward_ahead, streamed.kept_first) if streamed is not None else None,
         copy_reserve,
     )
-    floor_picks = memo.get(key) if memo is not None else None
+    # held as each block's choice's position: the same at any copy price
+    floor_at = memo.get(key) if memo is not None else None
+    floor_picks = None if floor_at is None else [opts[i] for opts, i in zip(options, floor_at, strict=True)]
     if floor_picks is None:
         # a plan keeping more than the leanest plan's peak is not the smallest: the search's width stops there
         # (its units round up by less than one per block)
@@ -303,17 +313,17 @@ def plan_policies(
             profile.workspace_bytes + forward,
         )
         if memo is not None:
-            memo[key] = floor_picks
+            memo[key] = [opts.index(c) for opts, c in zip(options, floor_picks, strict=True)]
     smallest = peak(floor_picks, base, forward)
     if streamed is None:
         smallest = min(smallest, no_checkpoint)
 
     def make(picks: list[Choice]) -> Plan:
         held = [kept[opts.index(c)] for c, opts, kept in zip(picks, options, allocated, strict=True)]
-        seconds, in_flight = sum(c.seconds for c in picks), 0
+        seconds, in_flight = sum(c.seconds for c in held), 0
         if queue is not None:
-            _, _, waited, in_flight = queue.run(picks)
-            seconds += waited - sum(c.forward_exposed for c in picks)
+            _, _, waited, in_flight = queue.run(held)
+            seconds += waited - sum(c.forward_exposed for c in held)
         return Plan(
             blocks=tuple((b.name, c.policy) for b, c in zip(profile.blocks, picks, strict=True)),
             budget_bytes=budget_bytes,
