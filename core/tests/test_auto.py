@@ -507,7 +507,12 @@ def test_past_host_ram_a_plan_parks_what_fits_where_parking_is_cheaper_than_reco
     monkeypatch.setattr(budget_planner.hostmem, "default_host_reserve", lambda: 0)
     torch.manual_seed(0)
     model = TINY.build(dtype=torch.float32, device="cpu")
-    with memfit.apply(model, auto_config("1GiB"), copy_engine=cpu_copy_engine(), min_offload_bytes=0) as h:
+    with (
+        pytest.warns(
+            memfit.MemfitWarning, match=r"parks \d+ block\(s\) whole and pins .* a plan parking 2 block\(s\)"
+        ),
+        memfit.apply(model, auto_config("1GiB"), copy_engine=cpu_copy_engine(), min_offload_bytes=0) as h,
+    ):
         step(model, inputs(model))
         counts = Counter(policy for _, policy in h.plan.blocks)
     assert counts[BlockPolicy.PARK] == 2  # 2 MiB of copies in 2.5 MiB of host RAM: the most that fit

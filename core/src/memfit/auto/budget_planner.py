@@ -267,6 +267,7 @@ class BudgetPlanner:
         self._warned_unneeded = False
         self._warned_capacity = False
         self._warned_copy_reserve = False
+        self._warned_host_ram = False
         self._warned_over = False
         self._warned_unreadable = False
         self._warned_limit = False
@@ -662,6 +663,25 @@ class BudgetPlanner:
             stacklevel=6,
         )
 
+    def _warn_host_ram(self, cheapest: Plan, chosen: Plan) -> None:
+        """Once: host RAM could not pin what ``cheapest`` parks, and ``chosen`` (parking less) is slower."""
+        if self._warned_host_ram:
+            return
+        self._warned_host_ram = True
+        parked = sum(policy.parks_block for _, policy in chosen.blocks)
+        warnings.warn(
+            f"gradient_checkpointing_backend='auto': the cheapest plan parks "
+            f"{sum(policy.parks_block for _, policy in cheapest.blocks)} block(s) whole and pins "
+            f"{format_bytes(cheapest.copied_bytes + cheapest.streamed_bytes)} of host memory per step (activations "
+            f"and streamed weights), more than the {format_bytes(self._host_bytes())} available less the reserve kept "
+            f"for the process; a plan parking {parked} block(s) and pinning "
+            f"{format_bytes(chosen.copied_bytes + chosen.streamed_bytes)}, predicted "
+            f"{chosen.predicted_extra_seconds - cheapest.predicted_extra_seconds:.2f} s per step slower, runs "
+            f"instead. More free host RAM lets it park more.",
+            MemfitWarning,
+            stacklevel=6,
+        )
+
     def _quieter(self, profile: ModelProfile, than: Plan, lean: int | None) -> Plan | None:
         """The cheapest plan that copies nothing (no parked activations, no streamed weights) for ``lean``, the
         target :data:`LEAN_HEADROOM` gives such plans, where it is cheaper than ``than`` (else None)."""
@@ -739,7 +759,13 @@ class BudgetPlanner:
                     copy_price=price,
                 ),
             )
-            if priced is None or priced.predicted_extra_seconds >= lean.predicted_extra_seconds:
+            fallback = (
+                lean
+                if priced is None or priced.predicted_extra_seconds >= lean.predicted_extra_seconds
+                else priced
+            )
+            self._warn_host_ram(chosen, fallback)
+            if fallback is lean:
                 return lean
             chosen = priced
         step = _optimizer_step_peak(profile, chosen)
