@@ -90,3 +90,27 @@ def test_a_file_without_profiles_says_so(tmp_path, capsys):
     with pytest.raises(SystemExit):
         replan.main([str(results)])
     assert "no row recorded a profile" in capsys.readouterr().err
+
+
+def test_host_ram_bounds_what_a_plan_parks():
+    """Wan 2.1 14B's profile at 14040 tokens (recorded on an H100): at 24 GiB the plan parks blocks whole and pins
+    more host memory than 80 GiB; given that much it parks fewer, pins within it and costs more."""
+    from pathlib import Path
+
+    from memfit.auto.profile import ModelProfile
+
+    results = Path(__file__).parents[1] / "results/streaming/streaming-wan-queue.json"
+    profile = ModelProfile.from_json(next(replan.profiled_rows(json.loads(results.read_text())))["profile"])
+    target = int(23.76 * (1 << 30))
+
+    def parked(plan):
+        return sum(policy.parks_block for _, policy in plan.blocks)
+
+    free, _ = replan.replan(profile, target)
+    pinned = free.copied_bytes + free.streamed_bytes
+    host = 80 << 30
+    assert parked(free) and pinned > host
+    bound, _ = replan.replan(profile, target, host_bytes=host)
+    assert 0 < parked(bound) < parked(free)
+    assert bound.copied_bytes + bound.streamed_bytes <= host
+    assert bound.predicted_extra_seconds > free.predicted_extra_seconds

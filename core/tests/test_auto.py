@@ -478,6 +478,49 @@ def test_blocks_are_not_parked_whole_past_what_host_ram_can_pin(monkeypatch):
     assert planned(1 << 19) == {BlockPolicy.BLOCK}  # 1 MiB of copies over 512 KiB of host RAM
 
 
+def test_alike_blocks_that_stop_parking_at_one_price_still_park_what_fits(monkeypatch):
+    """Six alike blocks, each parked saving a second: priced, they stop parking all at once, so the price search
+    alone would park none within 3.5 MiB of host RAM; parking allowed on n of them, spread, parks 3."""
+    from types import SimpleNamespace
+
+    from memfit.auto import budget_planner
+    from memfit.auto.planner import Plan
+
+    names = [f"blocks.{i}" for i in range(6)]
+    profile = SimpleNamespace(
+        copy_bytes_per_second=1e9, blocks=[SimpleNamespace(name=n, index=i) for i, n in enumerate(names)]
+    )
+    allowed_to_park = []
+
+    def alike(profile, budget, *, allowed, streamed=None, memo=None, copy_reserve=0.0, copy_price=0.0):
+        may = [b.name for b in profile.blocks if BlockPolicy.PARK in allowed(b)]
+        allowed_to_park.append(may)
+        parked = may if copy_price < 0.5e-9 else []  # a price of half the link's time per byte: none
+        policies = tuple((n, BlockPolicy.PARK if n in parked else BlockPolicy.BLOCK) for n in names)
+        return Plan(
+            policies, budget, 0, float(6 - len(parked)), 0, 0, copied_bytes=len(parked) << 20, metric=""
+        )
+
+    monkeypatch.setattr(budget_planner, "plan_policies", alike)
+    everything = Plan(
+        tuple((n, BlockPolicy.PARK) for n in names), 0, 0, 0.0, 0, 0, copied_bytes=6 << 20, metric=""
+    )
+
+    def fitted(host):
+        return budget_planner.fit_host_memory(profile, everything, host, allowed=lambda b: tuple(BlockPolicy))
+
+    plan = fitted((3 << 20) + (1 << 19))
+    assert Counter(p for _, p in plan.blocks)[BlockPolicy.PARK] == 3
+    assert plan.predicted_extra_seconds == 3.0
+    assert [
+        "blocks.1",
+        "blocks.3",
+        "blocks.5",
+    ] in allowed_to_park  # spread evenly over the blocks that may park
+    lean = fitted(1 << 19)  # not one parked block fits
+    assert Counter(p for _, p in lean.blocks) == {BlockPolicy.BLOCK: 6}
+
+
 def test_past_host_ram_a_plan_parks_what_fits_where_parking_is_cheaper_than_recomputing(monkeypatch):
     """Where every block parked would not fit in host RAM, pricing the copies parks as many blocks as fit (each
     parked block saves a second over recomputing it), rather than none."""

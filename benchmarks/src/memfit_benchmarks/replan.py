@@ -25,7 +25,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-from memfit.auto.budget_planner import priced_for_host
+from memfit.auto.budget_planner import fit_host_memory
 from memfit.auto.planner import Plan, plan_policies, priced_options
 from memfit.auto.policy import allowed_policies
 from memfit.auto.profile import BlockProfile, ModelProfile
@@ -102,19 +102,12 @@ def replan(
     parks = any(policy.parks_block for _, policy in plan.blocks)
     if host_bytes is not None and parks and plan.copied_bytes + plan.streamed_bytes > host_bytes:
         lean = replan(profile, target, park=False, stream=stream)[0]
-        priced = priced_for_host(
-            profile,
-            plan,
-            host_bytes,
-            lambda price, streamed: plan_policies(
-                profile, target, allowed=allowed, streamed=streamed, memo=memo, copy_price=price
-            ),
-        )
-        plan = (
-            lean
-            if priced is None or priced.predicted_extra_seconds >= lean.predicted_extra_seconds
-            else priced
-        )
+
+        fitting = fit_host_memory(profile, plan, host_bytes, allowed=allowed, memo=memo)
+        if fitting is None or fitting.predicted_extra_seconds >= lean.predicted_extra_seconds:
+            plan = lean
+        else:
+            plan = fitting
     # the search's sets are built by count: the plan's is the one of its size
     streamed = streamed_set(profile, len(plan.streamed)) if plan.streamed else None
     return plan, priced_options(profile, allowed=allowed, streamed=streamed)

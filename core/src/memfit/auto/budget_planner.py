@@ -708,7 +708,7 @@ class BudgetPlanner:
         (the budget counts :func:`reserve_per_copied_byte` per byte copied), no parked activations, or no copies at
         all (nor streamed weights). A plan that parks blocks whole where its copies and streamed weights would not fit in
         host RAM gives way to the cheaper of the same search without parking blocks (``park=False``) and the same
-        streamed set with its copies priced until they fit (:func:`priced_for_host`)."""
+        streamed set planned to fit (:func:`fit_host_memory`)."""
         can_offload = self.can_offload and variant not in (_NO_OFFLOAD, _NO_COPY)
 
         def allowed(b: BlockProfile) -> tuple[BlockPolicy, ...]:
@@ -745,29 +745,19 @@ class BudgetPlanner:
             chosen = plan(exc.smallest_peak_bytes if exc.smallest_peak_bytes <= limit else limit)
         if park and self._parks_past_host_memory(chosen):
             lean = self._cheapest(profile, target, at_least=at_least, variant=variant, park=False)
-            priced = priced_for_host(
-                profile,
-                chosen,
-                self._host_bytes(),
-                lambda price, streamed: plan_policies(
-                    profile,
-                    chosen.budget_bytes,
-                    allowed=allowed,
-                    streamed=streamed,
-                    memo=memo,
-                    copy_reserve=copy_reserve,
-                    copy_price=price,
-                ),
+
+            fitting = fit_host_memory(
+                profile, chosen, self._host_bytes(), allowed=allowed, memo=memo, copy_reserve=copy_reserve
             )
             fallback = (
                 lean
-                if priced is None or priced.predicted_extra_seconds >= lean.predicted_extra_seconds
-                else priced
+                if fitting is None or fitting.predicted_extra_seconds >= lean.predicted_extra_seconds
+                else fitting
             )
             self._warn_host_ram(chosen, fallback)
             if fallback is lean:
                 return lean
-            chosen = priced
+            chosen = fallback
         step = _optimizer_step_peak(profile, chosen)
         return (
             dataclasses.replace(chosen, predicted_peak_bytes=step)
@@ -870,18 +860,51 @@ class BudgetPlanner:
         return self.plan.describe()
 
 
-# Host RAM's price on copies (a plan that parks more than host RAM can pin): bisection steps, and the highest price
-# tried in multiples of the link's own time per byte (where copying anything is dearer than recomputing it)
+# Host RAM's price on copies (a plan that parks more than host RAM can pin, fit_host_memory): bisection steps, and
+# the highest price tried in multiples of the link's own time per byte (where copying anything is dearer than
+# recomputing it)
 HOST_PRICE_STEPS = 8
 HOST_PRICE_CEILING = 8.0
 
 
-def priced_for_host(
-    profile: ModelProfile, plan: Plan, host_bytes: int, priced: Callable[[float, StreamedSet | None], Plan]
+def fit_host_memory(
+    profile: ModelProfile,
+    plan: Plan,
+    host_bytes: int,
+    *,
+    allowed: Callable[[BlockProfile], tuple[BlockPolicy, ...]],
+    memo: dict[Any, Any] | None = None,
+    copy_reserve: float = 0.0,
 ) -> Plan | None:
-    """``plan``'s streamed set planned with each copied byte charged ``price`` seconds, at the least price found
-    (bisection, :data:`HOST_PRICE_STEPS`) whose copies and streamed weights fit in ``host_bytes`` (None: not even at
-    the highest, :data:`HOST_PRICE_CEILING` times the link's time per byte). ``priced(price, set)`` plans one."""
+    """``plan``'s streamed set planned again at its budget so that its copies and streamed weights fit in
+    ``host_bytes``: the cheaper of two searches, None where neither fits (see "The forward's copy queue" in
+    docs/cost-model.md). ``allowed``, ``memo`` and ``copy_reserve`` are those ``plan`` was searched with.
+
+    * Each copied byte charged a price (bisection, :data:`HOST_PRICE_STEPS`, up to :data:`HOST_PRICE_CEILING` times
+      the link's time per byte): the least price that fits. Where blocks are alike they stop parking together at one
+      price, so this can keep far fewer parked than would fit.
+    * Parking allowed on ``n`` of the blocks that may park, spread evenly over them (bisection on ``n``): the most
+      that fit.
+    """
+
+    def planned(price: float, may_park: frozenset[str] | None, streamed: StreamedSet | None) -> Plan:
+        def allowed_here(b: BlockProfile) -> tuple[BlockPolicy, ...]:
+            policies = allowed(b)
+            if may_park is None or b.name in may_park:
+                return policies
+            return tuple(p for p in policies if not p.parks_block)
+
+        return plan_policies(
+            profile,
+            plan.budget_bytes,
+            allowed=allowed_here,
+            streamed=streamed,
+            memo=memo if may_park is None else None,  # the memo holds the full menu's searches
+            copy_reserve=copy_reserve,
+            copy_price=price,
+        )
+
+    parkable = [b.name for b in profile.blocks if any(p.parks_block for p in allowed(b))]
     if not profile.copy_bytes_per_second:
         return None
     names = {b.name: i for i, b in enumerate(profile.blocks)}
@@ -895,20 +918,35 @@ def priced_for_host(
         if plan.streamed
         else None
     )
+
+    def fits(candidate: Plan) -> bool:
+        return candidate.copied_bytes + candidate.streamed_bytes <= host_bytes
+
+    found: list[Plan] = []
     low, high, fitting = 0.0, HOST_PRICE_CEILING / profile.copy_bytes_per_second, None
     for _ in range(HOST_PRICE_STEPS):
         price = high if fitting is None else (low + high) / 2
-        try:
-            candidate = priced(price, streamed)
-        except BudgetError:
-            return fitting
-        if candidate.copied_bytes + candidate.streamed_bytes <= host_bytes:
+        candidate = planned(price, None, streamed)
+        if fits(candidate):
             fitting, high = candidate, price
         elif fitting is None:
-            return None  # copying too much even at the highest price: nothing cheaper fits
+            break  # copying too much even at the highest price
         else:
             low = price
-    return fitting
+    found += [fitting] if fitting is not None else []
+    fewer, more = 0, len(parkable)  # ``more`` parked blocks allowed do not fit (the plan's own did not)
+    fitting = None
+    while more - fewer > 1:
+        n = (fewer + more) // 2
+        candidate = planned(
+            0.0, frozenset(parkable[int((k + 0.5) * len(parkable) / n)] for k in range(n)), streamed
+        )
+        if fits(candidate):
+            fitting, fewer = candidate, n
+        else:
+            more = n
+    found += [fitting] if fitting is not None else []
+    return min(found, key=lambda p: p.predicted_extra_seconds, default=None)
 
 
 def _card_need(plan: Plan) -> int:
