@@ -386,8 +386,8 @@ def render(payload: dict[str, Any]) -> str:
         "an upload (copy time not hidden behind compute).",
         "",
         f"Device: {payload['device']}; torch {payload['torch']}, diffusers {payload.get('diffusers')}; "
-        f"pinned bandwidth {json.dumps(payload.get('pinned_bandwidth'))}; commit {payload.get('git_commit')}; "
-        f"{payload['date']}.",
+        f"pinned bandwidth {json.dumps(payload.get('pinned_bandwidth'))}; caching allocator: "
+        f"{payload.get('allocator_conf', 'default')}; commit {payload.get('git_commit')}; {payload['date']}.",
     ]
     return "\n".join(lines) + "\n"
 
