@@ -521,6 +521,37 @@ def test_alike_blocks_that_stop_parking_at_one_price_still_park_what_fits(monkey
     assert Counter(p for _, p in lean.blocks) == {BlockPolicy.BLOCK: 6}
 
 
+def test_past_host_ram_a_budget_that_needs_parked_blocks_parks_what_fits(monkeypatch):
+    """A budget no plan reaches with fewer than two parked blocks, and host RAM for two: there is no plan without
+    parking, so two blocks park (giving up parking altogether raised)."""
+    from memfit.auto import budget_planner
+    from memfit.auto.planner import Plan
+
+    def needs_two(profile, budget, *, allowed, streamed=None, memo=None, copy_reserve=0.0, copy_price=0.0):
+        parked = [b.name for b in profile.blocks if BlockPolicy.PARK in allowed(b)]
+        if len(parked) < 2:
+            raise memfit.BudgetError("needs two parked blocks", smallest_peak_bytes=budget + 1)
+        policies = tuple(
+            (b.name, BlockPolicy.PARK if b.name in parked else BlockPolicy.BLOCK) for b in profile.blocks
+        )
+        extra = float(len(policies) - len(parked))
+        return Plan(
+            policies, budget, 0, extra, 0, 0, copied_bytes=len(parked) << 20, metric="held activations"
+        )
+
+    monkeypatch.setattr(budget_planner, "plan_policies", needs_two)
+    monkeypatch.setattr(budget_planner.hostmem, "available_host_bytes", lambda: (2 << 20) + (1 << 19))
+    monkeypatch.setattr(budget_planner.hostmem, "default_host_reserve", lambda: 0)
+    torch.manual_seed(0)
+    model = TINY.build(dtype=torch.float32, device="cpu")
+    with (
+        pytest.warns(memfit.MemfitWarning, match=r"a plan parking 2 block\(s\)"),
+        memfit.apply(model, auto_config("1GiB"), copy_engine=cpu_copy_engine(), min_offload_bytes=0) as h,
+    ):
+        step(model, inputs(model))
+        assert Counter(policy for _, policy in h.plan.blocks)[BlockPolicy.PARK] == 2
+
+
 def test_past_host_ram_a_plan_parks_what_fits_where_parking_is_cheaper_than_recomputing(monkeypatch):
     """Where every block parked would not fit in host RAM, pricing the copies parks as many blocks as fit (each
     parked block saves a second over recomputing it), rather than none."""

@@ -744,19 +744,21 @@ class BudgetPlanner:
             # below what any plan reaches: the smallest plan, or the BudgetError that names the user's budget
             chosen = plan(exc.smallest_peak_bytes if exc.smallest_peak_bytes <= limit else limit)
         if park and self._parks_past_host_memory(chosen):
-            lean = self._cheapest(profile, target, at_least=at_least, variant=variant, park=False)
-
+            lean: Plan | None = None
+            try:
+                lean = self._cheapest(profile, target, at_least=at_least, variant=variant, park=False)
+            except BudgetError as exc:  # the budget needs parked blocks: some may still fit
+                lean_error = exc
             fitting = fit_host_memory(
                 profile, chosen, self._host_bytes(), allowed=allowed, memo=memo, copy_reserve=copy_reserve
             )
-            fallback = (
-                lean
-                if fitting is None or fitting.predicted_extra_seconds >= lean.predicted_extra_seconds
-                else fitting
-            )
+            candidates = [p for p in (lean, fitting) if p is not None]  # ties: parking nothing
+            if not candidates:
+                raise lean_error
+            fallback = min(candidates, key=lambda p: p.predicted_extra_seconds)
             self._warn_host_ram(chosen, fallback)
             if fallback is lean:
-                return lean
+                return fallback
             chosen = fallback
         step = _optimizer_step_peak(profile, chosen)
         return (
@@ -926,7 +928,10 @@ def fit_host_memory(
     low, high, fitting = 0.0, HOST_PRICE_CEILING / profile.copy_bytes_per_second, None
     for _ in range(HOST_PRICE_STEPS):
         price = high if fitting is None else (low + high) / 2
-        candidate = planned(price, None, streamed)
+        try:
+            candidate = planned(price, None, streamed)
+        except BudgetError:  # not expected: a price leaves the menu as it was
+            break
         if fits(candidate):
             fitting, high = candidate, price
         elif fitting is None:
@@ -934,13 +939,18 @@ def fit_host_memory(
         else:
             low = price
     found += [fitting] if fitting is not None else []
-    fewer, more = 0, len(parkable)  # ``more`` parked blocks allowed do not fit (the plan's own did not)
+    # ``more`` parked blocks allowed do not fit in host RAM (the plan's own did not); fewer may not reach the budget
+    fewer, more = 0, len(parkable)
     fitting = None
     while more - fewer > 1:
         n = (fewer + more) // 2
-        candidate = planned(
-            0.0, frozenset(parkable[int((k + 0.5) * len(parkable) / n)] for k in range(n)), streamed
-        )
+        try:
+            candidate = planned(
+                0.0, frozenset(parkable[int((k + 0.5) * len(parkable) / n)] for k in range(n)), streamed
+            )
+        except BudgetError:  # the budget needs more parked blocks
+            fewer = n
+            continue
         if fits(candidate):
             fitting, fewer = candidate, n
         else:
