@@ -15,7 +15,7 @@ import torch
 
 import memfit
 from memfit.accounting import SavedBytesMeter
-from memfit.auto import BlockPolicy, plan_policies
+from memfit.auto import BlockPolicy, Plan, plan_policies
 from memfit.auto.policy import allowed_policies
 from memfit.auto.profile import profile_model
 from memfit_conformance.base import cpu_copy_engine
@@ -478,6 +478,15 @@ def test_blocks_are_not_parked_whole_past_what_host_ram_can_pin(monkeypatch):
     assert planned(1 << 19) == {BlockPolicy.BLOCK}  # 1 MiB of copies over 512 KiB of host RAM
 
 
+def parking_plan(profile, budget, parked) -> Plan:
+    """A stub plan: the ``parked`` blocks park whole (1 MiB each), the others recompute (a second each)."""
+    policies = tuple(
+        (b.name, BlockPolicy.PARK if b.name in parked else BlockPolicy.BLOCK) for b in profile.blocks
+    )
+    extra = float(len(policies) - len(parked))
+    return Plan(policies, budget, 0, extra, 0, 0, copied_bytes=len(parked) << 20, metric="held activations")
+
+
 def test_alike_blocks_that_stop_parking_at_one_price_still_park_what_fits(monkeypatch):
     """Six alike blocks, each parked saving a second: priced, they stop parking all at once, so the price search
     alone would park none within 3.5 MiB of host RAM; parking allowed on n of them, spread, parks 3."""
@@ -495,11 +504,7 @@ def test_alike_blocks_that_stop_parking_at_one_price_still_park_what_fits(monkey
     def alike(profile, budget, *, allowed, streamed=None, memo=None, copy_reserve=0.0, copy_price=0.0):
         may = [b.name for b in profile.blocks if BlockPolicy.PARK in allowed(b)]
         allowed_to_park.append(may)
-        parked = may if copy_price < 0.5e-9 else []  # a price of half the link's time per byte: none
-        policies = tuple((n, BlockPolicy.PARK if n in parked else BlockPolicy.BLOCK) for n in names)
-        return Plan(
-            policies, budget, 0, float(6 - len(parked)), 0, 0, copied_bytes=len(parked) << 20, metric=""
-        )
+        return parking_plan(profile, budget, may if copy_price < 0.5e-9 else [])  # half the link's time: none
 
     monkeypatch.setattr(budget_planner, "plan_policies", alike)
     everything = Plan(
@@ -525,19 +530,12 @@ def test_past_host_ram_a_budget_that_needs_parked_blocks_parks_what_fits(monkeyp
     """A budget no plan reaches with fewer than two parked blocks, and host RAM for two: there is no plan without
     parking, so two blocks park (giving up parking altogether raised)."""
     from memfit.auto import budget_planner
-    from memfit.auto.planner import Plan
 
     def needs_two(profile, budget, *, allowed, streamed=None, memo=None, copy_reserve=0.0, copy_price=0.0):
         parked = [b.name for b in profile.blocks if BlockPolicy.PARK in allowed(b)]
         if len(parked) < 2:
             raise memfit.BudgetError("needs two parked blocks", smallest_peak_bytes=budget + 1)
-        policies = tuple(
-            (b.name, BlockPolicy.PARK if b.name in parked else BlockPolicy.BLOCK) for b in profile.blocks
-        )
-        extra = float(len(policies) - len(parked))
-        return Plan(
-            policies, budget, 0, extra, 0, 0, copied_bytes=len(parked) << 20, metric="held activations"
-        )
+        return parking_plan(profile, budget, parked)
 
     monkeypatch.setattr(budget_planner, "plan_policies", needs_two)
     monkeypatch.setattr(budget_planner.hostmem, "available_host_bytes", lambda: (2 << 20) + (1 << 19))
@@ -556,7 +554,6 @@ def test_past_host_ram_a_plan_parks_what_fits_where_parking_is_cheaper_than_reco
     """Where every block parked would not fit in host RAM, pricing the copies parks as many blocks as fit (each
     parked block saves a second over recomputing it), rather than none."""
     from memfit.auto import budget_planner
-    from memfit.auto.planner import Plan
 
     prices = []
 
@@ -567,14 +564,7 @@ def test_past_host_ram_a_plan_parks_what_fits_where_parking_is_cheaper_than_reco
         parkable = [b.name for b in profile.blocks if BlockPolicy.PARK in allowed(b)]
         # a price of the link's time per byte makes parking dearer than recomputing, by equal steps below it
         share = copy_price * profile.copy_bytes_per_second
-        parked = set(parkable[: max(0, round(len(parkable) * (1 - share)))])
-        policies = tuple(
-            (b.name, BlockPolicy.PARK if b.name in parked else BlockPolicy.BLOCK) for b in profile.blocks
-        )
-        extra = float(len(profile.blocks) - len(parked))  # a second per recomputed block
-        return Plan(
-            policies, budget, 0, extra, 0, 0, copied_bytes=len(parked) << 20, metric="held activations"
-        )
+        return parking_plan(profile, budget, set(parkable[: max(0, round(len(parkable) * (1 - share)))]))
 
     monkeypatch.setattr(budget_planner, "plan_policies", parks_fewer_at_higher_prices)
     monkeypatch.setattr(budget_planner.hostmem, "available_host_bytes", lambda: (2 << 20) + (1 << 19))
