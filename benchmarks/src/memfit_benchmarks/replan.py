@@ -120,7 +120,9 @@ def report(plan: Plan, options: list[list[Any]], profile: ModelProfile, blocks: 
         f"target {format_bytes(plan.budget_bytes)}: predicted peak {format_bytes(plan.predicted_peak_bytes)}, "
         f"{plan.predicted_extra_seconds * 1e3:.0f} ms over no checkpointing; "
         f"{', '.join(f'{p} {n}' for p, n in counts.most_common())}; "
-        f"{len(plan.streamed)} of {len(profile.blocks)} blocks stream ({format_bytes(plan.streamed_bytes)})",
+        f"{len(plan.streamed)} of {len(profile.blocks)} blocks stream ({format_bytes(plan.streamed_bytes)}); "
+        f"host memory pinned {format_bytes(plan.copied_bytes + plan.streamed_bytes)} a step, copies in flight at "
+        f"most {format_bytes(plan.copies_in_flight_bytes)}",
         "",
         "| block | streams | policy | extra ms | kept GiB | copied GiB |",
         "|---|---|---|---|---|---|",
