@@ -46,6 +46,7 @@ from memfit_benchmarks.auto_report import AUTO_NOISE, auto_checks, fmt_bytes
 from memfit_benchmarks.environment import environment
 from memfit_benchmarks.families import _progress, build_lora_model, family_payload, skip_reason
 from memfit_benchmarks.modes import MODES, Mode
+from memfit_benchmarks.options import benchmark_device
 from memfit_benchmarks.replan import planned
 from memfit_benchmarks.results import write_json
 from memfit_benchmarks.runner import add_ratios, measure_mode
@@ -465,11 +466,9 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> list[Path]:
     args = _parse(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda needs CUDA (use --device cpu --preset tiny for a smoke run)")
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    device = benchmark_device(
+        args.device, without_cuda="--device cuda needs CUDA (use --device cpu --preset tiny for a smoke run)"
+    )
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     env = {**environment("auto", device, sdpa=SDPA), "noise_tolerance": AUTO_NOISE}

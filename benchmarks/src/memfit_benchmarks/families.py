@@ -47,7 +47,7 @@ from memfit import FamilyAdapter
 from memfit_benchmarks import peers
 from memfit_benchmarks.environment import environment
 from memfit_benchmarks.modes import Mode, is_offload, select_modes
-from memfit_benchmarks.options import add_sweep_options, seconds, step_count
+from memfit_benchmarks.options import add_sweep_options, benchmark_device, seconds, step_count
 from memfit_benchmarks.results import write_json
 from memfit_benchmarks.runner import measure_modes
 from memfit_benchmarks.training import TrainingConfig, prepare
@@ -332,11 +332,9 @@ def main(argv: list[str] | None = None) -> list[Path]:
             flush=True,
         )
         return []
-    device = torch.device(args.device)
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise SystemExit("--device cuda needs CUDA (use --device cpu --preset tiny for a smoke run)")
-        torch.backends.cuda.enable_cudnn_sdp(False)
+    device = benchmark_device(
+        args.device, without_cuda="--device cuda needs CUDA (use --device cpu --preset tiny for a smoke run)"
+    )
     out = Path(args.out)
     env = environment("families", device, sdpa=SDPA)
     print(json.dumps(env, indent=1), flush=True)

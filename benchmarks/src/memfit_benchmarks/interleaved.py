@@ -47,6 +47,7 @@ from memfit_benchmarks.environment import pinned_bandwidth, run_stamp
 from memfit_benchmarks.families import batch_on
 from memfit_benchmarks.host_overhead import Installed, installed, row_names
 from memfit_benchmarks.modes import Peer
+from memfit_benchmarks.options import benchmark_device
 from memfit_benchmarks.report import attention_offload_bound_s, pair_limit
 from memfit_benchmarks.results import write_results
 from memfit_benchmarks.shapes import SHAPES, TINY_SHAPE
@@ -407,12 +408,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> list[Path]:
     args = parse_args(argv)
     configs, chosen = args.configs, args.chosen
-    device = torch.device(args.device)
+    device = benchmark_device(
+        args.device, without_cuda="needs CUDA (or --device cpu --shape tiny / --preset tiny for a smoke run)"
+    )
     cuda = device.type == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("needs CUDA (or --device cpu --shape tiny / --preset tiny for a smoke run)")
-    if cuda:
-        torch.backends.cuda.enable_cudnn_sdp(False)
     model, batch, adapter, described = _model(args, device)
     if chosen is None:
         chosen = PAIRS if args.family is None else family_pairs(model, adapter)

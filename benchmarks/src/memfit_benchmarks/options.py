@@ -7,6 +7,8 @@ import time
 from collections.abc import Callable
 from typing import TypeVar
 
+import torch
+
 from memfit_benchmarks.runner import MAX_STEPS_FACTOR
 from memfit_benchmarks.training import TrainingConfig, parse_configs
 
@@ -115,3 +117,15 @@ def seconds(text: str) -> float:
 def deadline(stop_at: float | None) -> Callable[[], bool]:
     """``stop()`` for the rounds: true once ``stop_at`` (Unix time) has passed; never without one."""
     return (lambda: False) if stop_at is None else (lambda: time.time() >= stop_at)
+
+
+def benchmark_device(name: str, *, without_cuda: str) -> torch.device:
+    """``--device`` as a torch device. On CUDA, CUDA must be there (else ``SystemExit(without_cuda)``, which names
+    the smoke run to use instead), and cuDNN's SDPA is switched off: its backward corrupts memory on diffusers models
+    in bf16 on the H200 image's torch (README)."""
+    device = torch.device(name)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit(without_cuda)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+    return device

@@ -37,6 +37,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from memfit_benchmarks.environment import run_stamp
 from memfit_benchmarks.host_overhead import installed
+from memfit_benchmarks.options import benchmark_device
 from memfit_benchmarks.results import write_results
 from memfit_benchmarks.shapes import SHAPES, TINY_SHAPE
 from memfit_benchmarks.synthetic import lora_stack
@@ -212,12 +213,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
-    device = torch.device(args.device)
+    device = benchmark_device(
+        args.device, without_cuda="needs CUDA (or --device cpu --shape tiny for a smoke run)"
+    )
     cuda = device.type == "cuda"
-    if cuda and not torch.cuda.is_available():
-        raise SystemExit("needs CUDA (or --device cpu --shape tiny for a smoke run)")
-    if cuda:
-        torch.backends.cuda.enable_cudnn_sdp(False)
     dtype = torch.bfloat16 if cuda else torch.float32
     shape = TINY_SHAPE if args.shape == "tiny" else SHAPES[int(args.shape)]
     model, batch = lora_stack(shape, device=device, dtype=dtype)
