@@ -526,10 +526,27 @@ def test_alike_blocks_that_stop_parking_at_one_price_still_park_what_fits(monkey
     assert Counter(p for _, p in lean.blocks) == {BlockPolicy.BLOCK: 6}
 
 
+def planned_with_host_ram(monkeypatch, stub, host_bytes: int, warning: str) -> Plan:
+    """The plan ``auto`` runs on the tiny model with ``stub`` as its planner and ``host_bytes`` of host RAM (no
+    reserve), warning ``warning`` as it plans."""
+    from memfit.auto import budget_planner
+
+    monkeypatch.setattr(budget_planner, "plan_policies", stub)
+    monkeypatch.setattr(budget_planner.hostmem, "available_host_bytes", lambda: host_bytes)
+    monkeypatch.setattr(budget_planner.hostmem, "default_host_reserve", lambda: 0)
+    torch.manual_seed(0)
+    model = TINY.build(dtype=torch.float32, device="cpu")
+    with (
+        pytest.warns(memfit.MemfitWarning, match=warning),
+        memfit.apply(model, auto_config("1GiB"), copy_engine=cpu_copy_engine(), min_offload_bytes=0) as h,
+    ):
+        step(model, inputs(model))
+        return h.plan
+
+
 def test_past_host_ram_a_budget_that_needs_parked_blocks_parks_what_fits(monkeypatch):
     """A budget no plan reaches with fewer than two parked blocks, and host RAM for two: there is no plan without
     parking, so two blocks park (giving up parking altogether raised)."""
-    from memfit.auto import budget_planner
 
     def needs_two(profile, budget, *, allowed, streamed=None, memo=None, copy_reserve=0.0, copy_price=0.0):
         parked = [b.name for b in profile.blocks if BlockPolicy.PARK in allowed(b)]
@@ -537,24 +554,15 @@ def test_past_host_ram_a_budget_that_needs_parked_blocks_parks_what_fits(monkeyp
             raise memfit.BudgetError("needs two parked blocks", smallest_peak_bytes=budget + 1)
         return parking_plan(profile, budget, parked)
 
-    monkeypatch.setattr(budget_planner, "plan_policies", needs_two)
-    monkeypatch.setattr(budget_planner.hostmem, "available_host_bytes", lambda: (2 << 20) + (1 << 19))
-    monkeypatch.setattr(budget_planner.hostmem, "default_host_reserve", lambda: 0)
-    torch.manual_seed(0)
-    model = TINY.build(dtype=torch.float32, device="cpu")
-    with (
-        pytest.warns(memfit.MemfitWarning, match=r"a plan parking 2 block\(s\)"),
-        memfit.apply(model, auto_config("1GiB"), copy_engine=cpu_copy_engine(), min_offload_bytes=0) as h,
-    ):
-        step(model, inputs(model))
-        assert Counter(policy for _, policy in h.plan.blocks)[BlockPolicy.PARK] == 2
+    plan = planned_with_host_ram(
+        monkeypatch, needs_two, (2 << 20) + (1 << 19), r"a plan parking 2 block\(s\)"
+    )
+    assert Counter(policy for _, policy in plan.blocks)[BlockPolicy.PARK] == 2
 
 
 def test_past_host_ram_a_plan_parks_what_fits_where_parking_is_cheaper_than_recomputing(monkeypatch):
     """Where every block parked would not fit in host RAM, pricing the copies parks as many blocks as fit (each
     parked block saves a second over recomputing it), rather than none."""
-    from memfit.auto import budget_planner
-
     prices = []
 
     def parks_fewer_at_higher_prices(
@@ -566,19 +574,10 @@ def test_past_host_ram_a_plan_parks_what_fits_where_parking_is_cheaper_than_reco
         share = copy_price * profile.copy_bytes_per_second
         return parking_plan(profile, budget, set(parkable[: max(0, round(len(parkable) * (1 - share)))]))
 
-    monkeypatch.setattr(budget_planner, "plan_policies", parks_fewer_at_higher_prices)
-    monkeypatch.setattr(budget_planner.hostmem, "available_host_bytes", lambda: (2 << 20) + (1 << 19))
-    monkeypatch.setattr(budget_planner.hostmem, "default_host_reserve", lambda: 0)
-    torch.manual_seed(0)
-    model = TINY.build(dtype=torch.float32, device="cpu")
-    with (
-        pytest.warns(
-            memfit.MemfitWarning, match=r"parks \d+ block\(s\) whole and pins .* a plan parking 2 block\(s\)"
-        ),
-        memfit.apply(model, auto_config("1GiB"), copy_engine=cpu_copy_engine(), min_offload_bytes=0) as h,
-    ):
-        step(model, inputs(model))
-        counts = Counter(policy for _, policy in h.plan.blocks)
-    assert counts[BlockPolicy.PARK] == 2  # 2 MiB of copies in 2.5 MiB of host RAM: the most that fit
-    assert h.plan.predicted_extra_seconds == len(h.plan.blocks) - 2  # reported without the price
+    warning = r"parks \d+ block\(s\) whole and pins .* a plan parking 2 block\(s\)"
+    plan = planned_with_host_ram(monkeypatch, parks_fewer_at_higher_prices, (2 << 20) + (1 << 19), warning)
+    assert (
+        Counter(policy for _, policy in plan.blocks)[BlockPolicy.PARK] == 2
+    )  # 2 MiB in 2.5 MiB: the most that fit
+    assert plan.predicted_extra_seconds == len(plan.blocks) - 2  # reported without the price
     assert max(prices) > 0 and min(prices) == 0
