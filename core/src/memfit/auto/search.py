@@ -69,7 +69,7 @@ class Queue:
             queued = max(0, backlog + c.copied - drain)
             peak = backlog + c.copied
         wait = max(0, queued - self.cap) / self.bandwidth
-        return min(queued, self.cap), wait, min(peak, self.cap + c.copied)
+        return min(queued, self.cap), wait, peak
 
     def run(self, picks: list[Choice]) -> tuple[list[int], int, float, int]:
         """Exact in bytes: the backlog as each block starts, what is queued as the forward ends, the seconds
