@@ -206,20 +206,38 @@ def test_runs_of_different_commits_do_not_merge(tmp_path, capsys):
     assert exit_info.value.code == 2 and "runs differ in git_commit" in capsys.readouterr().err
 
 
-def test_auto_is_paired_with_its_plan_of_copies_charged_per_block(tmp_path, monkeypatch):
-    """``--per-block`` adds, per budget, ``auto`` planned with the copy queue off (planner, "Queue"), only for that
+@pytest.mark.parametrize(
+    ("option", "key", "hooked", "constant", "note"),
+    [
+        ("--per-block", "per_block", "_copy_queue", "QUEUE_LEVELS", "copies charged against its own forward"),
+        (
+            "--reloads-alone",
+            "reloads_alone",
+            "_reloads",
+            "RELOAD_CREDIT",
+            "each reload hidden behind a backward alone",
+        ),
+    ],
+)
+def test_auto_is_paired_with_its_budget_planned_without_one_of_the_planners_terms(
+    tmp_path, monkeypatch, option, key, hooked, constant, note
+):
+    """``--per-block`` (the copy queue off: planner, "Queue") and ``--reloads-alone`` (no credit for the recompute
+    after a reload: planner, "Reloads") each add, per budget, ``auto`` planned with that term off, only for that
     row, and the auto row's step against it."""
     from memfit.auto import planner
     from memfit_benchmarks import streaming
 
     seen = []
-    queue = planner._copy_queue
-    monkeypatch.setattr(planner, "_copy_queue", lambda *a: seen.append(planner.QUEUE_LEVELS) or queue(*a))
+    original = getattr(planner, hooked)
+    monkeypatch.setattr(planner, hooked, lambda *a: seen.append(getattr(planner, constant)) or original(*a))
     args = ["--preset", "tiny", "--device", "cpu", "--backend", "torch", "--blocks", "0", "--steps", "1"]
-    path = streaming.main([*args, "--budgets", "1GiB", "--per-block", "--out", str(tmp_path)])
+    path = streaming.main([*args, "--budgets", "1GiB", option, "--out", str(tmp_path)])
     rows = {r["mode"]: r for r in json.loads(path.read_text())["rows"]}
-    assert list(rows) == ["torch", "auto 1GiB", "auto 1GiB [copies per block]"]
-    auto, per_block = rows["auto 1GiB"], rows["auto 1GiB [copies per block]"]
-    assert auto["x_per_block"] == pytest.approx(auto["step_s"] / per_block["step_s"])
-    assert "copies charged against its own forward" in (tmp_path / "streaming.md").read_text()
-    assert set(seen) == {planner.QUEUE_LEVELS, 0} and planner.QUEUE_LEVELS > 0
+    variant = "auto 1GiB" + streaming.PLANNER_VARIANTS[key].suffix
+    assert list(rows) == ["torch", "auto 1GiB", variant]
+    auto, other = rows["auto 1GiB"], rows[variant]
+    assert auto[f"x_{key}"] == pytest.approx(auto["step_s"] / other["step_s"])
+    assert note in (tmp_path / "streaming.md").read_text()
+    default, switched = getattr(planner, constant), streaming.PLANNER_VARIANTS[key].value
+    assert set(seen) == {default, switched} and default != switched

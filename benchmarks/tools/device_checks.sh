@@ -48,6 +48,11 @@
 #   wan-queue    Wan 2.1 14B at its preset's tokens: auto at 24 GiB against the same budget planned with each block's
 #                copies charged against its own forward (the planner's copy queue off), paired by round, and unsloth
 #                unconstrained (fits an H100; streaming.{json,md}; no round starts after WAN_QUEUE_SECONDS, 420)
+#   wan-reloads  the GPU tests of auto and of weight streaming (~1.5 min), then Wan 2.1 14B at its preset's tokens:
+#                auto at 24 GiB against the same budget planned with each reload hidden behind a backward alone (no
+#                credit for the recompute of the block after it), paired by round, unsloth unconstrained and the modes
+#                of WAN_FIXED (e.g. offload_attention: an H200 only); streaming.{json,md}; no round starts after
+#                WAN_QUEUE_SECONDS (420) from the part's start
 #   park-cost    the host time of parking one region, piece by piece: stream and event calls, the copy's issue,
 #                the device allocation (alone, and while a freed tensor's copy is in flight), the engine's park and
 #                round trip of one tensor (park-cost.{json,md}), and the engine's Python alone on this host, over
@@ -137,6 +142,12 @@ for part in ${PARTS:-gpu}; do
             done
             tail -n 40 "$OUT/interleaved-runs.log"
             tar czf "$OUT/interleaved-runs.tar.gz" -C "$OUT" interleaved-runs && rm -rf "$OUT/interleaved-runs" ;;
+        wan-reloads) part_start=$(date +%s)
+            run_part gpu-auto env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest core/tests/test_gpu_auto.py \
+                core/tests/test_gpu_weights.py -m gpu -q -p no:cacheprovider
+            run_part streaming-wan-reloads python3 -m memfit_benchmarks.streaming --family wan --backend unsloth \
+                --blocks 0 ${WAN_FIXED:+--fixed "$WAN_FIXED"} --budgets 24GiB --reloads-alone --rounds 2 --warmup 2 \
+                --steps 2 --stop-at $(( part_start + ${WAN_QUEUE_SECONDS:-420} )) --out "$OUT" ;;
         park-cost) run_part park-cost python3 -m memfit_benchmarks.park_cost --out "$OUT"
             run_part park-cost-cpu python3 -m memfit_benchmarks.park_cost --device cpu --out "$OUT/cpu" ;;
         reserve) run_part reserve python3 -m memfit_benchmarks.reserve --limits 1.1 --out "$OUT" ;;

@@ -13,7 +13,8 @@ from memfit.auto.search import _INF, Problem
 
 class ReferenceStates:
     """The search's states one at a time: the two nearest copies before a block (what the copy engine reloads
-    ahead, by :func:`memfit.offload.ahead.bytes_ahead`'s rule) and the queue's backlog level."""
+    ahead, by :func:`memfit.offload.ahead.bytes_ahead`'s rule), the queue's backlog level, and whether the block
+    before left a reload its next recompute may hide more of (``Reloads``)."""
 
     def __init__(self, problem: Problem) -> None:
         sizes = (
@@ -24,18 +25,21 @@ class ReferenceStates:
         self.depth = problem.depth
         self.queue = problem.queue
         self.levels = problem.queue.levels + 1 if problem.queue is not None else 1
-        self.count = (self.n * self.n if problem.depth > 1 else self.n) * self.levels
+        self.reloads = problem.reloads if problem.depth else None
+        self.flags = 2 if self.reloads is not None else 1
+        self.count = (self.n * self.n if problem.depth > 1 else self.n) * self.levels * self.flags
 
-    def split(self, state: int) -> tuple[int, int, int]:
-        pair, level = divmod(state, self.levels)
+    def split(self, state: int) -> tuple[int, int, int, int]:
+        rest, pending = divmod(state, self.flags)
+        pair, level = divmod(rest, self.levels)
         nearest, before = divmod(pair, self.n) if self.depth > 1 else (pair, 0)
-        return nearest, before, level
+        return nearest, before, level, pending
 
     def backlog(self, state: int) -> int:
         return self.split(state)[2] * self.queue.unit if self.queue is not None else 0
 
     def need(self, state: int, block: int, c: Choice) -> int:
-        nearest, before, _ = self.split(state)
+        nearest, before, _, _ = self.split(state)
         nearest, before = self.sizes[nearest], self.sizes[before]
         ahead = 0
         if self.depth and nearest:
@@ -47,14 +51,23 @@ class ReferenceStates:
         return need
 
     def after(self, state: int, block: int, c: Choice) -> tuple[int, float]:
-        nearest, before, level = self.split(state)
+        nearest, before, level, pending = self.split(state)
+        previous = self.sizes[nearest]  # the block before's copy, where pending
         if self.depth and c.copied:
             nearest, before = self.sizes.index(c.copied), nearest
         pair = nearest * self.n + before if self.depth > 1 else nearest
-        if self.queue is None:
-            return pair, c.seconds
-        queued, wait, _ = self.queue.advance(self.backlog(state), block, c)
-        return pair * self.levels + -(-queued // self.queue.unit), c.seconds - c.forward_exposed + wait
+        to, seconds = pair, c.seconds
+        if self.queue is not None:
+            queued, wait, _ = self.queue.advance(self.backlog(state), block, c)
+            to, seconds = (
+                pair * self.levels + -(-queued // self.queue.unit),
+                c.seconds - c.forward_exposed + wait,
+            )
+        if self.reloads is None:
+            return to, seconds
+        if pending and c.recompute_window:
+            seconds -= self.reloads.credit(block - 1, previous, c.recompute_window)
+        return to * 2 + int(self.reloads.pending(block, c)), seconds
 
     def end(self, state: int) -> tuple[int, float]:
         backlog = self.backlog(state)

@@ -478,6 +478,44 @@ def test_blocks_are_not_parked_whole_past_what_host_ram_can_pin(monkeypatch):
     assert planned(1 << 19) == {BlockPolicy.BLOCK}  # 1 MiB of copies over 512 KiB of host RAM
 
 
+def test_a_new_plan_counts_what_the_running_plan_pins_as_its_own(monkeypatch):
+    """The host RAM a plan may pin includes what the running plan already pins (its pool's buffers, which the next
+    plan reuses): with exactly enough for one parking plan, a re-plan for a new shape still parks, although the
+    first plan's buffers took that much out of what the host reports available."""
+    from memfit.auto import budget_planner
+    from memfit.auto.planner import Plan
+
+    def parking_where_allowed(
+        profile, budget, *, allowed, streamed=None, memo=None, copy_reserve=0.0, copy_price=0.0
+    ):
+        policies = tuple(
+            (b.name, BlockPolicy.PARK if BlockPolicy.PARK in allowed(b) else BlockPolicy.BLOCK)
+            for b in profile.blocks
+        )
+        copied = 1 << 20 if any(p is BlockPolicy.PARK for _, p in policies) else 0
+        return Plan(policies, budget, 0, 0.0, 0, 0, copied_bytes=copied, metric="held activations")
+
+    monkeypatch.setattr(budget_planner, "plan_policies", parking_where_allowed)
+    engine = cpu_copy_engine()
+    # the host as the kernel reports it: what this process pins is no longer available
+    monkeypatch.setattr(
+        budget_planner.hostmem,
+        "available_host_bytes",
+        lambda: (1 << 20) - engine.pool.stats().pinned_bytes_held,
+    )
+    monkeypatch.setattr(budget_planner.hostmem, "default_host_reserve", lambda: 0)
+    torch.manual_seed(0)
+    model = TINY.build(dtype=torch.float32, device="cpu")
+    with memfit.apply(model, auto_config("1GiB"), copy_engine=engine, min_offload_bytes=0) as h:
+        step(model, inputs(model))
+        assert {policy for _, policy in h.plan.blocks} == {BlockPolicy.PARK}
+        assert engine.pool.stats().pinned_bytes_held > 0
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", memfit.MemfitWarning)  # no warning that host RAM cut parking
+            step(model, inputs(model, tokens=32))  # a new shape: planned again
+        assert {policy for _, policy in h.plan.blocks} == {BlockPolicy.PARK}
+
+
 def parking_plan(profile, budget, parked) -> Plan:
     """A stub plan: the ``parked`` blocks park whole (1 MiB each), the others recompute (a second each)."""
     policies = tuple(

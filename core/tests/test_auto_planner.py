@@ -172,15 +172,50 @@ def queue_terms(queue, picks):
     return starts, backlog, waited + backlog / queue.bandwidth
 
 
+def reload_credits(prof, picks) -> float:
+    """Reloads hidden behind the next block's recompute (planner, "Reloads"), written out: a block's reload is
+    charged against its own backward; a block after it that recomputes (its attention not offloaded) runs that
+    recompute first, while the reload is in flight, and takes back what it hides of the rest."""
+    credit = 0.0
+    for b, (c, after) in enumerate(zip(picks, picks[1:], strict=False)):
+        if c.copied and after.policy.recompute and not after.policy.offloads_attention:
+            copy = c.copied / prof.copy_bytes_per_second
+            backward = prof.backward_to_forward * prof.blocks[b].flops / prof.flops_per_second
+            recompute = after.recompute_window
+            credit += max(0.0, copy - backward) - max(0.0, copy - backward - recompute)
+    return credit
+
+
 def queued_peak_and_seconds(prof, picks, queue):
     """:func:`model_peak` with the queue's terms: each block's forward holds what is queued as it starts, the
-    forward's end what is still queued; seconds without each copy's own forward exposure, with the queue's waits."""
+    forward's end what is still queued; seconds without each copy's own forward exposure, with the queue's waits
+    and less what the recomputes hide of the reloads before them."""
     starts, end, waited = queue_terms(queue, picks)
     forwards = [
         need + queued if queued else 0 for need, queued in zip(queue.forward_need, starts, strict=True)
     ]
     peak = model_peak(prof, picks, forwards, end)
-    return peak, sum(c.seconds - c.forward_exposed for c in picks) + waited
+    return peak, sum(c.seconds - c.forward_exposed for c in picks) + waited - reload_credits(prof, picks)
+
+
+def parking_block(i: int, saved: int, ffn: int, attention: int, park: int, forward: int | None = None):
+    """:func:`block` that may park (``park`` MiB saved and copied), its backward's peak its saved bytes and its
+    forward's ``forward`` MiB (default half of that)."""
+    return dataclasses.replace(
+        block(i, saved, ffn, attention),
+        backward_peak_bytes=saved * MiB,
+        forward_peak_bytes=(saved // 2 if forward is None else forward) * MiB,
+        park_bytes=park * MiB,
+        park_copy_bytes=park * MiB,
+    )
+
+
+def picked(plan, options):
+    """The choice of each block's policy in ``plan``, from ``options``."""
+    return [
+        next(c for c in opts if c.policy is policy)
+        for (_, policy), opts in zip(plan.blocks, options, strict=True)
+    ]
 
 
 @settings(max_examples=150, deadline=None)
@@ -191,23 +226,23 @@ def queued_peak_and_seconds(prof, picks, queue):
         max_size=4,
     ),
     fraction=st.floats(0.3, 1.0),
+    backward_to_forward=st.sampled_from([2.0, 0.5]),
 )
-@example(sizes=[(400, 0, 10, 90), (400, 0, 10, 90), (400, 0, 10, 90), (100, 0, 10, 40)], fraction=0.5)
-def test_with_copies_queued_across_blocks_the_plan_is_optimal_under_the_model_and_fits(sizes, fraction):
+@example(
+    sizes=[(400, 0, 10, 90), (400, 0, 10, 90), (400, 0, 10, 90), (100, 0, 10, 40)],
+    fraction=0.5,
+    backward_to_forward=2.0,
+)
+@example(sizes=[(400, 0, 10, 110)] * 4, fraction=0.5, backward_to_forward=0.5)  # a park, then a recompute
+def test_with_copies_queued_across_blocks_the_plan_is_optimal_under_the_model_and_fits(
+    sizes, fraction, backward_to_forward
+):
     """Copies that outlast their block's forward (5 GB/s against 10 ms forwards: a forward drains ~48 MiB, a park
-    copies 40-110, which its backward hides): the plan is the cheapest that brute force finds under the queue's
-    model, within its rounding, and fits."""
-    blocks = [
-        dataclasses.replace(
-            block(i, saved, ffn, attention),
-            backward_peak_bytes=saved * MiB,
-            forward_peak_bytes=saved * MiB // 2,
-            park_bytes=park * MiB,
-            park_copy_bytes=park * MiB,
-        )
-        for i, (saved, ffn, attention, park) in enumerate(sizes)
-    ]
-    prof = profile(blocks, bandwidth=5e9)
+    copies 40-110, which a backward twice the forward hides, and half of it does not): the plan is the cheapest
+    that brute force finds under the queue's model, with the reloads a recompute after them hides, within its
+    rounding, and fits."""
+    blocks = [parking_block(i, *size) for i, size in enumerate(sizes)]
+    prof = profile(blocks, bandwidth=5e9, backward_to_forward=backward_to_forward)
     options = block_options(prof, allowed=everything)
     options[-1] = [
         dataclasses.replace(c, own_late=None) for c in options[-1]
@@ -229,12 +264,10 @@ def test_with_copies_queued_across_blocks_the_plan_is_optimal_under_the_model_an
             plan_policies(prof, budget, allowed=everything)
         return
     plan = plan_policies(prof, budget, allowed=everything)
-    picks = [
-        next(c for c in opts if c.policy is policy)
-        for (_, policy), opts in zip(plan.blocks, options, strict=True)
-    ]
+    picks = picked(plan, options)
     peak, seconds = queued_peak_and_seconds(prof, picks, queue)
     event(f"copies queued past a block: {max(queue_terms(queue, picks)[0]) > 0}")
+    event(f"a recompute hides more of a reload: {reload_credits(prof, picks) > 0}")
     assert plan.predicted_peak_bytes == peak <= budget
     assert plan.predicted_extra_seconds == pytest.approx(seconds, abs=1e-12)
     assert seconds >= cheapest - 1e-9
@@ -249,26 +282,14 @@ def test_with_copies_queued_across_blocks_the_plan_is_optimal_under_the_model_an
 def test_the_plan_lets_the_copy_engine_hold_what_its_queue_has_in_flight():
     """Parks that outlast their forwards: the plan queues them across blocks, counts the backlog in its peak and
     gives the copy engine the most bytes its forward has in flight."""
-    blocks = [
-        dataclasses.replace(
-            block(i, 400, 30, 30),
-            backward_peak_bytes=400 * MiB,
-            forward_peak_bytes=300 * MiB,
-            park_bytes=390 * MiB,
-            park_copy_bytes=390 * MiB,
-        )
-        for i in range(8)
-    ]
+    blocks = [parking_block(i, 400, 30, 30, 390, forward=300) for i in range(8)]
     # a forward drains ~286 MiB, a park copies 390 (its reload hides behind its backward): each runs over
     prof = profile(blocks, bandwidth=30e9)
     plan = plan_policies(prof, int(1000 * MiB + 1500 * MiB), allowed=everything)
     assert plan.counts().get("park", 0) >= 4
     options = block_options(prof, allowed=everything)
     queue = planner._copy_queue(prof, options, 0)
-    picks = [
-        next(c for c in opts if c.policy is policy)
-        for (_, policy), opts in zip(plan.blocks, options, strict=True)
-    ]
+    picks = picked(plan, options)
     starts = queue_terms(queue, picks)[0]
     assert max(starts) > 0  # copies are still queued as later blocks start
     # ... and held on the device beside that block's forward
@@ -282,6 +303,40 @@ def test_the_plan_lets_the_copy_engine_hold_what_its_queue_has_in_flight():
     assert plan.predicted_extra_seconds < sum(c.seconds for c in picks)
     assert plan.copies_in_flight_bytes >= max(starts) and plan.copies_in_flight_bytes > 0
     assert plan.to_json()["copies_in_flight_bytes"] == plan.copies_in_flight_bytes
+
+
+def test_a_reload_hides_behind_the_recompute_of_the_block_after_it(monkeypatch):
+    """A park's reload (22 ms at 5 GB/s) outlasts a backward half the forward (5 ms); the block after it recomputes
+    first (10 ms), while that reload is in flight. Counted, parking the first block and recomputing the second beats
+    recomputing two; the plan's seconds are its choices' less what that recompute hides."""
+    blocks = [parking_block(i, 400, 0, 10, 110) for i in range(4)]
+    prof = profile(blocks, bandwidth=5e9, backward_to_forward=0.5)
+    budget = 2216 * MiB
+    plan = plan_policies(prof, budget, allowed=everything)
+    policies = [policy for _, policy in plan.blocks]
+    assert policies[0] is BlockPolicy.PARK and policies[1].recompute == "block"
+    options = block_options(prof, allowed=everything)
+    picks = picked(plan, options)
+    queue = planner._copy_queue(prof, options, 0)
+    credit = reload_credits(prof, picks)
+    assert credit == pytest.approx(picks[1].recompute_window)  # 10 ms of the 17 exposed
+    assert plan.predicted_extra_seconds == pytest.approx(queued_peak_and_seconds(prof, picks, queue)[1])
+    monkeypatch.setattr(planner, "RELOAD_CREDIT", False)
+    alone = plan_policies(prof, budget, allowed=everything)
+    assert alone.counts() == {"block": 2, "keep": 2}
+    assert alone.predicted_extra_seconds > plan.predicted_extra_seconds
+
+
+def test_a_recompute_hides_a_reload_before_it_unless_its_attention_is_offloaded():
+    """What each policy's recompute runs before the block before it is due: the whole forward, the FFN regions, or
+    nothing where the block's first region of the timeline is its offloaded attention (reached after its FFN)."""
+    b = block(0, 400, 100, 50)
+    prof = profile([b], ffn_rate=5e13)
+    window = {c.policy: c.recompute_window for c in block_choices(b, prof, everything(b))}
+    assert window[BlockPolicy.BLOCK] == window[BlockPolicy.BLOCK_OFFLOAD] == pytest.approx(1e12 / 1e14)
+    assert window[BlockPolicy.FFN] == window[BlockPolicy.FFN_OFFLOAD] == pytest.approx(0.5e12 / 5e13)
+    assert window[BlockPolicy.FFN_ATTENTION_OFFLOAD] == window[BlockPolicy.ATTENTION_OFFLOAD] == 0.0
+    assert window[BlockPolicy.KEEP] == 0.0
 
 
 def test_no_checkpointing_needed_keeps_every_block():

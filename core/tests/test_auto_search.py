@@ -16,7 +16,7 @@ MiB = 1 << 20
 POLICIES = list(BlockPolicy)
 
 choice = st.builds(
-    lambda p, kept, seconds, copied, own, late, exposed: Choice(
+    lambda p, kept, seconds, copied, own, late, exposed, window: Choice(
         POLICIES[p],
         kept * MiB,
         (seconds + exposed) / 8,
@@ -24,6 +24,7 @@ choice = st.builds(
         own * MiB,
         None if late < 0 else late * MiB,
         exposed / 8 if copied else 0.0,
+        window / 8,
     ),
     st.integers(0, len(POLICIES) - 1),  # parked blocks join the copy queue after their forward
     st.integers(0, 40),
@@ -32,15 +33,18 @@ choice = st.builds(
     st.integers(0, 60),
     st.integers(-1, 40),
     st.integers(0, 2),
+    st.sampled_from([0, 0, 1, 4, 16]),  # eighths of a second its recompute hides of the block before's reload
 )
 
 
 QUEUED = st.booleans()
+RELOADED = st.booleans()
 
 
 @st.composite
-def problems(draw, queued=QUEUED):
-    """Problems with and without the forward's copies as one queue (search, "Queue")."""
+def problems(draw, queued=QUEUED, reloaded=RELOADED):
+    """Problems with and without the forward's copies as one queue (search, "Queue"), and with and without reloads
+    hidden behind the next block's recompute (search, "Reload credit")."""
     options = draw(st.lists(st.lists(choice, min_size=1, max_size=5), min_size=1, max_size=7))
     queue = None
     if draw(queued):
@@ -59,12 +63,23 @@ def problems(draw, queued=QUEUED):
             queue.levels,
             queue.bandwidth * MiB,
         )
+    reloads = None
+    if draw(reloaded):
+        blocks = len(options)
+        cover = draw(st.lists(st.sampled_from([0, 1, 2, 4]), min_size=blocks, max_size=blocks))
+        slack = draw(st.lists(st.sampled_from([0, 1, 3, None]), min_size=blocks, max_size=blocks))
+        reloads = search.Reloads(  # at 8 MiB/s the copy sizes above take 0-3 s: eighths where covers are
+            cover=tuple(c / 8 for c in cover),
+            room=tuple(float("inf") if r is None else (c + r) / 8 for c, r in zip(cover, slack, strict=True)),
+            bandwidth=8.0 * MiB,
+        )
     return search.Problem(
         options,
         draw(st.sampled_from([MiB, 2 * MiB, 5 * MiB])),
         draw(st.integers(0, 2)),
         draw(st.booleans()),
         queue=queue,
+        reloads=reloads,
     )
 
 
@@ -86,6 +101,16 @@ def test_smallest_picks_what_the_pair_by_pair_programme_picks(problem, workspace
 @settings(max_examples=200, deadline=None)
 @given(problem=problems(queued=st.just(True)), capacity=st.integers(0, 120), room=st.integers(0, 400))
 def test_with_a_copy_queue_cheapest_picks_what_the_pair_by_pair_programme_picks(problem, capacity, room):
+    assert search.cheapest(problem, capacity, room * MiB) == reference_cheapest(problem, capacity, room * MiB)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    problem=problems(reloaded=st.just(True)).filter(lambda p: p.depth > 0),
+    capacity=st.integers(0, 120),
+    room=st.integers(0, 400),
+)
+def test_with_reload_credit_cheapest_picks_what_the_pair_by_pair_programme_picks(problem, capacity, room):
     assert search.cheapest(problem, capacity, room * MiB) == reference_cheapest(problem, capacity, room * MiB)
 
 

@@ -399,9 +399,13 @@ def test_reloads_share_the_link_with_the_uploads_in_backward():
     left = 0.09 - 400 * MiB / 20e9
     assert fast.reload_cover[:3] == (None, None, None) and fast.reload_cover[7] is None
     assert fast.reload_cover[3:7] == pytest.approx([left / 4] * 4)
-    # a window with more compute than its blocks' own backward never hides a reload behind more than that
+    assert fast.reload_room == fast.reload_cover  # each share within its block's backward
+    # a window with more compute than its blocks' own backward never hides a reload behind more than that, unless
+    # the block after it recomputes first (planner, "Reloads"): then up to its share of what the upload leaves
     ample = StreamedSet.of(attention_heavy(bandwidth=1e12), [0, 7])
     assert ample.reload_cover[:7] == pytest.approx([0.02] * 7)
+    assert ample.reload_room[:7] == pytest.approx([(0.15 - 400 * MiB / 1e12) / 7] * 7)
+    assert ample.reload_room[7] is None
 
 
 @pytest.mark.parametrize(
@@ -461,6 +465,9 @@ def test_the_reloads_charge_is_never_below_each_windows_own_exposure(n, data, ba
         )
         exposed = max(0.0, upload + own - compute)
         assert charged >= exposed - 1e-12
+        # the most the reloads may hide behind, where the blocks after them recompute first: what the upload leaves
+        assert sum(sset.reload_room[j] for j in due) == pytest.approx(max(0.0, compute - upload), abs=1e-12)
+        assert all(sset.reload_room[j] >= sset.reload_cover[j] for j in due)
         if upload >= compute:
             assert charged == pytest.approx(exposed, abs=1e-12)
     assert all(c is None for c in sset.reload_cover[: streamed[0]])

@@ -34,6 +34,7 @@ import contextlib
 import json
 import statistics
 from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from unittest import mock
@@ -103,14 +104,40 @@ def auto_mode(budget: str, optimizer: str = "adamw") -> Mode:
     )
 
 
-PER_BLOCK = " [copies per block]"  # an auto row planned with each block's copies against its own forward
+@dataclass(frozen=True)
+class PlannerVariant:
+    """``auto`` planned with one of the planner's terms off (a module constant of ``memfit.auto.planner`` patched
+    for that row only: a benchmark's switch, not a user's), paired with the ``auto`` row of its budget."""
+
+    suffix: str  # after the auto row's name
+    constant: str
+    value: Any
+    against: str  # what the auto row's ratio is against, for the report
 
 
-def per_block_mode(budget: str, optimizer: str = "adamw") -> Mode:
-    """The row of ``auto`` at ``budget`` planned as before the copy queue (each block's device-to-host copies
-    charged against its own forward: ``memfit.auto.planner``, "Queue"), to pair with :func:`auto_mode`'s."""
+# by the option that adds them (--per-block, --reloads-alone) and the ratio's key (x_per_block, x_reloads_alone)
+PLANNER_VARIANTS = {
+    "per_block": PlannerVariant(
+        " [copies per block]", "QUEUE_LEVELS", 0, "each block's copies charged against its own forward"
+    ),
+    "reloads_alone": PlannerVariant(
+        " [reloads behind a backward]",
+        "RELOAD_CREDIT",
+        False,
+        "each reload hidden behind a backward alone (not the recompute of the block after it)",
+    ),
+}
+
+
+def variant_mode(key: str, budget: str, optimizer: str = "adamw") -> Mode:
+    """The row of ``auto`` at ``budget`` planned as :data:`PLANNER_VARIANTS` ``[key]`` says, to pair with
+    :func:`auto_mode`'s."""
     auto = auto_mode(budget, optimizer)
-    return Mode(auto.name + PER_BLOCK, auto.config)
+    return Mode(auto.name + PLANNER_VARIANTS[key].suffix, auto.config)
+
+
+def _variant_of(name: str) -> PlannerVariant | None:
+    return next((v for v in PLANNER_VARIANTS.values() if name.endswith(v.suffix)), None)
 
 
 def card_mode(budget: str, optimizer: str = "adamw") -> Mode:
@@ -192,9 +219,10 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
         if "budget_bytes" in r and fastest is not None:
             r["fastest_fixed"] = fastest["mode"]
             r["x_fastest_fixed"] = paired_ratio(r, fastest) or r["step_s"] / fastest["step_s"]
-        per_block = next((p for p in rows if p["mode"] == r["mode"] + PER_BLOCK and measured(p)), None)
-        if per_block is not None:
-            r["x_per_block"] = paired_ratio(r, per_block) or r["step_s"] / per_block["step_s"]
+        for key, variant in PLANNER_VARIANTS.items():
+            other = next((p for p in rows if p["mode"] == r["mode"] + variant.suffix and measured(p)), None)
+            if other is not None:
+                r[f"x_{key}"] = paired_ratio(r, other) or r["step_s"] / other["step_s"]
 
 
 def _unconstrained(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -358,11 +386,12 @@ def render(payload: dict[str, Any]) -> str:
     for r in payload["rows"]:
         if r.get("fixed_knob"):
             lines.append(fixed_knob_note(r))
-        if r.get("x_per_block"):
-            lines.append(
-                f"- {r['mode']}: {r['x_per_block']:.3f}× the step of the same budget planned with each block's "
-                "copies charged against its own forward (paired by round)"
-            )
+        for key, variant in PLANNER_VARIANTS.items():
+            if r.get(f"x_{key}"):
+                lines.append(
+                    f"- {r['mode']}: {r[f'x_{key}']:.3f}× the step of the same budget planned with "
+                    f"{variant.against} (paired by round)"
+                )
         if r.get("fastest_fixed") and len(_unconstrained(payload["rows"])) > 1:
             lines.append(
                 f"- {r['mode']}: {r['x_fastest_fixed']:.3f}× the step of `{r['fastest_fixed']}`, the fastest fixed "
@@ -407,9 +436,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     modes = [mode_for(args.backend, t) for t in args.blocks] + args.fixed
     modes += [auto_mode(b, args.optimizer) for b in args.budgets]
     budgets = {auto_mode(b).name: parse_bytes(b) for b in args.budgets}
-    if args.per_block:
-        modes += [per_block_mode(b, args.optimizer) for b in args.budgets]
-        budgets |= {per_block_mode(b).name: parse_bytes(b) for b in args.budgets}
+    for key in PLANNER_VARIANTS:
+        if getattr(args, key):
+            modes += [variant_mode(key, b, args.optimizer) for b in args.budgets]
+            budgets |= {variant_mode(key, b).name: parse_bytes(b) for b in args.budgets}
     cards = {card_mode(b).name: parse_bytes(b) for b in args.card_budgets}
     modes += [card_mode(b, args.optimizer) for b in args.card_budgets]
     budgets |= cards
@@ -426,10 +456,13 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     def measure(mode: Mode) -> dict[str, Any]:
         row = weight_row(None, args.steps) if mode.config is None else {}
         card = card_of(model, cards[mode.name], device) if mode.name in cards else contextlib.nullcontext()
-        # the planner's queue off for this row's plans (a benchmark's switch, not a user's)
-        per_block = mode.name.endswith(PER_BLOCK)
-        queue = mock.patch.object(planner, "QUEUE_LEVELS", 0) if per_block else contextlib.nullcontext()
-        with card, queue:
+        variant = _variant_of(mode.name)
+        switch = (
+            mock.patch.object(planner, variant.constant, variant.value)
+            if variant is not None
+            else contextlib.nullcontext()
+        )
+        with card, switch:
             row |= measure_mode(
                 model,
                 batch,
@@ -511,6 +544,12 @@ def main(argv: list[str] | None = None) -> Path | None:
         action="store_true",
         help="for each of --budgets also a row of auto planned with each block's device-to-host copies charged "
         "against its own forward (the planner's copy queue off), paired with the auto row",
+    )
+    parser.add_argument(
+        "--reloads-alone",
+        action="store_true",
+        help="for each of --budgets also a row of auto planned with each reload hidden behind a backward alone "
+        "(no credit for the recompute of the block after it), paired with the auto row",
     )
     parser.add_argument(
         "--card-budgets",

@@ -19,7 +19,7 @@ from torch import nn
 
 from memfit.adapters.discovery import find_adapter, get_adapter
 from memfit.adapters.spec import FamilyAdapter
-from memfit.auto.budget_planner import BudgetPlanner
+from memfit.auto.budget_planner import BudgetPlanner, host_bytes_for_plans
 from memfit.config import Backend, MemfitConfig, as_config
 from memfit.controller import Controller, FixedPlanner, Planner
 from memfit.distributed import ShardOrderGuard, is_fsdp_module
@@ -115,12 +115,21 @@ def apply(
         session = _auto_session(model, cfg, adapter, copy_engine, min_offload_bytes, target)
         assert adapter is not None  # checked by _auto_session
         budget = cfg.memory_budget if cfg.memory_budget is not None else _free_device_memory(model, target)
+        controller: Controller | None = None  # the planner asks only once a step runs: by then it is set
+
+        def pinned_by_this_model() -> int:
+            # what the plan running now pins is the next plan's to reuse, not taken from it
+            streamer = controller.streamer if controller is not None else None
+            held = session.pinned_bytes_held() if session is not None else 0
+            return held + (streamer.pinned_bytes if streamer is not None else 0)
+
         planner = BudgetPlanner(
             model,
             adapter,
             budget,
             can_offload=session is not None,
             min_offload_bytes=min_offload_bytes,
+            host_bytes=lambda: host_bytes_for_plans(pinned_by_this_model()),
             can_stream=cfg.stream_blocks != 0,  # 0: every weight stays on the device
             optimizer_state_per_byte=cfg.optimizer_state_per_byte,
             optimizer_temporaries_per_byte=cfg.optimizer_step_temporaries_per_byte,

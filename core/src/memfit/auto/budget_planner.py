@@ -218,8 +218,9 @@ class BudgetPlanner:
         can_stream: frozen block weights may stream from host memory where activation policies alone do not fit
             the budget, or where streaming is cheaper (:mod:`memfit.auto.streaming`); only where the budget
             counts the device's allocated bytes (CUDA).
-        host_bytes: host RAM the streamed weights may pin (default: what is available less the reserve kept for
-            the rest of the process, :mod:`memfit.offload.hostmem`).
+        host_bytes: host RAM a plan's copies and streamed weights may pin (default: what is available less the
+            reserve kept for the rest of the process, :func:`host_bytes_for_plans`; ``memfit.apply`` adds what the
+            running plan pins, which the next plan reuses).
         optimizer_state_per_byte: optimizer-state bytes the trainer keeps per trainable byte (AdamW: 2), which
             the first ``optimizer.step()`` allocates: planned as static bytes from the first input shape on (see
             "Optimizer state" in docs/cost-model.md).
@@ -254,7 +255,7 @@ class BudgetPlanner:
         self.can_stream = can_stream
         self.optimizer_state_per_byte = optimizer_state_per_byte
         self.optimizer_temporaries_per_byte = optimizer_temporaries_per_byte
-        self._host_bytes = host_bytes or _host_bytes_for_weights
+        self._host_bytes = host_bytes or host_bytes_for_plans
         device = device if device is not None else next(model.parameters()).device
         # the closed loop runs where a step's peak can be read: CUDA (or a meter given, in tests)
         self.meter = peak_meter if peak_meter is not None else default_peak_meter(device)
@@ -998,9 +999,11 @@ def _optimizer_step_peak(profile: ModelProfile, plan: Plan) -> int:
     )
 
 
-def _host_bytes_for_weights() -> int:
-    """Host RAM streamed weights may pin: what is available less the reserve kept for the rest of the process."""
-    return max(0, hostmem.available_host_bytes() - hostmem.default_host_reserve())
+def host_bytes_for_plans(pinned: int = 0) -> int:
+    """Host RAM a plan's copies and streamed weights may pin: what is available, with the ``pinned`` bytes the plan
+    running now holds (its pool's buffers and its weights' host masters, which the next plan reuses), less the
+    reserve kept for the rest of the process."""
+    return max(0, hostmem.available_host_bytes() + pinned - hostmem.default_host_reserve())
 
 
 # Bandwidth probe: the fastest of samples spread over ~0.1 s is the link's own rate, not another

@@ -30,6 +30,9 @@ class Choice:
     # the part of ``seconds`` that is its device-to-host copy not hidden behind its own forward: where the search
     # runs the forward's copies as one queue (memfit.auto.search, "Queue"), it charges the queue's waits instead
     forward_exposed: float = 0.0
+    # seconds its backward recomputes before the block before it is due, while that block's reload is in flight
+    # (memfit.auto.search, "Reload credit"); 0 where it recomputes nothing or its attention's reload starts late
+    recompute_window: float = 0.0
 
     def need(self, ahead: int) -> int:
         """Bytes above what the blocks before it keep while its backward runs, with ``ahead`` bytes reloaded
@@ -59,7 +62,7 @@ def block_choices(
     bandwidth = profile.copy_bytes_per_second
     forward_seconds = forward_with_grad_seconds(block, profile)  # what a device-to-host copy hides behind
     if reload_cover is None:  # what the host-to-device reload hides behind
-        reload_cover = profile.backward_to_forward * forward_seconds
+        reload_cover = own_reload_cover(block, profile)
     out = []
     for policy in allowed:
         if policy.parks_block and not block.park_copy_bytes:
@@ -68,6 +71,11 @@ def block_choices(
         recomputed_ffn = 0
         if policy.recompute == "ffn":  # at the FFN regions' own rate
             flops, recomputed_ffn = 0, flops
+        # the reload of the block before it is issued as this backward starts, before its recompute, unless an
+        # offloaded attention call is its first region of the timeline (reached after its FFN's backward)
+        window = 0.0
+        if policy.recompute and not policy.offloads_attention:
+            window = flops / rate + recomputed_ffn / ffn_rate
         if policy.recompute:
             flops += RECOMPUTE_REGION_SECONDS * nominal
         if copied:
@@ -93,8 +101,16 @@ def block_choices(
                 # its only parked regions are its attention calls: backward reaches them, and reloads the
                 # blocks before, once the FFN's backward is over (memfit.auto.blockpeak, "Attention phase")
                 own_late = block.attention_backward_peak_bytes + extra
-        out.append(Choice(policy, max(kept, 0) + saved_after, seconds, copied, own, own_late, exposed))
+        out.append(
+            Choice(policy, max(kept, 0) + saved_after, seconds, copied, own, own_late, exposed, window)
+        )
     return out
+
+
+def own_reload_cover(block: BlockProfile, profile: ModelProfile) -> float:
+    """Seconds of backward compute a reload of ``block``'s copies hides behind where no weight upload shares the
+    link: its own backward's, standing for the backward of the block before it in backward order."""
+    return profile.backward_to_forward * forward_with_grad_seconds(block, profile)
 
 
 def forward_with_grad_seconds(block: BlockProfile, profile: ModelProfile) -> float:

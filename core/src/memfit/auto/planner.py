@@ -56,6 +56,12 @@ reloads wait for it). The queue holds at most :data:`QUEUE_CAP_COPIES` of the la
 plan's copies in flight at most (:attr:`Plan.copies_in_flight_bytes`) bound the copy engine's in-flight bytes, so
 a link slower than planned costs time, never memory.
 
+Reloads.  A block's reload is charged against a backward (its own, standing for the block's after it, or what
+weight uploads leave of that). The copy engine issues it as the backward of the block after it starts, which runs
+that block's recompute first: where that block recomputes (whole or its FFN, its attention not offloaded), its
+recompute hides more of the reload, up to what the uploads in that window leave (:class:`memfit.auto.search.
+Reloads`, a pair of neighbours' term in the search).
+
 Search.  :mod:`memfit.auto.search`: a dynamic programme over the blocks in forward order whose state is
 the kept bytes so far (in units of 1/1024 of the total, rounded up: never optimistic) and the two nearest
 copies before the block (what is reloaded ahead of it), exact under this model up to the units. It answers
@@ -73,7 +79,13 @@ from typing import Any
 
 import memfit.auto.search as search
 from memfit.auto.allocator import expandable_segments
-from memfit.auto.cost import HOOKED_TENSOR_SECONDS, Choice, block_choices, forward_with_grad_seconds
+from memfit.auto.cost import (
+    HOOKED_TENSOR_SECONDS,
+    Choice,
+    block_choices,
+    forward_with_grad_seconds,
+    own_reload_cover,
+)
 from memfit.auto.profile import BlockProfile, ModelProfile
 from memfit.auto.streaming import StreamedSet
 from memfit.errors import BudgetError
@@ -98,6 +110,9 @@ CARD_FIT = 0.92
 # copies charged against its own forward, as the benchmarks compare); see "Queue"
 QUEUE_CAP_COPIES = 2
 QUEUE_LEVELS = 64
+# a block's reload also hides behind the recompute of the block after it (False: behind a backward alone, as the
+# benchmarks compare); see "Reloads"
+RELOAD_CREDIT = True
 
 
 def reserve_per_copied_byte() -> float:
@@ -278,6 +293,7 @@ def plan_policies(
         forward = streamed.forward_bytes
         _check_forward_start(options, base, budget_bytes, streamed)
     queue = _copy_queue(profile, options, forward)
+    reloads = _reloads(profile, options, streamed)
     allocated = options
     if copy_reserve or copy_price:  # the search weighs each copy's reserve as if kept, and its price
         options = [
@@ -290,7 +306,9 @@ def plan_policies(
             for opts in options
         ]
     unit = max(1, -(-sum(b.saved_bytes for b in profile.blocks) // _UNITS))
-    problem = search.Problem(options, unit, depth, own_counts=profile.counts_transient, queue=queue)
+    problem = search.Problem(
+        options, unit, depth, own_counts=profile.counts_transient, queue=queue, reloads=reloads
+    )
     # the least peak any plan reaches: exact under the model up to the units, recomputed in bytes
     key = (
         "smallest",
@@ -324,6 +342,8 @@ def plan_policies(
         if queue is not None:
             _, _, waited, in_flight = queue.run(held)
             seconds += waited - sum(c.forward_exposed for c in held)
+        if reloads is not None:
+            seconds -= reloads.total(held)
         return Plan(
             blocks=tuple((b.name, c.policy) for b, c in zip(profile.blocks, picks, strict=True)),
             budget_bytes=budget_bytes,
@@ -384,6 +404,31 @@ def _copy_queue(profile: ModelProfile, options: list[list[Choice]], uploads: int
         levels=QUEUE_LEVELS,
         bandwidth=bandwidth,
     )
+
+
+def _reloads(
+    profile: ModelProfile, options: list[list[Choice]], streamed: StreamedSet | None
+) -> search.Reloads | None:
+    """What each block's reload hides behind where the block after it recomputes first (see "Reloads"); None where
+    no reload is exposed that a recompute after it could hide (or off CUDA: nothing is reloaded ahead)."""
+    bandwidth = profile.copy_bytes_per_second
+    if not (RELOAD_CREDIT and bandwidth and profile.counts_transient):
+        return None
+    covers = streamed.reload_cover if streamed is not None else ()
+    rooms = streamed.reload_room if streamed is not None else ()
+    reloads = search.Reloads(
+        cover=tuple(
+            own_reload_cover(b, profile) if not covers or covers[i] is None else covers[i]
+            for i, b in enumerate(profile.blocks)
+        ),
+        room=tuple(
+            float("inf") if not rooms or rooms[i] is None else rooms[i] for i in range(len(profile.blocks))
+        ),
+        bandwidth=bandwidth,
+    )
+    pending = any(reloads.pending(b, c) for b, opts in enumerate(options[:-1]) for c in opts)
+    recomputes = any(c.recompute_window for opts in options[1:] for c in opts)
+    return reloads if pending and recomputes else None
 
 
 def _check_forward_start(

@@ -26,6 +26,12 @@ before it keep (its ``forward_need``); compute waits only where the queue would 
 still queued when the forward ends is held at the forward's end and charged as exposed. A choice's own
 ``forward_exposed`` (its copy charged against its own forward alone) is then left out of its seconds.
 
+Reload credit.  The copy engine reloads a block's copies as the backward of the block after it (in forward order)
+starts, and a block that recomputes runs that recompute first: the reload hides behind both, where each block's
+own charge counts its reload against a backward alone (:class:`Reloads`). The state then also says whether the
+block before carries such a reload not hidden by that charge, and a choice that recomputes (``recompute_window``)
+takes back what its recompute hides of it. Only such reloads add the flag's states.
+
 Ties.  Within a cell the earlier pair wins: the lower state, then the earlier choice (choices come in
 ``BlockPolicy`` order, least intrusive first); among the cheapest end cells, the fewest kept bytes, then the lowest state: the same inputs always
 give the same plan.
@@ -84,6 +90,38 @@ class Queue:
 
 
 @dataclass(frozen=True)
+class Reloads:
+    """What a block's reload hides behind where the block after it recomputes first (see "Reload credit")."""
+
+    cover: tuple[float, ...]  # per block: seconds its reload hides behind in its choices' own charge
+    room: tuple[
+        float, ...
+    ]  # per block: the most its reload may hide behind (inf: no weight upload shares its window)
+    bandwidth: float  # bytes per second
+
+    def exposed(self, block: int, copied: int, window: float = 0.0) -> float:
+        """Seconds the reload of ``block``'s ``copied`` bytes is exposed, with ``window`` seconds of recompute
+        before it (the block after it's)."""
+        return max(0.0, copied / self.bandwidth - min(self.room[block], self.cover[block] + window))
+
+    def pending(self, block: int, c: Choice) -> bool:
+        """``block`` taking ``c`` leaves a reload the block after it may hide more of."""
+        return bool(c.copied) and self.exposed(block, c.copied) > 0.0
+
+    def credit(self, block: int, copied: int, window: float) -> float:
+        """Seconds the recompute after ``block`` takes back from its reload's charge."""
+        return self.exposed(block, copied) - self.exposed(block, copied, window)
+
+    def total(self, picks: list[Choice]) -> float:
+        """Seconds the picks' recomputes take back from the reloads of the blocks before them."""
+        return sum(
+            self.credit(b, c.copied, after.recompute_window)
+            for b, (c, after) in enumerate(zip(picks, picks[1:], strict=False))
+            if c.copied and after.recompute_window
+        )
+
+
+@dataclass(frozen=True)
 class Problem:
     """The choices per block (forward order) and how the peak model weighs them."""
 
@@ -92,14 +130,18 @@ class Problem:
     depth: int  # copies reloaded ahead of a block's backward (0: none, off CUDA)
     own_counts: bool  # each block's own peak counts (CUDA); else only Σ kept does
     queue: Queue | None = None  # the forward's copies as one queue (None: each against its own forward)
+    reloads: Reloads | None = (
+        None  # reloads hidden behind the next block's recompute (None: behind a backward)
+    )
 
     def units(self, c: Choice) -> int:
         return -(-c.kept // self.unit)
 
 
 class _States:
-    """States: the nearest two copy sizes before a block (index 0 = none), what they reload ahead, and with a
-    queue the bytes queued as the block starts (levels). Tables per state, moves per batch of states."""
+    """States: the nearest two copy sizes before a block (index 0 = none), what they reload ahead, with a queue the
+    bytes queued as the block starts (levels), and with reload credit whether the block before left a reload to
+    take back from. Tables per state, moves per batch of states."""
 
     def __init__(self, problem: Problem) -> None:
         if problem.depth > 2:
@@ -113,19 +155,24 @@ class _States:
         self.n = n = len(sizes) + 1
         self.depth = problem.depth
         self.queue = problem.queue
+        self.reloads = problem.reloads if problem.depth else None
         self.levels = problem.queue.levels + 1 if problem.queue is not None else 1
+        self.flags = 2 if self.reloads is not None else 1
         pairs = n * n if problem.depth > 1 else n
-        self.count = pairs * self.levels
+        self.count = pairs * self.levels * self.flags
         state = torch.arange(self.count)
-        pair = state // self.levels
-        size = torch.tensor([0, *sizes], dtype=torch.int64)
+        pair = state // (self.levels * self.flags)
+        self.size = torch.tensor([0, *sizes], dtype=torch.int64)
         self.nearest = pair // n if problem.depth > 1 else pair  # index of the nearest copy before the block
-        nearest = size[self.nearest]
-        before = size[pair % n] if problem.depth > 1 else torch.zeros_like(nearest)
+        nearest = self.size[self.nearest]
+        before = self.size[pair % n] if problem.depth > 1 else torch.zeros_like(nearest)
         # what the copy engine reloads ahead (memfit.offload.ahead): the nearest, and the one before when larger
         self.ahead = torch.where(before > nearest, nearest + before, nearest) if self.depth else 0 * nearest
         unit = problem.queue.unit if problem.queue is not None else 0
-        self.backlog = (state % self.levels) * unit  # bytes queued as the block starts
+        self.backlog = (state // self.flags % self.levels) * unit  # bytes queued as the block starts
+        self.pending = (
+            state % self.flags
+        )  # 1: the nearest copy is the block before's, its reload partly exposed
 
     def moves(
         self, states: torch.Tensor, block: int, c: Choice
@@ -135,22 +182,36 @@ class _States:
         forward's with a backlog)."""
         ahead = self.ahead[states]
         need = c.own + ahead if c.own_late is None else torch.clamp(c.own_late + ahead, min=c.own)
-        pair = states // self.levels
+        pair = states // (self.levels * self.flags)
         if self.depth and c.copied:
             i = self.index[c.copied]
             pair = i * self.n + self.nearest[states] if self.depth > 1 else torch.full_like(pair, i)
-        if self.queue is None:
-            return pair, torch.full(states.shape, c.seconds, dtype=torch.float64), need
-        q = self.queue
-        backlog = self.backlog[states]
-        need = torch.where(backlog > 0, torch.maximum(need, q.forward_need[block] + backlog), need)
-        if c.policy.parks_block:  # as Queue.advance
-            queued = (backlog - q.drain[block]).clamp(min=0) + c.copied
-        else:
-            queued = (backlog + c.copied - q.drain[block]).clamp(min=0)
-        wait = (queued - q.cap).clamp(min=0).to(torch.float64) / q.bandwidth
-        level = (queued.clamp(max=q.cap) + q.unit - 1) // q.unit
-        return pair * self.levels + level, (c.seconds - c.forward_exposed) + wait, need
+        seconds = torch.full(states.shape, c.seconds, dtype=torch.float64)
+        level = torch.zeros_like(pair)
+        if self.queue is not None:
+            q = self.queue
+            backlog = self.backlog[states]
+            need = torch.where(backlog > 0, torch.maximum(need, q.forward_need[block] + backlog), need)
+            if c.policy.parks_block:  # as Queue.advance
+                queued = (backlog - q.drain[block]).clamp(min=0) + c.copied
+            else:
+                queued = (backlog + c.copied - q.drain[block]).clamp(min=0)
+            wait = (queued - q.cap).clamp(min=0).to(torch.float64) / q.bandwidth
+            level = (queued.clamp(max=q.cap) + q.unit - 1) // q.unit
+            seconds = seconds - c.forward_exposed + wait
+        to = pair * self.levels + level
+        if self.reloads is None:
+            return to, seconds, need
+        r = self.reloads
+        if (
+            block and c.recompute_window
+        ):  # per copy size: the nearest copy is the block before's where pending
+            credits = torch.tensor(
+                [r.credit(block - 1, int(size), c.recompute_window) for size in self.size],
+                dtype=torch.float64,
+            )
+            seconds = seconds - torch.where(self.pending[states] == 1, credits[self.nearest[states]], 0.0)
+        return to * 2 + int(r.pending(block, c)), seconds, need
 
     def end(self, state: int) -> tuple[int, float]:
         """(bytes still queued as the forward ends, seconds backward waits for them)."""

@@ -94,6 +94,9 @@ class StreamedSet:
     # per block: seconds of backward compute its activation reloads may hide behind, what the uploads on the same
     # link leave of their window (see "Link"); None outside every upload's window (its own backward)
     reload_cover: tuple[float | None, ...] = ()
+    # per block: the most its reloads may hide behind in that window where the block after it recomputes (its share
+    # of what the upload leaves, not capped at its own backward; see "Link"); None outside every upload's window
+    reload_room: tuple[float | None, ...] = ()
     # per block: the upload time a streamed block exposes more when it is not recomputed whole (see "Saved weights")
     unrecomputed_seconds: tuple[float, ...] = ()
 
@@ -127,7 +130,7 @@ class StreamedSet:
         starts = tuple(
             (chosen[k], sum(sizes[k : max(kept_first, k + forward_ahead + 1)])) for k in range(kept_first)
         )
-        seconds, cover, unrecomputed = _uploads(profile, chosen, forward_ahead, kept_first)
+        seconds, cover, room, unrecomputed = _uploads(profile, chosen, forward_ahead, kept_first)
         transient = profile.counts_transient
         return cls(
             indices=tuple(chosen),
@@ -141,6 +144,7 @@ class StreamedSet:
             kept_bytes=sum(sizes[:kept_first]) if transient else 0,
             start_holds=starts if transient else (),
             reload_cover=cover,
+            reload_room=room,
             unrecomputed_seconds=unrecomputed,
         )
 
@@ -180,15 +184,17 @@ def _forward_seconds(profile: ModelProfile) -> list[float]:
 
 def _uploads(
     profile: ModelProfile, chosen: list[int], lead: int = 1, kept_first: int = 0
-) -> tuple[float, tuple[float | None, ...], tuple[float, ...]]:
+) -> tuple[float, tuple[float | None, ...], tuple[float | None, ...], tuple[float, ...]]:
     """Upload time not hidden behind compute per step, plus the host's bookkeeping per upload (see "Cost"); per
-    block, the backward compute its reloads may hide behind (see "Link"); and per block, what more a streamed
-    block's window exposes when the streamed block after it is not recomputed (see "Saved weights")."""
+    block, the backward compute its reloads may hide behind, and the most they may where the block after it
+    recomputes (see "Link"); and per block, what more a streamed block's window exposes when the streamed block
+    after it is not recomputed (see "Saved weights")."""
     bandwidth = profile.copy_bytes_per_second
     cover: list[float | None] = [None] * len(profile.blocks)
+    room: list[float | None] = [None] * len(profile.blocks)
     unrecomputed = [0.0] * len(profile.blocks)
     if not chosen:
-        return 0.0, tuple(cover), tuple(unrecomputed)
+        return 0.0, tuple(cover), tuple(room), tuple(unrecomputed)
     fwd = _forward_seconds(profile)
     bwd = [f * profile.backward_to_forward for f in fwd]
     # the turnarounds keep uploads: the last block's forward one for its recompute, and the first kept_first
@@ -197,7 +203,7 @@ def _uploads(
     kept_backward = {len(chosen) - 1}
     seconds = (2 * len(chosen) - len(kept_forward) - len(kept_backward)) * OFFLOAD_REGION_SECONDS
     if not bandwidth:
-        return seconds, tuple(cover), tuple(unrecomputed)
+        return seconds, tuple(cover), tuple(room), tuple(unrecomputed)
     copies = [profile.blocks[i].frozen_bytes / bandwidth for i in chosen]
     seconds += _forward_waits(
         fwd, chosen, [0.0 if k in kept_forward else c for k, c in enumerate(copies)], lead
@@ -218,8 +224,9 @@ def _uploads(
         left, due = max(0.0, backward_hide - backward_copy), range(i, after)
         weight = sum(bwd[j] for j in due)
         for j in due:
-            cover[j] = min(bwd[j], left * bwd[j] / weight) if weight else 0.0
-    return seconds, tuple(cover), tuple(unrecomputed)
+            room[j] = left * bwd[j] / weight if weight else 0.0
+            cover[j] = min(bwd[j], room[j])
+    return seconds, tuple(cover), tuple(room), tuple(unrecomputed)
 
 
 def streamable_counts(profile: ModelProfile, max_bytes: int) -> int:

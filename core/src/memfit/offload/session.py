@@ -289,6 +289,10 @@ class OffloadSession:
         for (region, item), p in zip(pending, parked, strict=True):
             region.park(item, p)
 
+    def pinned_bytes_held(self) -> int:
+        """Pinned host bytes the copy engine's pool holds, in use or kept for reuse."""
+        return self.copy.pool.stats().pinned_bytes_held
+
     def register(self, region: ParkingRegion) -> int:
         """Add a parking region (has ``prefetch()``) to the step's timeline; returns its index."""
         self._timeline.append(weakref.ref(region))
