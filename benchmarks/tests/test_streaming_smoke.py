@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -152,6 +153,22 @@ def _run(date: str, rounds: dict[str, list[float]], wait: float, commit: str = "
         for mode, steps in rounds.items()
     ]
     return {**keys, "git_commit": commit, "tokens": 64, "steps": 3, "warmup": 1, "date": date, "rows": rows}
+
+
+def test_a_ratio_of_rows_that_share_one_round_says_it_is_not_paired():
+    """A row the deadline cut to one round (the committed Wan run's row without the reload credit): its ratio is of
+    the median steps, and the report says so; the rows that share both rounds stay paired."""
+    from memfit_benchmarks.streaming import add_comparisons, render
+
+    path = Path(__file__).parents[1] / "results/streaming/streaming-wan-reloads.json"
+    payload = json.loads(path.read_text())
+    add_comparisons(payload["rows"])
+    auto, alone = payload["rows"][1], payload["rows"][2]
+    assert len(alone.get("step_s_rounds") or [alone["step_s"]]) == 1 < len(auto["step_s_rounds"])
+    assert auto["unpaired"] == ["x_reloads_alone"]
+    assert auto["x_reloads_alone"] == pytest.approx(auto["step_s"] / alone["step_s"])
+    assert "(not paired: the two rows share fewer than two rounds" in render(payload)
+    assert "x_unconstrained" not in auto["unpaired"]
 
 
 def test_runs_of_one_commit_merge_round_by_round():

@@ -207,7 +207,8 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
     for r in rows:
         if not measured(r):
             continue
-        r["x_unconstrained"] = paired_ratio(r, base) or r["step_s"] / base["step_s"]  # paired by round if any
+        r["unpaired"] = []
+        _ratio(r, base, "x_unconstrained")
         if r.get("peak_allocated") and base.get("peak_allocated"):
             r["peak_saved_bytes"] = base["peak_allocated"] - r["peak_allocated"]
         if r.get("budget_bytes") and r.get("peak_allocated"):
@@ -215,14 +216,30 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
             fixed = _fewest_fitting(rows, r["budget_bytes"])
             if fixed is not None:
                 r["fixed_knob"] = fixed["mode"]
-                r["x_fixed_knob"] = paired_ratio(r, fixed) or r["step_s"] / fixed["step_s"]
+                _ratio(r, fixed, "x_fixed_knob")
         if "budget_bytes" in r and fastest is not None:
             r["fastest_fixed"] = fastest["mode"]
-            r["x_fastest_fixed"] = paired_ratio(r, fastest) or r["step_s"] / fastest["step_s"]
+            _ratio(r, fastest, "x_fastest_fixed")
         for key, variant in PLANNER_VARIANTS.items():
             other = next((p for p in rows if p["mode"] == r["mode"] + variant.suffix and measured(p)), None)
             if other is not None:
-                r[f"x_{key}"] = paired_ratio(r, other) or r["step_s"] / other["step_s"]
+                _ratio(r, other, f"x_{key}")
+
+
+def _ratio(row: dict[str, Any], other: dict[str, Any], key: str) -> None:
+    """``row[key]``: its step over ``other``'s, paired by round where the two share two rounds or more; else the
+    ratio of their median steps, and ``key`` joins ``row["unpaired"]``."""
+    paired = paired_ratio(row, other)
+    if paired is None:
+        row["unpaired"].append(key)
+    row[key] = paired if paired is not None else row["step_s"] / other["step_s"]
+
+
+def _pairing(row: dict[str, Any], key: str) -> str:
+    """How the ratio ``key`` of ``row`` was taken, for the report."""
+    if key in row.get("unpaired", ()):
+        return "not paired: the two rows share fewer than two rounds, the ratio of their median steps"
+    return "paired by round"
 
 
 def _unconstrained(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -349,8 +366,8 @@ def fixed_knob_note(row: dict[str, Any]) -> str:
     )
     return (
         f"- {row['mode']} ({planned}): {row['x_fixed_knob']:.3f}× the step of `{row['fixed_knob']}`, the fewest "
-        "blocks of the fixed knob measured here that fit the same budget (paired by round; counts not measured "
-        "may fit too)"
+        f"blocks of the fixed knob measured here that fit the same budget ({_pairing(row, 'x_fixed_knob')}; counts "
+        "not measured may fit too)"
     )
 
 
@@ -390,12 +407,12 @@ def render(payload: dict[str, Any]) -> str:
             if r.get(f"x_{key}"):
                 lines.append(
                     f"- {r['mode']}: {r[f'x_{key}']:.3f}× the step of the same budget planned with "
-                    f"{variant.against} (paired by round)"
+                    f"{variant.against} ({_pairing(r, f'x_{key}')})"
                 )
         if r.get("fastest_fixed") and len(_unconstrained(payload["rows"])) > 1:
             lines.append(
                 f"- {r['mode']}: {r['x_fastest_fixed']:.3f}× the step of `{r['fastest_fixed']}`, the fastest fixed "
-                "mode measured here unconstrained (paired by round)"
+                f"mode measured here unconstrained ({_pairing(r, 'x_fastest_fixed')})"
             )
     lines += [
         "",
