@@ -94,9 +94,8 @@ class Reloads:
     """What a block's reload hides behind where the block after it recomputes first (see "Reload credit")."""
 
     cover: tuple[float, ...]  # per block: seconds its reload hides behind in its choices' own charge
-    room: tuple[
-        float, ...
-    ]  # per block: the most its reload may hide behind (inf: no weight upload shares its window)
+    # per block: the most its reload may hide behind (inf: no weight upload shares its window)
+    room: tuple[float, ...]
     bandwidth: float  # bytes per second
 
     def exposed(self, block: int, copied: int, window: float = 0.0) -> float:
@@ -130,9 +129,8 @@ class Problem:
     depth: int  # copies reloaded ahead of a block's backward (0: none, off CUDA)
     own_counts: bool  # each block's own peak counts (CUDA); else only Σ kept does
     queue: Queue | None = None  # the forward's copies as one queue (None: each against its own forward)
-    reloads: Reloads | None = (
-        None  # reloads hidden behind the next block's recompute (None: behind a backward)
-    )
+    # reloads hidden behind the next block's recompute (None: each behind a backward alone)
+    reloads: Reloads | None = None
 
     def units(self, c: Choice) -> int:
         return -(-c.kept // self.unit)
@@ -170,9 +168,8 @@ class _States:
         self.ahead = torch.where(before > nearest, nearest + before, nearest) if self.depth else 0 * nearest
         unit = problem.queue.unit if problem.queue is not None else 0
         self.backlog = (state // self.flags % self.levels) * unit  # bytes queued as the block starts
-        self.pending = (
-            state % self.flags
-        )  # 1: the nearest copy is the block before's, its reload partly exposed
+        # 1: the nearest copy is the block before's, its reload partly exposed
+        self.pending = state % self.flags
 
     def moves(
         self, states: torch.Tensor, block: int, c: Choice
@@ -203,9 +200,8 @@ class _States:
         if self.reloads is None:
             return to, seconds, need
         r = self.reloads
-        if (
-            block and c.recompute_window
-        ):  # per copy size: the nearest copy is the block before's where pending
+        # per copy size: where pending, the nearest copy is the block before's
+        if block and c.recompute_window:
             credits = torch.tensor(
                 [r.credit(block - 1, int(size), c.recompute_window) for size in self.size],
                 dtype=torch.float64,

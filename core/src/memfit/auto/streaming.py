@@ -39,8 +39,9 @@ Link.  In backward the activation reloads travel host to device on the same link
 copies take (upload + reloads) / bandwidth, and what exceeds its compute is exposed. The upload's share is
 fixed with the set; each block whose reload is due in the window (the streamed block's own and those of the
 blocks between it and the next streamed one) hides its reload behind its part of what the upload leaves of the
-window, in proportion to its own backward and never more than that backward (:attr:`StreamedSet.reload_cover`);
-the last streamed block's window has no upload (its recompute runs on its forward's).
+window, in proportion to its own backward and never more than that backward (:attr:`StreamedSet.reload_cover`), or
+its whole share where the block after it recomputes first (:attr:`StreamedSet.reload_room`, the planner's
+"Reloads"); the last streamed block's window has no upload (its recompute runs on its forward's).
 Summed per block, that charge is never below the window's own exposure (exact where the upload alone fills the
 window, where every reload byte is exposed), and it is a per-block constant once the set is fixed, which the
 search takes as it is. Forward parks go device to host, the link's other direction: not counted against uploads.
