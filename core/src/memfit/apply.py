@@ -115,7 +115,7 @@ def apply(
         session = _auto_session(model, cfg, adapter, copy_engine, min_offload_bytes, target)
         assert adapter is not None  # checked by _auto_session
         budget = cfg.memory_budget if cfg.memory_budget is not None else _free_device_memory(model, target)
-        controller: Controller | None = None  # the planner asks only once a step runs: by then it is set
+        controller: Controller | None = None  # set below; a plan asked for before then counts the pool alone
 
         def pinned_by_this_model() -> int:
             # what the plan running now pins is the next plan's to reuse, not taken from it
