@@ -801,6 +801,27 @@ def test_a_new_input_shape_replans_and_keeps_the_host_masters_of_blocks_that_sta
     assert_same(step(model, x), reference[0])
 
 
+def test_the_host_ram_a_re_plan_may_pin_counts_the_weights_the_running_plan_streams(
+    streaming_on_cpu, monkeypatch
+):
+    """The running plan's streamed weights are pinned in host memory (on CUDA) and the next plan reuses them: the
+    host RAM it may pin is what the host reports available plus those bytes (no pool here: off CUDA nothing parks)."""
+    model = frozen_toy(blocks=8, dim=32)
+    x = torch.randn(2, 8, 32)
+    floor, frozen = planned_floor(model, x)
+    monkeypatch.setattr(budget_planner.hostmem, "default_host_reserve", lambda: 0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", MemfitWarning)
+        handle = memfit.apply(model, auto_config(floor - frozen // 3), adapter=TOY)
+        step(model, x)
+    controller = handle._controller
+    assert controller.streamer is not None and controller.session is None
+    monkeypatch.setattr(controller.streamer, "pinned_bytes", 5 << 20)  # its host masters, as CUDA pins them
+    monkeypatch.setattr(budget_planner.hostmem, "available_host_bytes", lambda: 7 << 20)
+    assert controller.planner._host_bytes() == 12 << 20
+    handle.remove()
+
+
 def test_stream_blocks_zero_keeps_every_weight_on_the_device_under_auto(streaming_on_cpu):
     model = frozen_toy(blocks=8, dim=32)
     x = torch.randn(2, 8, 32)
