@@ -786,9 +786,6 @@ def test_the_plan_picks_each_block_s_policy_from_the_priced_options_block_option
     budget = prof.static_bytes + prof.outside_bytes + prof.workspace_bytes + 700 * MiB
     plan = plan_policies(prof, budget, allowed=everything)
     options = block_options(prof, allowed=everything)
-    picked = [
-        next(c for c in opts if c.policy is policy)
-        for (_, policy), opts in zip(plan.blocks, options, strict=True)
-    ]
-    assert plan.predicted_extra_seconds == pytest.approx(sum(c.seconds for c in picked))
+    picks = picked(plan, options)
+    assert plan.predicted_extra_seconds == pytest.approx(sum(c.seconds for c in picks))
     assert {p for _, p in plan.blocks} != {BlockPolicy.KEEP}  # the budget made it choose
