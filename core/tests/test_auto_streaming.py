@@ -266,6 +266,24 @@ def test_a_longer_lead_that_hides_nothing_more_is_not_planned():
     assert leads and 2 not in leads
 
 
+def test_each_candidate_set_is_planned_once():
+    """The binary search's sets come again among the counts tried above the fewest (and the kept uploads' search
+    may try the cheapest's again): each is one search over every block, made once."""
+    prof = profile(n=16, bandwidth=WEIGHTS / 0.015)
+    budget = floor_without_streaming(prof) - 5 * WEIGHTS
+    planned = []
+
+    def plan(streamed):
+        planned.append(
+            None if streamed is None else (streamed.indices, streamed.forward_ahead, streamed.kept_first)
+        )
+        return plan_policies(prof, budget, allowed=allowed, streamed=streamed)
+
+    chosen = choose_streaming(prof, plan, seconds=lambda p: p.predicted_extra_seconds, max_count=16)
+    assert len(planned) == len(set(planned)) > 8
+    assert chosen.predicted_extra_seconds == plan_for(prof, budget).predicted_extra_seconds
+
+
 def test_the_planner_leads_further_where_adjacent_uploads_wait_and_there_is_room():
     prof = profile(bandwidth=WEIGHTS / 0.015)  # uploads of 15 ms against 10 ms of forward per block
     budget = floor_without_streaming(prof) - 5 * WEIGHTS

@@ -323,7 +323,9 @@ def plan_policies(
         # (its units round up by less than one per block)
         leanest = peak([min(opts, key=lambda c: c.kept) for opts in options], 0, forward)
         floor_picks = search.smallest(
-            problem,
+            dataclasses.replace(
+                problem, reloads=None
+            ),  # the reload flag weighs seconds only: no states for it
             min(
                 sum(max(problem.units(c) for c in opts) for opts in options),
                 (leanest - profile.workspace_bytes - forward) // unit + len(options),

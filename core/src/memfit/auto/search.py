@@ -15,11 +15,12 @@ programme, minimising the largest term instead of summing seconds.
 
 Batches.  Each block is one batch of tensor operations over every reachable state at once (a row each): per
 choice, the moved values of all rows; per target state, the least over the (state, choice) pairs that reach it.
-It gives the pair-by-pair loop's picks exactly (``core/tests/search_reference.py``) in half its time (57 blocks
-without a queue: 0.15 against 0.28 s on a CPU core); ``auto`` re-plans inside a training step while it calibrates.
-The queue's levels and the reload flag multiply the states: one cheapest search over Flux's 57 blocks (25 of them
-streamed) takes 0.04 s without either, 0.28 s with the queue and 0.36 s with both, on one CPU core, and a re-plan
-runs one per streamed count it tries.
+Columns stop at the most kept units the blocks so far can reach. It gives the pair-by-pair loop's picks exactly
+(``core/tests/search_reference.py``) in half its time (57 blocks without a queue: 0.15 against 0.28 s on a CPU
+core); ``auto`` re-plans inside a training step while it calibrates. The queue's levels and the reload flag
+multiply the states (the least peak's search leaves the flag out: it weighs no seconds). Planning Flux at 16 GiB
+from its H100 profile runs 12 cheapest searches (~0.65 s each on one CPU core) and 15 least-peak ones (~0.3 s):
+one per streamed set the streaming search tries (:func:`memfit.auto.streaming.choose_streaming`).
 
 Queue.  A block's device-to-host copies need not finish within its own forward: the link copies one at a time,
 and a block that copies little leaves link time to the blocks before it (:class:`Queue`). Where the planner
@@ -247,11 +248,11 @@ def smallest(problem: Problem, capacity: int, workspace: int) -> list[Choice]:
         values: torch.Tensor, needs: torch.Tensor, _seconds: torch.Tensor, w: int
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if problem.own_counts:
-            values = torch.maximum(values, prefix + needs.to(torch.float64)[:, None])
+            values = torch.maximum(values, prefix[: values.shape[1]] + needs.to(torch.float64)[:, None])
         return values, torch.full_like(needs, capacity - w)
 
     def final(value: torch.Tensor, backlog: int, _wait: float) -> torch.Tensor:
-        return torch.maximum(value, prefix + workspace + backlog)
+        return torch.maximum(value, prefix[: value.shape[0]] + workspace + backlog)
 
     picks = _run(problem, capacity, step, final)
     assert picks is not None  # every block has a choice and the capacity fits the largest
@@ -273,37 +274,37 @@ def _run(problem: Problem, capacity: int, step: Step, final: Final) -> list[Choi
     width = capacity + 1
     columns = torch.arange(width)
     states = torch.zeros(1, dtype=torch.int64)  # the reachable states, ascending: one row of ``value`` each
-    value = torch.full((1, width), _INF, dtype=torch.float64)
-    value[0, 0] = 0.0
+    value = torch.zeros((1, 1), dtype=torch.float64)  # one column per kept unit reachable so far
     trail: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
     for block, opts in enumerate(problem.options):
+        reach = value.shape[1]
+        grown = min(width, reach + max(problem.units(c) for c in opts))
         candidates, targets = [], []  # per (row, choice) pair, in the order the ties are broken
         for c in opts:
             w = problem.units(c)
             to, seconds, needs = space.moves(states, block, c)
             moved, last = step(value, needs, seconds, w)
-            shifted = torch.full_like(value, _INF)
-            if w < width:
-                shifted[:, w:] = moved[:, : width - w]
-            candidates.append(shifted.masked_fill(columns[None, :] > last[:, None] + w, _INF))
+            shifted = torch.full((len(states), grown), _INF, dtype=torch.float64)
+            if w < grown:
+                shifted[:, w : w + reach] = moved[:, : grown - w]
+            candidates.append(shifted.masked_fill(columns[None, :grown] > last[:, None] + w, _INF))
             targets.append(to)
         k, count = len(opts), len(states) * len(opts)
-        pairs = torch.stack(candidates, dim=1).reshape(count, width)  # pair p = (row p // k, choice p % k)
+        pairs = torch.stack(candidates, dim=1).reshape(count, grown)  # pair p = (row p // k, choice p % k)
         reached_states, inverse = torch.unique(
             torch.stack(targets, dim=1).reshape(count), return_inverse=True
         )
-        target = inverse[:, None].expand(count, width)
-        new = torch.full((len(reached_states), width), _INF, dtype=torch.float64)
+        target = inverse[:, None].expand(count, grown)
+        new = torch.full((len(reached_states), grown), _INF, dtype=torch.float64)
         new = new.scatter_reduce(0, target, pairs, "amin")
-        # the first pair at its target's least value: the earlier state, then the earlier choice, wins ties
-        at_least = (pairs == new.gather(0, target)) & torch.isfinite(pairs)
-        numbers = torch.where(at_least, torch.arange(count)[:, None], count)
+        reached = torch.isfinite(new)
+        # the first pair at its target's least value: the earlier state, then the earlier choice, wins ties (a cell
+        # no pair reaches takes any pair: it is masked out)
+        numbers = torch.where(pairs == new.gather(0, target), torch.arange(count)[:, None], count)
         first = torch.full(new.shape, count).scatter_reduce(0, target, numbers, "amin")
-        reached = first < count
-        pair = first.clamp(max=count - 1)
-        which = torch.where(reached, pair % k, -1).to(torch.int32)
-        origin = torch.where(reached, pair // k, -1).to(torch.int32)  # the row it came from
-        live = torch.isfinite(new).any(dim=1)
+        which = torch.where(reached, first % k, -1).to(torch.int32)
+        origin = torch.where(reached, first // k, -1).to(torch.int32)  # the row it came from
+        live = reached.any(dim=1)
         if not live.any():  # no plan reaches past this block
             return None
         states, value = reached_states[live], new[live]

@@ -314,24 +314,38 @@ def choose_streaming(
     Raises:
         BudgetError: no count up to ``max_count`` fits (the error of the largest: the smallest peak reached).
     """
+    tried: dict[tuple, P | BudgetError] = {}
+
+    def plan_once(streamed: StreamedSet | None) -> P:  # the binary search's sets come again in the loop below
+        key = None if streamed is None else (streamed.indices, streamed.forward_ahead, streamed.kept_first)
+        if key not in tried:
+            try:
+                tried[key] = plan(streamed)
+            except BudgetError as exc:
+                tried[key] = exc
+        found = tried[key]
+        if isinstance(found, BudgetError):
+            raise found
+        return found
+
     best_set: StreamedSet | None = None
     try:
-        best = plan(None)
+        best = plan_once(None)
         first = 0
     except BudgetError:
         if max_count == 0:
             raise
-        plan(streamed_set(profile, max_count))  # raises the BudgetError with the smallest peak of all
+        plan_once(streamed_set(profile, max_count))  # raises the BudgetError with the smallest peak of all
         lo, hi = 1, max_count  # the fewest that fit: the peak falls as the count grows
         while lo < hi:
             mid = (lo + hi) // 2
             try:
-                plan(streamed_set(profile, mid))
+                plan_once(streamed_set(profile, mid))
                 hi = mid
             except BudgetError:
                 lo = mid + 1
         best_set = streamed_set(profile, lo)
-        best, first = plan(best_set), lo
+        best, first = plan_once(best_set), lo
     if seconds(best) <= 0:
         return best
     for count in sorted({first, *(min(first + extra, max_count) for extra in EXTRA_COUNTS)}):
@@ -343,7 +357,7 @@ def choose_streaming(
             if lead != FORWARD_LEADS[0] and shortest is not None and led.seconds >= shortest.seconds:
                 continue  # the longer lead hides nothing more and only holds more: never the cheaper plan
             try:
-                candidate = plan(led)
+                candidate = plan_once(led)
             except BudgetError:
                 continue
             if seconds(candidate) < seconds(best):
@@ -351,7 +365,7 @@ def choose_streaming(
     if best_set is None:
         return best
     for lead in FORWARD_LEADS:  # then, for the cheapest count, keep more of the first uploads where that pays
-        kept = _most_kept(profile, plan, best_set.indices, lead)
+        kept = _most_kept(profile, plan_once, best_set.indices, lead)
         if kept is not None and seconds(kept) < seconds(best):
             best = kept
     return best
