@@ -25,7 +25,7 @@ from memfit.offload.streamable import choose_streamed_blocks, frozen_block_bytes
 from memfit.offload.weights import WeightStreamer
 from memfit.plan import RegionPlan
 from memfit_conformance.base import cpu_copy_engine
-from memfit_conformance.streams import RecordingStreams
+from memfit_conformance.streams import RecordingEvent, RecordingStreams
 
 from helpers import assert_same, frozen_toy, step, streamed_uploads
 from toy import TOY, build
@@ -419,6 +419,32 @@ def test_every_use_of_an_upload_waits_for_its_copy(monkeypatch, x):
     for i in uses:
         record, wait = log[i - 2], log[i - 1]
         assert record[:2] == ("record", "compute") and wait == ("wait", "weights", record[2])
+
+
+class _TimedWaits(_WeightStreams):
+    """Uploads never land; the timing events of each wait (on the compute stream) complete, 1 ms apart."""
+
+    def new_event(self, *, timing: bool = False):
+        event = super().new_event()
+        if timing:
+            event.record = lambda stream: (
+                RecordingEvent.record(event, stream),
+                setattr(event, "done", stream.name == "compute"),
+            )
+            event.elapsed_time = lambda other: 1.0
+        return event
+
+
+def test_upload_waits_are_counted_by_phase(monkeypatch, x):
+    """Three streamed blocks, recomputed: each forward waits for its upload, and backward for the recomputes of
+    the first two (the last one's recompute runs on its forward's upload, waited for already)."""
+    monkeypatch.setattr(memfit.controller, "stream_api_for", lambda device: _TimedWaits())
+    model = frozen_toy()
+    with apply(model, {**ON, KEY: 3}) as handle:
+        step(model, x)
+        stats = handle.stats()
+    assert stats["weight_upload_wait_ms_backward"] == 2.0
+    assert stats["weight_upload_wait_ms"] == 5.0
 
 
 # -- host memory, refusals, misuse -----------------------------------------------------------------------------

@@ -168,6 +168,7 @@ def weight_row(handle: memfit.MemfitHandle, steps: int) -> dict[str, Any]:
         zero = (
             "weight_bytes_uploaded_per_step",
             "weight_exposed_wait_ms_per_step",
+            "weight_exposed_wait_backward_ms_per_step",
             "weight_copy_ms_per_step",
         )
         return {"streamed_blocks": 0, "resident_blocks": None, "streamed_weight_bytes": 0, "streamed": []} | {
@@ -192,10 +193,17 @@ def weight_row(handle: memfit.MemfitHandle, steps: int) -> dict[str, Any]:
         "weight_uploads_on_demand_per_step": s["weight_uploads_on_demand"] / steps,
         "weight_uploads_kept_per_step": s["weight_uploads_kept"] / steps,
         "weight_exposed_wait_ms_per_step": s["weight_upload_wait_ms"] / steps,
+        "weight_exposed_wait_backward_ms_per_step": s["weight_upload_wait_ms_backward"] / steps,
         "weight_copy_ms_per_step": s["weight_upload_copy_ms"] / steps,
         "weight_uploads_alive_max": s["weight_uploads_alive_max"],
         "weight_held_after_forward": s["weight_held_after_forward"],
     }
+
+
+def _in_backward(row: dict[str, Any]) -> str:
+    """`` (x)``: the part of a row's exposed upload wait in backward ('' where the row did not record it)."""
+    backward = row.get("weight_exposed_wait_backward_ms_per_step")
+    return "" if backward is None else f" ({backward:.1f})"
 
 
 def add_comparisons(rows: list[dict[str, Any]]) -> None:
@@ -377,7 +385,7 @@ def render(payload: dict[str, Any]) -> str:
         f"# Weight streaming: {payload['family']} {payload['preset']}, {payload['tokens']} tokens",
         "",
         "| row | streamed blocks | streamed GiB | step s | × unconstrained | peak GiB | peak saved GiB "
-        "| uploaded GiB/step | exposed wait ms/step | copy ms/step | copy GB/s |",
+        "| uploaded GiB/step | exposed wait ms/step (in backward) | copy ms/step | copy GB/s |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in payload["rows"]:
@@ -397,7 +405,8 @@ def render(payload: dict[str, Any]) -> str:
             f"| {r['mode']} | {blocks} "
             f"| {_gib(r['streamed_weight_bytes'])} | {r['step_s']:.3f} | {r.get('x_unconstrained', 1.0):.3f} "
             f"| {_gib(r.get('peak_allocated'))} | {_gib(r.get('peak_saved_bytes'))} "
-            f"| {_gib(r['weight_bytes_uploaded_per_step'])} | {r['weight_exposed_wait_ms_per_step']:.1f} "
+            f"| {_gib(r['weight_bytes_uploaded_per_step'])} | {r['weight_exposed_wait_ms_per_step']:.1f}"
+            f"{_in_backward(r)} "
             f"| {copy_ms:.1f} | {'-' if bandwidth is None else f'{bandwidth:.1f}'} |"
         )
     for r in payload["rows"]:
@@ -429,7 +438,8 @@ def render(payload: dict[str, Any]) -> str:
         "",
         "Peak saved: the unconstrained row's peak minus this row's. Streaming N blocks takes their frozen weights "
         "off the device except the one or two uploaded at a time. Exposed wait: time the compute stream waited for "
-        "an upload (copy time not hidden behind compute).",
+        "an upload (copy time not hidden behind compute); in brackets its part in backward (for a recompute's or a "
+        "backward's upload).",
         "",
         f"Device: {payload['device']}; torch {payload['torch']}, diffusers {payload.get('diffusers')}; "
         f"pinned bandwidth {json.dumps(payload.get('pinned_bandwidth'))}; caching allocator: "

@@ -170,9 +170,11 @@ class WeightStats:
     max_alive: int = 0  # most streamed blocks on the device at once (uploads alive)
     held_after_forward: int = 0  # forward uploads still referenced when the forward returned (should stay 0)
     weights_referenced: int = 0  # saved tensors over an upload kept as a WeightRef ("Saved weights")
-    wait_events: list[tuple[Any, Any]] = field(default_factory=list)
+    wait_events: list[tuple[Any, Any]] = field(default_factory=list)  # forward's
+    backward_wait_events: list[tuple[Any, Any]] = field(default_factory=list)  # recompute's and backward's
     copy_events: list[tuple[Any, Any]] = field(default_factory=list)
     wait_ms: float = 0.0
+    backward_wait_ms: float = 0.0
     copy_ms: float = 0.0
 
 
@@ -537,7 +539,7 @@ class WeightStreamer:
         recomputing = state.recomputing()
         if recomputing:
             self._backward_reaches(block)
-        upload = self._take(block)
+        upload = self._take(block, backward=recomputing)
         for w, view in zip(block.weights, upload.views, strict=True):
             self._check(block, w)
             w.param.data = view
@@ -632,7 +634,7 @@ class WeightStreamer:
         if upload is not None:
             return upload
         self._backward_reaches(block)
-        upload = self._backward[block] = self._take(block)
+        upload = self._backward[block] = self._take(block, backward=True)
         self._upload_ahead(block, backward=True)
         if not self._end_queued:  # the uploads of the backward's last blocks are released when it ends
             self._end_queued = queue_at_backward_end(self._end_backward)
@@ -721,13 +723,14 @@ class WeightStreamer:
 
     # -- uploads -----------------------------------------------------------------------------------------------
 
-    def _take(self, block: _Block) -> _Upload:
-        """``block``'s upload issued ahead (or issued now, on demand), the compute stream waiting for it."""
+    def _take(self, block: _Block, *, backward: bool) -> _Upload:
+        """``block``'s upload issued ahead (or issued now, on demand), the compute stream waiting for it (in
+        ``backward``: for its recompute or its backward)."""
         upload = self._pending.pop(block, None)
         if upload is None:
             upload = self._issue(block)
             self.stats.uploads_on_demand += 1
-        self._wait(upload)
+        self._wait(upload, backward=backward)
         return upload
 
     def _ensure(self, block: _Block) -> None:
@@ -766,8 +769,8 @@ class WeightStreamer:
         self.stats.max_alive = max(self.stats.max_alive, len(self._alive))
         return upload
 
-    def _wait(self, upload: _Upload) -> None:
-        """The compute stream waits for ``upload``'s copy (timed when it has not landed yet)."""
+    def _wait(self, upload: _Upload, *, backward: bool) -> None:
+        """The compute stream waits for ``upload``'s copy (timed when it has not landed yet, by phase)."""
         waited, upload.waited = upload.waited, True
         api = self.streams
         if waited or upload.done is None or api is None or upload.done.query():
@@ -778,7 +781,7 @@ class WeightStreamer:
             before.record(compute)
             compute.wait_event(upload.done)
             after.record(compute)
-            self.stats.wait_events.append((before, after))
+            (self.stats.backward_wait_events if backward else self.stats.wait_events).append((before, after))
         else:
             compute.wait_event(upload.done)
 
@@ -810,7 +813,12 @@ class WeightStreamer:
     def wait_ms(self) -> float:
         """Milliseconds compute waited for uploads (the copy time not hidden behind compute)."""
         self.stats.wait_ms += _resolve(self.stats.wait_events)
-        return self.stats.wait_ms
+        return self.stats.wait_ms + self.backward_wait_ms()
+
+    def backward_wait_ms(self) -> float:
+        """The part of :meth:`wait_ms` in backward: for a recompute's or a backward's upload."""
+        self.stats.backward_wait_ms += _resolve(self.stats.backward_wait_events)
+        return self.stats.backward_wait_ms
 
     def copy_ms(self) -> float:
         """Milliseconds the upload stream spent copying (bytes / this = the bandwidth reached)."""
@@ -857,7 +865,8 @@ def weight_stats(streamer: WeightStreamer | None, *, planned_blocks: int) -> dic
     alignment); ``weight_bytes_uploaded`` and ``weight_uploads`` (host→device, cumulative);
     ``weight_uploads_on_demand`` (uploads not issued ahead of need); ``weight_uploads_kept`` (uploads kept at a
     turnaround for the block's next use instead of made again); ``weight_upload_wait_ms`` (compute waiting for
-    uploads: the copy time not hidden) and ``weight_upload_copy_ms`` (the upload stream's copy time);
+    uploads: the copy time not hidden), ``weight_upload_wait_ms_backward`` (its part in backward: recomputes and
+    backward's own uploads) and ``weight_upload_copy_ms`` (the upload stream's copy time);
     ``weight_uploads_alive_max`` (most streamed blocks on the device at once); ``weight_held_after_forward``
     (forward uploads something kept until backward: 0 unless streaming saves nothing somewhere).
     """
@@ -873,6 +882,7 @@ def weight_stats(streamer: WeightStreamer | None, *, planned_blocks: int) -> dic
         "weight_uploads_on_demand": s.uploads_on_demand,
         "weight_uploads_kept": s.uploads_kept,
         "weight_upload_wait_ms": streamer.wait_ms() if streamer is not None else 0.0,
+        "weight_upload_wait_ms_backward": streamer.backward_wait_ms() if streamer is not None else 0.0,
         "weight_upload_copy_ms": streamer.copy_ms() if streamer is not None else 0.0,
         "weight_uploads_alive_max": s.max_alive,
         "weight_held_after_forward": s.held_after_forward,
