@@ -186,6 +186,7 @@ def weight_row(handle: memfit.MemfitHandle, steps: int) -> dict[str, Any]:
         # auto: what its cost and peak models predicted for the plan it ran (None for a fixed backend)
         "predicted_extra_seconds": getattr(handle.plan, "predicted_extra_seconds", None),
         "predicted_peak_bytes": getattr(handle.plan, "predicted_peak_bytes", None),
+        "planning_seconds": s.get("planning_seconds"),  # auto: its searches since apply, calibration included
         **planned(handle),
         "weight_pinned_bytes": s["weight_pinned_bytes"],
         "weight_bytes_uploaded_per_step": s["weight_bytes_uploaded"] / steps,

@@ -92,6 +92,8 @@ class MemfitHandle:
         report = getattr(self._controller.planner, "budget_report", None)
         if report is not None:  # auto: per input shape, predicted and measured peaks, corrections
             out["budget_bytes"] = self._controller.planner.budget_bytes
+            # the searches for every shape since apply (as the shapes' report, not reset with the counters)
+            out["planning_seconds"] = self._controller.planner.planning_seconds
             out["shapes"] = report()
         session = self._controller.session
         if session is None:

@@ -18,6 +18,7 @@ reset after that): it is not counted, and no faster plan is tried on it.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 import warnings
 from collections.abc import Callable, Hashable, Mapping
@@ -204,6 +205,20 @@ def input_signature(args: tuple, kwargs: dict) -> tuple:
     return sig(args), sig(kwargs)
 
 
+def _timed(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` of :class:`BudgetPlanner` with its wall time added to the planner's ``planning_seconds``."""
+
+    @functools.wraps(method)
+    def timed(self: BudgetPlanner, *args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(self, *args, **kwargs)
+        finally:
+            self.planning_seconds += time.perf_counter() - start
+
+    return timed
+
+
 class BudgetPlanner:
     """Plans the ``auto`` backend for each input signature of one model (a :class:`memfit.controller.Planner`).
 
@@ -265,6 +280,9 @@ class BudgetPlanner:
         # per profile (by id, held with it): plan_policies' budget-free searches
         self._memos: dict[int, tuple[ModelProfile, dict[Any, Any]]] = {}
         self._installed: dict[Hashable, Plan] = {}  # the plan last handed to the controller per signature
+        self.planning_seconds = (
+            0.0  # spent in the searches (first plans and re-plans; profiling not included)
+        )
         self._warned_unneeded = False
         self._warned_capacity = False
         self._warned_copy_reserve = False
@@ -619,6 +637,7 @@ class BudgetPlanner:
         quieter = self._quieter(profile, plan, lean) if lean is not None and lean > target else None
         return (profile, quieter, lean) if quieter is not None else (profile, plan, target)
 
+    @_timed
     def _plan_at(self, profile: ModelProfile, target: int, *, at_least: int | None = None) -> Plan:
         """The cheapest plan for ``target``; below what any plan reaches, the smallest plan if that is within
         ``at_least`` (default: the budget), else the BudgetError for the user's budget. Where the process can hold
@@ -683,6 +702,7 @@ class BudgetPlanner:
             stacklevel=6,
         )
 
+    @_timed
     def _quieter(self, profile: ModelProfile, than: Plan, lean: int | None) -> Plan | None:
         """The cheapest plan that copies nothing (no parked activations, no streamed weights) for ``lean``, the
         target :data:`LEAN_HEADROOM` gives such plans, where it is cheaper than ``than`` (else None)."""
