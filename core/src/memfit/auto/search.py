@@ -15,12 +15,13 @@ programme, minimising the largest term instead of summing seconds.
 
 Batches.  Each block is one batch of tensor operations over every reachable state at once (a row each): per
 choice, the moved values of all rows; per target state, the least over the (state, choice) pairs that reach it.
-Columns stop at the most kept units the blocks so far can reach. It gives the pair-by-pair loop's picks exactly
-(``core/tests/search_reference.py``) in half its time (57 blocks without a queue: 0.15 against 0.28 s on a CPU
-core); ``auto`` re-plans inside a training step while it calibrates. The queue's levels and the reload flag
-multiply the states (the least peak's search leaves the flag out: it weighs no seconds). Planning Flux at 16 GiB
-from its H100 profile runs 12 cheapest searches (~0.65 s each on one CPU core) and 15 least-peak ones (~0.3 s):
-one per streamed set the streaming search tries (:func:`memfit.auto.streaming.choose_streaming`).
+Columns stop at the most kept units the blocks so far can reach. Which pair won a cell is found only for the cells
+the best plan passes through, on the way back (see "Ties"). It gives the pair-by-pair loop's picks exactly
+(``core/tests/search_reference.py``); ``auto`` re-plans inside a training step while it calibrates. The queue's
+levels and the reload flag multiply the states (the least peak's search leaves the flag out: it weighs no
+seconds). Planning Flux at 16 GiB from its H100 profile runs 12 cheapest searches (~0.4 s each on one CPU core)
+and 15 least-peak ones (~0.15 s): one per streamed set the streaming search tries
+(:func:`memfit.auto.streaming.choose_streaming`).
 
 Queue.  A block's device-to-host copies need not finish within its own forward: the link copies one at a time,
 and a block that copies little leaves link time to the blocks before it (:class:`Queue`). Where the planner
@@ -37,8 +38,10 @@ block before carries such a reload not hidden by that charge, and a choice that 
 takes back what its recompute hides of it. Only such reloads add the flag's states.
 
 Ties.  Within a cell the earlier pair wins: the lower state, then the earlier choice (choices come in
-``BlockPolicy`` order, least intrusive first); among the cheapest end cells, the fewest kept bytes, then the lowest state: the same inputs always
-give the same plan.
+``BlockPolicy`` order, least intrusive first); among the cheapest end cells, the fewest kept bytes, then the lowest
+state: the same inputs always give the same plan. The way back keeps each block's states, values and moves, and
+makes that block's moves into the one cell again: the same operations on the same values give the same bits, so
+the first pair equal to the cell's least is the one that set it.
 """
 
 from __future__ import annotations
@@ -224,9 +227,9 @@ def cheapest(problem: Problem, capacity: int, room: int) -> list[Choice] | None:
     ``need`` on top of the kept bytes before it within ``room`` bytes (None: no such plan)."""
 
     def step(
-        values: torch.Tensor, needs: torch.Tensor, seconds: torch.Tensor, w: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        last = torch.full_like(needs, capacity - w)
+        values: torch.Tensor, needs: torch.Tensor, seconds: torch.Tensor, w: int, _start: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        last = None
         if problem.own_counts:
             last = torch.clamp(torch.div(room - needs, problem.unit, rounding_mode="floor"), max=capacity - w)
         return values + seconds[:, None], last
@@ -245,11 +248,12 @@ def smallest(problem: Problem, capacity: int, workspace: int) -> list[Choice]:
     prefix = torch.arange(capacity + 1, dtype=torch.float64) * problem.unit
 
     def step(
-        values: torch.Tensor, needs: torch.Tensor, _seconds: torch.Tensor, w: int
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        values: torch.Tensor, needs: torch.Tensor, _seconds: torch.Tensor, _w: int, start: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if problem.own_counts:
-            values = torch.maximum(values, prefix[: values.shape[1]] + needs.to(torch.float64)[:, None])
-        return values, torch.full_like(needs, capacity - w)
+            kept = prefix[start : start + values.shape[1]]
+            values = torch.maximum(values, kept + needs.to(torch.float64)[:, None])
+        return values, None
 
     def final(value: torch.Tensor, backlog: int, _wait: float) -> torch.Tensor:
         return torch.maximum(value, prefix[: value.shape[0]] + workspace + backlog)
@@ -259,69 +263,115 @@ def smallest(problem: Problem, capacity: int, workspace: int) -> list[Choice]:
     return picks
 
 
-Step = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int], tuple[torch.Tensor, torch.Tensor]]
+Step = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, int, int], tuple[torch.Tensor, torch.Tensor | None]
+]
 Final = Callable[[torch.Tensor, int, float], torch.Tensor]
 
 
 def _run(problem: Problem, capacity: int, step: Step, final: Final) -> list[Choice] | None:
     """The programme (see "Batches"): ``step`` gives a choice's values over the prefixes of every reachable state
-    at once (one row each, with that state's need and seconds for the choice) and, per row, the last prefix it may
-    follow; cells keep the least; ``final`` scores the end cells (with what is still queued, and its wait). Only
-    reachable states have rows."""
+    at once (one row each, with that state's need and seconds for the choice; its columns from kept units
+    ``start`` on) and, per row, the last prefix it may follow (None: any within the capacity); cells keep the
+    least; ``final`` scores the end cells (with what is still queued, and its wait). Only reachable states have
+    rows."""
     if capacity < 0:
         return None
     space = _States(problem)
-    width = capacity + 1
-    columns = torch.arange(width)
     states = torch.zeros(1, dtype=torch.int64)  # the reachable states, ascending: one row of ``value`` each
     value = torch.zeros((1, 1), dtype=torch.float64)  # one column per kept unit reachable so far
-    trail: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
+    trail: list[_Start] = []
     for block, opts in enumerate(problem.options):
-        reach = value.shape[1]
-        grown = min(width, reach + max(problem.units(c) for c in opts))
-        candidates, targets = [], []  # per (row, choice) pair, in the order the ties are broken
-        for c in opts:
-            w = problem.units(c)
-            to, seconds, needs = space.moves(states, block, c)
-            moved, last = step(value, needs, seconds, w)
-            shifted = torch.full((len(states), grown), _INF, dtype=torch.float64)
-            if w < grown:
-                shifted[:, w : w + reach] = moved[:, : grown - w]
-            candidates.append(shifted.masked_fill(columns[None, :grown] > last[:, None] + w, _INF))
-            targets.append(to)
-        k, count = len(opts), len(states) * len(opts)
-        pairs = torch.stack(candidates, dim=1).reshape(count, grown)  # pair p = (row p // k, choice p % k)
+        moves = [space.moves(states, block, c) for c in opts]
+        moved = _moved(problem, step, capacity, block, moves, value)
+        count, grown = len(states) * len(moved), moved[0][0].shape[1]
+        # pair p = (row p // k, choice p % k): the order the ties are broken in
+        pairs = torch.stack([m for m, _ in moved], dim=1).reshape(count, grown)
         reached_states, inverse = torch.unique(
-            torch.stack(targets, dim=1).reshape(count), return_inverse=True
+            torch.stack([to for _, to in moved], dim=1).reshape(count), return_inverse=True
         )
-        target = inverse[:, None].expand(count, grown)
         new = torch.full((len(reached_states), grown), _INF, dtype=torch.float64)
-        new = new.scatter_reduce(0, target, pairs, "amin")
-        reached = torch.isfinite(new)
-        # the first pair at its target's least value: the earlier state, then the earlier choice, wins ties (a cell
-        # no pair reaches takes any pair: it is masked out)
-        numbers = torch.where(pairs == new.gather(0, target), torch.arange(count)[:, None], count)
-        first = torch.full(new.shape, count).scatter_reduce(0, target, numbers, "amin")
-        which = torch.where(reached, first % k, -1).to(torch.int32)
-        origin = torch.where(reached, first // k, -1).to(torch.int32)  # the row it came from
-        live = reached.any(dim=1)
+        new = new.scatter_reduce(0, inverse[:, None].expand(count, grown), pairs, "amin")
+        live = torch.isfinite(new).any(dim=1)
         if not live.any():  # no plan reaches past this block
             return None
+        trail.append(_Start(states, value, moves))
         states, value = reached_states[live], new[live]
-        trail.append((which[live], origin[live], states))
-    return _picks(problem, space, states, value, trail, final)
+    return _picks(problem, space, step, states, value, trail, final)
+
+
+@dataclass(frozen=True)
+class _Start:
+    """A block's start in the programme: the reachable states, their values, and per choice the moves from them
+    (:meth:`_States.moves`: target states, seconds, needs)."""
+
+    states: torch.Tensor
+    value: torch.Tensor
+    moves: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
+
+
+def _moved(
+    problem: Problem,
+    step: Step,
+    capacity: int,
+    block: int,
+    moves: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    value: torch.Tensor,
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per choice of ``block``, in order: the values each row of ``value`` moves to by its ``moves``, one column
+    per kept unit reachable after the block (inf where the choice may not follow that prefix), and each row's
+    target state."""
+    opts = problem.options[block]
+    reach = value.shape[1]
+    grown = min(capacity + 1, reach + max(problem.units(c) for c in opts))
+    columns = torch.arange(grown)
+    out = []
+    for c, (to, seconds, needs) in zip(opts, moves, strict=True):
+        w = problem.units(c)
+        moved, last = step(value, needs, seconds, w, 0)
+        # shifted right by its own units, inf in the columns no prefix reaches (or past the capacity)
+        kept = moved[:, : max(0, grown - w)]
+        shifted = torch.nn.functional.pad(
+            kept, (min(w, grown), grown - min(w, grown) - kept.shape[1]), value=_INF
+        )
+        if last is not None:
+            shifted = shifted.masked_fill(columns[None, :] > last[:, None] + w, _INF)
+        out.append((shifted, to))
+    return out
+
+
+def _moved_into(
+    problem: Problem, step: Step, block: int, start: _Start, column: int
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """:func:`_moved`'s values in ``column`` alone (with each row's target state): the same operations on the
+    same values, so the same bits."""
+    out, value = [], start.value
+    for c, (to, seconds, needs) in zip(problem.options[block], start.moves, strict=True):
+        w = problem.units(c)
+        first = column - w
+        if not 0 <= first < value.shape[1]:
+            out.append((torch.full((len(start.states),), _INF, dtype=torch.float64), to))
+            continue
+        moved, last = step(value[:, first : first + 1], needs, seconds, w, first)
+        moved = moved[:, 0]
+        if last is not None:
+            moved = moved.masked_fill(column > last + w, _INF)
+        out.append((moved, to))
+    return out
 
 
 def _picks(
     problem: Problem,
     space: _States,
+    step: Step,
     states: torch.Tensor,
     value: torch.Tensor,
-    trail: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
+    trail: list[_Start],
     final: Final,
 ) -> list[Choice] | None:
     """The choices back from the best end cell: ``value`` holds the end cells of the reachable ``states``,
-    ``trail`` each block's chosen choice and origin row per cell, and its rows' states (see "Ties")."""
+    ``trail`` each block's start. Each block's moves into the cell are made again to find the first pair that
+    reached it at its value (see "Ties")."""
     scores = torch.stack([final(value[r], *space.end(s)) for r, s in enumerate(states.tolist())])
     if not torch.isfinite(scores).any():
         return None
@@ -329,9 +379,21 @@ def _picks(
     # the fewest kept units among the best, then the lowest state (rows are in state order)
     hits = (scores == best).nonzero().tolist()
     row, w = min(hits, key=lambda rw: (rw[1], rw[0]))
+    state, least = int(states[row]), value[row, w]
     picks: list[Choice] = []
-    for opts, (which, origin, _) in zip(reversed(problem.options), reversed(trail), strict=True):
-        c = opts[int(which[row, w])]
+    for block in reversed(range(len(problem.options))):
+        start = trail[block]
+        moved = _moved_into(problem, step, block, start, w)
+        k = len(moved)
+        # the first (row, choice) pair at the cell's value: the lowest row, then the earliest choice
+        row, i = min(
+            (int(rows[0]) * k + i, i)
+            for i, (m, to) in enumerate(moved)
+            if len(rows := ((to == state) & (m == least)).nonzero()) > 0
+        )
+        row //= k
+        c = problem.options[block][i]
         picks.append(c)
-        row, w = int(origin[row, w]), w - problem.units(c)
+        w -= problem.units(c)
+        state, least = int(start.states[row]), start.value[row, w]
     return picks[::-1]
