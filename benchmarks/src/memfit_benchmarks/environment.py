@@ -5,6 +5,7 @@ from __future__ import annotations
 import datetime as dt
 import os
 import platform
+import statistics
 from collections.abc import Callable
 from typing import Any
 
@@ -50,7 +51,8 @@ def environment(suite: str, device: torch.device, *, sdpa: str) -> dict[str, Any
 
 
 def pinned_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
-    """Measured pinned host<->device copy bandwidth in GB/s (each way, and both at once)."""
+    """Measured pinned host<->device copy bandwidth in GB/s (each way, both at once, and each way while the other
+    way runs)."""
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -84,4 +86,36 @@ def pinned_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float
         with torch.cuda.stream(s2):
             dev2.copy_(host2, non_blocking=True)
 
-    return {"d2h_gbs": timed(d2h, nbytes), "h2d_gbs": timed(h2d, nbytes), "both_gbs": timed(both, 2 * nbytes)}
+    def beside(
+        short: torch.cuda.Stream, copy: Callable[[], None], long: torch.cuda.Stream, other: Callable[[], None]
+    ) -> float:
+        """GB/s of ``copy`` on ``short`` while ``long`` runs four of ``other`` (the other way): a weight upload
+        beside a parked block's copy, or the reverse."""
+        rates = []
+        for _ in range(repeats):
+            torch.cuda.synchronize()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            with torch.cuda.stream(long):
+                for _ in range(4):
+                    other()
+            with torch.cuda.stream(short):
+                start.record()
+                copy()
+                end.record()
+            torch.cuda.synchronize()
+            rates.append(nbytes / (start.elapsed_time(end) / 1e3) / 1e9)
+        return statistics.median(rates)
+
+    def upload() -> None:
+        dev2.copy_(host2, non_blocking=True)
+
+    def park() -> None:
+        host.copy_(dev, non_blocking=True)
+
+    return {
+        "d2h_gbs": timed(d2h, nbytes),
+        "h2d_gbs": timed(h2d, nbytes),
+        "both_gbs": timed(both, 2 * nbytes),
+        "h2d_beside_d2h_gbs": beside(s2, upload, s1, park),
+        "d2h_beside_h2d_gbs": beside(s1, park, s2, upload),
+    }
