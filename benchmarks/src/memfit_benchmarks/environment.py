@@ -51,8 +51,8 @@ def environment(suite: str, device: torch.device, *, sdpa: str) -> dict[str, Any
 
 
 def pinned_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float]:
-    """Measured pinned host<->device copy bandwidth in GB/s (each way, both at once, and each way while the other
-    way runs)."""
+    """Measured pinned host<->device copy bandwidth in GB/s (each way, both at once, each way while the other way
+    runs, and host to device beside another host-to-device copy)."""
     dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
     host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
     host2 = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -89,8 +89,8 @@ def pinned_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float
     def beside(
         short: torch.cuda.Stream, copy: Callable[[], None], long: torch.cuda.Stream, other: Callable[[], None]
     ) -> float:
-        """GB/s of ``copy`` on ``short`` while ``long`` runs four of ``other`` (the other way): a weight upload
-        beside a parked block's copy, or the reverse."""
+        """GB/s of ``copy`` on ``short`` while ``long`` runs four of ``other`` (issued first): a weight upload beside
+        a parked block's copy, or beside a reload."""
         rates = []
         for _ in range(repeats):
             torch.cuda.synchronize()
@@ -109,6 +109,9 @@ def pinned_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float
     def upload() -> None:
         dev2.copy_(host2, non_blocking=True)
 
+    def reload() -> None:
+        dev.copy_(host, non_blocking=True)
+
     def park() -> None:
         host.copy_(dev, non_blocking=True)
 
@@ -118,4 +121,7 @@ def pinned_bandwidth(nbytes: int = 1 << 30, repeats: int = 5) -> dict[str, float
         "both_gbs": timed(both, 2 * nbytes),
         "h2d_beside_d2h_gbs": beside(s2, upload, s1, park),
         "d2h_beside_h2d_gbs": beside(s1, park, s2, upload),
+        # the same way on another stream: ~half the link where the two share it, far less where the copies of one
+        # direction run one after the other (an upload issued after a reload waits for it)
+        "h2d_beside_h2d_gbs": beside(s2, upload, s1, reload),
     }
