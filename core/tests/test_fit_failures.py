@@ -281,7 +281,7 @@ def test_a_child_whose_rung_left_memfit_behind_is_replaced(tmp_path):
     assert starts == 2
 
 
-def test_a_rung_that_streams_weights_says_how_many_blocks():
+def test_a_rung_says_how_many_blocks_stream_and_auto_how_long_it_planned():
     """auto may stream weights on its own: the measurement counts the streamed blocks and the row says so."""
     from memfit.fit import RungResult
 
@@ -304,6 +304,19 @@ def test_a_rung_that_streams_weights_says_how_many_blocks():
     assert row.status == "fits (streams 2 blocks' weights)"
     plain = RungResult(Rung("none", None), StepMeasurement(1, None, 1.0, 0), fits=False)
     assert plain.status == "does not fit"
+    # auto's row says how long it planned (a fixed backend's above does not)
+    auto = {"gradient_checkpointing": True, "gradient_checkpointing_backend": "auto"}
+    planned = measure_step(
+        model,
+        {"hidden_states": torch.randn(1, 8, 32)},
+        lambda out: out.sum(),
+        config={**auto, "gradient_checkpointing_memory_budget": 8 << 10},
+        adapter=TOY,
+        steps=1,
+    )
+    assert planned.planning_seconds is not None and planned.planning_seconds > 0
+    status = RungResult(Rung("auto", auto), planned, fits=True).status
+    assert status == f"fits (planned in {planned.planning_seconds:.2f} s)"
 
 
 def test_a_full_fine_tune_is_measured_with_an_adamw_step_in_every_rung():

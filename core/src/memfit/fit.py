@@ -130,11 +130,20 @@ class RungResult:
 
     @property
     def status(self) -> str:
+        return self.status_with()
+
+    def status_with(self, *more: str) -> str:
+        """The row's status, its notes and ``more`` in brackets (``fits (streams 3 blocks' weights; recommended)``)."""
         if self.failure is not None:
             return self.failure.describe()
-        streamed = self.measurement.streamed_blocks if self.measurement is not None else 0
-        streams = f" (streams {streamed} blocks' weights)" if streamed else ""
-        return ("fits" if self.fits else "does not fit") + streams
+        m, notes = self.measurement, []
+        if m is not None and m.streamed_blocks:
+            notes.append(f"streams {m.streamed_blocks} blocks' weights")
+        if m is not None and m.planning_seconds is not None:  # paid in the first steps of each input shape
+            seconds = m.planning_seconds
+            notes.append(f"planned in {seconds:.1f} s" if seconds >= 1 else f"planned in {seconds:.2f} s")
+        notes += more
+        return ("fits" if self.fits else "does not fit") + (f" ({'; '.join(notes)})" if notes else "")
 
 
 class RungRunner(Protocol):

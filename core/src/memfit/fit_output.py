@@ -53,7 +53,7 @@ def ladder_table(report: FitReport, budget: int | None) -> Table:
     for r in report.results:
         m = r.measurement
         held = format_bytes(m.held_bytes) if m is not None else "-"
-        status = r.status + (" (recommended)" if r is report.recommended else "")
+        status = r.status_with("recommended") if r is report.recommended else r.status
         if on_cuda:
             table.add_row(
                 escape(r.rung.name),

@@ -53,6 +53,8 @@ class StepMeasurement:
         peak_reserved_bytes: ``torch.cuda.max_memory_reserved`` during the timed steps (None on CPU): what the
             caching allocator took from the card, which is what a card of that size must hold.
         streamed_blocks: blocks whose frozen weights streamed from host memory (``auto`` may choose some).
+        planning_seconds: ``auto``: the time its searches took over the warm-up and timed steps (the first plan
+            and the re-plans while it calibrates; None for a fixed backend).
     """
 
     held_bytes: int
@@ -62,6 +64,7 @@ class StepMeasurement:
     step_spread: float = 0.0
     peak_reserved_bytes: int | None = None
     streamed_blocks: int = 0
+    planning_seconds: float | None = None
 
 
 class FailureKind(enum.StrEnum):
@@ -195,6 +198,7 @@ def _timed_steps(
     times: list[float] = []
     held = 0
     frames = 0
+    planning = None
     exclude = [*model.parameters(), *model.buffers()]
     for i in range(warmup + steps):
         model.zero_grad(set_to_none=True)
@@ -218,6 +222,7 @@ def _timed_steps(
         held = meter.device_bytes
         stats = handle.stats() if handle is not None else {}
         frames, streamed = stats.get("frames", 0), stats.get("streamed_blocks", 0)
+        planning = stats.get("planning_seconds")
         del loss
     cuda = device.type == "cuda"
     peak = torch.cuda.max_memory_allocated(device) if cuda else None
@@ -231,6 +236,7 @@ def _timed_steps(
         relative_spread(times),
         peak_reserved_bytes=reserved,
         streamed_blocks=streamed,
+        planning_seconds=planning,
     )
 
 
