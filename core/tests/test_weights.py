@@ -27,7 +27,7 @@ from memfit.plan import RegionPlan
 from memfit_conformance.base import cpu_copy_engine
 from memfit_conformance.streams import RecordingEvent, RecordingStreams
 
-from helpers import assert_same, frozen_toy, step, streamed_uploads
+from helpers import assert_same, frozen_toy, loss_of, step, streamed_uploads
 from toy import TOY, build
 
 ON = {"gradient_checkpointing": True}
@@ -419,6 +419,51 @@ def test_every_use_of_an_upload_waits_for_its_copy(monkeypatch, x):
     for i in uses:
         record, wait = log[i - 2], log[i - 1]
         assert record[:2] == ("record", "compute") and wait == ("wait", "weights", record[2])
+
+
+def test_in_backward_a_blocks_upload_is_issued_before_the_reloads_its_backward_starts(monkeypatch, x):
+    """Every block streams and parks its input (``unsloth``; the step's last two keep theirs). As block k's
+    backward starts, block k-1's weights and its parked input are both due: the weights first (its recompute needs
+    them before anything else), so the upload is issued first, as the first gradient reaches block k's output
+    (where one link copies one way at a time, an upload issued after a reload waits for it)."""
+    from memfit.offload.copy import (
+        SyncCopyEngine,
+    )  # the CPU engine (apply() here): CUDA's issues in the same order
+
+    events, reloaded_ids, in_backward = [], set(), False
+    issue, reload_many = WeightStreamer._issue, SyncCopyEngine.reload_many
+
+    def issued(self, block):
+        if in_backward:
+            events.append(("upload", block.position))
+        return issue(self, block)
+
+    def reloaded(self, parked):
+        new = {id(p) for p in parked} - reloaded_ids
+        if in_backward and new:  # a region's input, brought back for the first time this backward
+            reloaded_ids.update(new)
+            events.append(("reload", None))
+        return reload_many(self, parked)
+
+    monkeypatch.setattr(WeightStreamer, "_issue", issued)
+    monkeypatch.setattr(SyncCopyEngine, "reload_many", reloaded)
+    model = frozen_toy()
+    ref = step(model, x)
+    with apply(model, {**ON, "gradient_checkpointing_backend": "unsloth", KEY: 6}):
+        step(model, x)  # the first step settles what the regions park
+        model.zero_grad(set_to_none=True)
+        inp = x.detach().clone().requires_grad_(True)
+        loss = loss_of(model(inp))
+        in_backward = True
+        loss.backward()
+        in_backward = False
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        assert_same(ref, (loss.detach(), inp.grad.clone(), grads))
+    uploads = [events.index(("upload", k)) for k in (4, 3, 2, 1, 0)]  # the last block's recompute: no upload
+    reloads = [at for at, (kind, _) in enumerate(events) if kind == "reload"]
+    assert len(reloads) == 4  # blocks 3, 2, 1, 0 parked their inputs
+    for block, at in zip((3, 2, 1, 0), reloads, strict=True):
+        assert uploads[4 - block] < at, (block, events)
 
 
 class _TimedWaits(_WeightStreams):

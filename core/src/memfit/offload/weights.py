@@ -20,8 +20,10 @@ block's backward has used them. Any other policy saves references instead ("Save
 
 Ahead of need.  In forward, when streamed block ``k`` starts, the next ``forward_ahead`` streamed blocks in call
 order are uploaded (the first ones when the forward starts); at the end of a forward with gradients, the last
-``ahead`` ones (backward needs them first); when block ``k``'s recompute starts, the ``ahead`` streamed blocks
-before it. So at most ``max(ahead, forward_ahead) + 1`` streamed blocks are on the device at once. ``1`` both
+``ahead`` ones (backward needs them first); when block ``k``'s backward starts (the first gradient reaches one of
+its outputs), the ``ahead`` streamed blocks before it. That is before the reloads its regions issue then: the
+block before needs its weights first (for its recompute, or its backward), and where a link copies one way at a
+time, an upload issued after a reload waits for all of it. So at most ``max(ahead, forward_ahead) + 1`` streamed blocks are on the device at once. ``1`` both
 ways by default: in backward a block's recompute and backward hide the next upload; in forward the resident
 blocks between two streamed ones do (the streamed blocks are spread over the call order for that). A block's
 forward is a third of its backward, so where the forward's uploads do not hide one block ahead, ``auto`` may
@@ -80,6 +82,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 import memfit.offload.hostmem as hostmem
 from memfit.distributed import is_fsdp_module
@@ -323,6 +326,11 @@ class WeightStreamer:
         block.handles = [
             module.register_forward_pre_hook(attached_hook(self._pre)),
             module.register_forward_hook(attached_hook(self._post), always_call=True),
+            # first among the block's forward hooks: its outputs' gradient hooks go before those of the regions
+            # that reload activations as the block's backward starts ("Ahead of need")
+            module.register_forward_hook(
+                attached_hook(self._watch_backward_start), with_kwargs=True, prepend=True
+            ),
             module.register_state_dict_post_hook(_StateDictHook(self._state_dict)),
             module.register_load_state_dict_pre_hook(Attached(self._refuse_load)),
         ]
@@ -575,6 +583,24 @@ class WeightStreamer:
             self._pending[block] = upload
             self._forward_uploads = [(b, ref) for b, ref in self._forward_uploads if b is not block]
             self.stats.uploads_kept += 1
+
+    def _watch_backward_start(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
+        """In a training forward: the first gradient to reach one of the block's outputs issues the uploads
+        backward reaches next, before any reload the regions issue as the block's backward starts."""
+        if state.recomputing() or not (self._training and self._prefetch and torch.is_grad_enabled()):
+            return
+        block, fired = self._by_module[module], False
+
+        def backward_starts(grad: torch.Tensor) -> None:
+            nonlocal fired
+            if not fired and block.handles:  # (not once the block stopped streaming)
+                fired = True
+                self._upload_ahead(block, backward=True)
+
+        inputs = {id(a) for a in tree_flatten((args, kwargs))[0]}  # an input passed through is not its output
+        for out in tree_flatten(output)[0]:
+            if isinstance(out, torch.Tensor) and out.requires_grad and id(out) not in inputs:
+                out.register_hook(backward_starts)
 
     def _kept_for_next_use(self, block: _Block) -> bool:
         """Whether the upload ``block`` just used serves its next use too (see "Turnarounds")."""
