@@ -224,37 +224,39 @@ def test_runs_of_different_commits_do_not_merge(tmp_path, capsys):
 
 
 @pytest.mark.parametrize(
-    ("option", "key", "hooked", "constant", "note"),
+    ("option", "key", "note"),
     [
-        ("--per-block", "per_block", "_copy_queue", "QUEUE_LEVELS", "copies charged against its own forward"),
-        (
-            "--reloads-alone",
-            "reloads_alone",
-            "_reloads",
-            "RELOAD_CREDIT",
-            "each reload hidden behind a backward alone",
-        ),
+        ("--per-block", "per_block", "copies charged against its own forward"),
+        ("--reloads-alone", "reloads_alone", "each reload hidden behind a backward alone"),
+        ("--uploads-late", "uploads_late", "each backward upload issued when the block after it recomputes"),
     ],
 )
-def test_auto_is_paired_with_its_budget_planned_without_one_of_the_planners_terms(
-    tmp_path, monkeypatch, option, key, hooked, constant, note
+def test_auto_is_paired_with_its_budget_with_one_of_its_terms_or_behaviours_off(
+    tmp_path, monkeypatch, option, key, note
 ):
-    """``--per-block`` (the copy queue off: planner, "Queue") and ``--reloads-alone`` (no credit for the recompute
-    after a reload: planner, "Reloads") each add, per budget, ``auto`` planned with that term off, only for that
-    row, and the auto row's step against it."""
-    from memfit.auto import planner
+    """``--per-block`` (the copy queue off: planner, "Queue"), ``--reloads-alone`` (no credit for the recompute
+    after a reload: planner, "Reloads") and ``--uploads-late`` (backward's uploads after the reloads: weights,
+    "Ahead of need") each add, per budget, ``auto`` with that switch off, only for that row, and the auto row's
+    step against it."""
     from memfit_benchmarks import streaming
 
-    seen = []
-    original = getattr(planner, hooked)
-    monkeypatch.setattr(planner, hooked, lambda *a: seen.append(getattr(planner, constant)) or original(*a))
+    variant = streaming.AUTO_VARIANTS[key]
+    seen = {}  # per row measured: the switch's value while it ran
+    original = streaming.measure_mode
+
+    def measure_mode(model, batch, loss, mode, **kw):
+        seen.setdefault(mode.name, getattr(variant.module, variant.constant))
+        return original(model, batch, loss, mode, **kw)
+
+    monkeypatch.setattr(streaming, "measure_mode", measure_mode)
     args = ["--preset", "tiny", "--device", "cpu", "--backend", "torch", "--blocks", "0", "--steps", "1"]
     path = streaming.main([*args, "--budgets", "1GiB", option, "--out", str(tmp_path)])
     rows = {r["mode"]: r for r in json.loads(path.read_text())["rows"]}
-    variant = "auto 1GiB" + streaming.PLANNER_VARIANTS[key].suffix
-    assert list(rows) == ["torch", "auto 1GiB", variant]
-    auto, other = rows["auto 1GiB"], rows[variant]
-    assert auto[f"x_{key}"] == pytest.approx(auto["step_s"] / other["step_s"])
+    other = "auto 1GiB" + variant.suffix
+    assert list(rows) == ["torch", "auto 1GiB", other]
+    auto, other_row = rows["auto 1GiB"], rows[other]
+    assert auto[f"x_{key}"] == pytest.approx(auto["step_s"] / other_row["step_s"])
     assert note in (tmp_path / "streaming.md").read_text()
-    default, switched = getattr(planner, constant), streaming.PLANNER_VARIANTS[key].value
-    assert set(seen) == {default, switched} and default != switched
+    default = getattr(variant.module, variant.constant)
+    assert default != variant.value
+    assert seen == {"torch": default, "auto 1GiB": default, other: variant.value}

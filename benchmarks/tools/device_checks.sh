@@ -54,8 +54,9 @@
 #                of WAN_FIXED (e.g. offload_attention: an H200 only); streaming.{json,md}; no round starts after
 #                WAN_QUEUE_SECONDS (420) from the part's start
 #   wan-waits    the GPU tests of auto and of weight streaming, then Wan 2.1 14B at its preset's tokens: auto at
-#                24 GiB, unsloth unconstrained and the modes of WAN_FIXED (offload_attention where the card is an
-#                H200: unconstrained it holds 96 GiB), two rounds, paired; where the upload waits fall (forward or
+#                24 GiB against the same with its backward uploads issued after the reloads (--uploads-late),
+#                unsloth unconstrained and the modes of WAN_FIXED (offload_attention where the card is an H200:
+#                unconstrained it holds 96 GiB), two rounds, paired; where the upload waits fall (forward or
 #                backward) and the link each way beside the other (streaming.{json,md}); no round starts after
 #                WAN_QUEUE_SECONDS (420) from the part's start
 #   park-cost    the host time of parking one region, piece by piece: stream and event calls, the copy's issue,
@@ -161,7 +162,7 @@ for part in ${PARTS:-gpu}; do
             run_part gpu-auto env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest core/tests/test_gpu_auto.py \
                 core/tests/test_gpu_weights.py -m gpu -q -p no:cacheprovider
             run_part streaming-wan-waits python3 -m memfit_benchmarks.streaming --family wan --backend unsloth \
-                --blocks 0 ${fixed:+--fixed "$fixed"} --budgets 24GiB --rounds 2 --warmup 2 --steps 2 \
+                --blocks 0 ${fixed:+--fixed "$fixed"} --budgets 24GiB --uploads-late --rounds 2 --warmup 2 --steps 2 \
                 --stop-at $(( part_start + ${WAN_QUEUE_SECONDS:-420} )) --out "$OUT" ;;
         park-cost) run_part park-cost python3 -m memfit_benchmarks.park_cost --out "$OUT"
             run_part park-cost-cpu python3 -m memfit_benchmarks.park_cost --device cpu --out "$OUT/cpu" ;;

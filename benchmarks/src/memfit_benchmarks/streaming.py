@@ -43,6 +43,7 @@ import torch
 
 import memfit
 from memfit.auto import planner
+from memfit.offload import weights
 from memfit.units import parse_bytes
 from memfit_benchmarks.card import card_of
 from memfit_benchmarks.environment import environment
@@ -105,39 +106,52 @@ def auto_mode(budget: str, optimizer: str = "adamw") -> Mode:
 
 
 @dataclass(frozen=True)
-class PlannerVariant:
-    """``auto`` planned with one of the planner's terms off (a module constant of ``memfit.auto.planner`` patched
-    for that row only: a benchmark's switch, not a user's), paired with the ``auto`` row of its budget."""
+class AutoVariant:
+    """``auto`` with one of the planner's terms or one of the engine's behaviours off (a module constant of
+    ``module`` patched for that row only: a benchmark's switch, not a user's), paired with the ``auto`` row of its
+    budget."""
 
     suffix: str  # after the auto row's name
     constant: str
     value: Any
     against: str  # what the auto row's ratio is against, for the report
+    module: Any = planner
 
 
-# by the option that adds them (--per-block, --reloads-alone) and the ratio's key (x_per_block, x_reloads_alone)
-PLANNER_VARIANTS = {
-    "per_block": PlannerVariant(
-        " [copies per block]", "QUEUE_LEVELS", 0, "each block's copies charged against its own forward"
+# by the option that adds them (--per-block, --reloads-alone, --uploads-late) and the ratio's key (x_per_block …)
+AUTO_VARIANTS = {
+    "per_block": AutoVariant(
+        " [copies per block]",
+        "QUEUE_LEVELS",
+        0,
+        "planned with each block's copies charged against its own forward",
     ),
-    "reloads_alone": PlannerVariant(
+    "reloads_alone": AutoVariant(
         " [reloads behind a backward]",
         "RELOAD_CREDIT",
         False,
-        "each reload hidden behind a backward alone (not the recompute of the block after it)",
+        "planned with each reload hidden behind a backward alone (not the recompute of the block after it)",
+    ),
+    "uploads_late": AutoVariant(
+        " [uploads after the reloads]",
+        "UPLOADS_AT_BACKWARD_START",
+        False,
+        "run with each backward upload issued when the block after it recomputes or reads its first weight (after "
+        "the reloads its backward starts)",
+        weights,
     ),
 }
 
 
 def variant_mode(key: str, budget: str, optimizer: str = "adamw") -> Mode:
-    """The row of ``auto`` at ``budget`` planned as :data:`PLANNER_VARIANTS` ``[key]`` says, to pair with
+    """The row of ``auto`` at ``budget`` planned as :data:`AUTO_VARIANTS` ``[key]`` says, to pair with
     :func:`auto_mode`'s."""
     auto = auto_mode(budget, optimizer)
-    return Mode(auto.name + PLANNER_VARIANTS[key].suffix, auto.config)
+    return Mode(auto.name + AUTO_VARIANTS[key].suffix, auto.config)
 
 
-def _variant_of(name: str) -> PlannerVariant | None:
-    return next((v for v in PLANNER_VARIANTS.values() if name.endswith(v.suffix)), None)
+def _variant_of(name: str) -> AutoVariant | None:
+    return next((v for v in AUTO_VARIANTS.values() if name.endswith(v.suffix)), None)
 
 
 def card_mode(budget: str, optimizer: str = "adamw") -> Mode:
@@ -229,7 +243,7 @@ def add_comparisons(rows: list[dict[str, Any]]) -> None:
         if "budget_bytes" in r and fastest is not None:
             r["fastest_fixed"] = fastest["mode"]
             _ratio(r, fastest, "x_fastest_fixed")
-        for key, variant in PLANNER_VARIANTS.items():
+        for key, variant in AUTO_VARIANTS.items():
             other = next((p for p in rows if p["mode"] == r["mode"] + variant.suffix and measured(p)), None)
             if other is not None:
                 _ratio(r, other, f"x_{key}")
@@ -413,11 +427,11 @@ def render(payload: dict[str, Any]) -> str:
     for r in payload["rows"]:
         if r.get("fixed_knob"):
             lines.append(fixed_knob_note(r))
-        for key, variant in PLANNER_VARIANTS.items():
+        for key, variant in AUTO_VARIANTS.items():
             if r.get(f"x_{key}"):
                 lines.append(
-                    f"- {r['mode']}: {r[f'x_{key}']:.3f}× the step of the same budget planned with "
-                    f"{variant.against} ({_pairing(r, f'x_{key}')})"
+                    f"- {r['mode']}: {r[f'x_{key}']:.3f}× the step of the same budget {variant.against} "
+                    f"({_pairing(r, f'x_{key}')})"
                 )
         if r.get("fastest_fixed") and len(_unconstrained(payload["rows"])) > 1:
             lines.append(
@@ -464,7 +478,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     modes = [mode_for(args.backend, t) for t in args.blocks] + args.fixed
     modes += [auto_mode(b, args.optimizer) for b in args.budgets]
     budgets = {auto_mode(b).name: parse_bytes(b) for b in args.budgets}
-    for key in PLANNER_VARIANTS:
+    for key in AUTO_VARIANTS:
         if getattr(args, key):
             modes += [variant_mode(key, b, args.optimizer) for b in args.budgets]
             budgets |= {variant_mode(key, b).name: parse_bytes(b) for b in args.budgets}
@@ -486,7 +500,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         card = card_of(model, cards[mode.name], device) if mode.name in cards else contextlib.nullcontext()
         variant = _variant_of(mode.name)
         switch = (
-            mock.patch.object(planner, variant.constant, variant.value)
+            mock.patch.object(variant.module, variant.constant, variant.value)
             if variant is not None
             else contextlib.nullcontext()
         )
@@ -578,6 +592,12 @@ def main(argv: list[str] | None = None) -> Path | None:
         action="store_true",
         help="for each of --budgets also a row of auto planned with each reload hidden behind a backward alone "
         "(no credit for the recompute of the block after it), paired with the auto row",
+    )
+    parser.add_argument(
+        "--uploads-late",
+        action="store_true",
+        help="for each of --budgets also a row of auto whose backward uploads are issued when the block after "
+        "recomputes or reads its first weight (after the reloads its backward starts), paired with the auto row",
     )
     parser.add_argument(
         "--card-budgets",

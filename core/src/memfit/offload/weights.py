@@ -95,6 +95,9 @@ from memfit.units import format_bytes
 
 _ALIGN = 512  # bytes: where each parameter starts in a block's buffer (the caching allocator's alignment)
 UPLOADS_AHEAD = 1  # streamed blocks uploaded ahead of the one running (see "Ahead of need")
+# backward's uploads issued as the block after starts its backward, before its reloads ("Ahead of need"; off: when
+# it recomputes or reads its first weight, after them; a benchmark's switch, not a user's)
+UPLOADS_AT_BACKWARD_START = True
 
 
 def _padded(nbytes: int) -> int:
@@ -588,6 +591,8 @@ class WeightStreamer:
         """In a training forward: the first gradient to reach one of the block's outputs issues the uploads
         backward reaches next, before any reload the regions issue as the block's backward starts."""
         if state.recomputing() or not (self._training and self._prefetch and torch.is_grad_enabled()):
+            return
+        if not UPLOADS_AT_BACKWARD_START:
             return
         block, fired = self._by_module[module], False
 
