@@ -105,6 +105,25 @@ def test_a_referenced_block_s_upload_is_freed_after_its_forward_and_back_for_its
         assert name in alive and len(alive) <= 2
 
 
+@pytest.mark.parametrize("policy", [BlockPolicy.KEEP, BlockPolicy.FFN])
+def test_two_uploads_at_most_are_alive_in_backward(monkeypatch, policy):
+    """Every block streams and holds its backward's upload until backward reaches the block before: the upload of
+    that block, issued as the first gradient reaches the block after it, comes after that one is let go of (two
+    alive, as the peak model counts: its own and the one ahead, never three)."""
+    model = lora_model()
+    inputs = batch(model)
+    ref = train_step(model, inputs)
+    force_auto_plan(monkeypatch, lambda names: [policy] * len(names), lambda names: names)
+    with memfit.apply(model, auto_config("1GiB")) as handle:
+        train_step(model, inputs)  # profile and plan
+        streamer = streamer_of(handle)
+        assert all(b.referenced for b in streamer.blocks)
+        streamer.reset_stats()
+        loss, grads = train_step(model, inputs)
+        assert torch.equal(loss, ref[0]) and all(torch.equal(grads[n], ref[1][n]) for n in ref[1])
+        assert streamer.stats.max_alive == 2
+
+
 def test_remove_restores_the_weights_exactly(monkeypatch):
     model = lora_model()
     before = {k: v.clone() for k, v in model.state_dict().items()}

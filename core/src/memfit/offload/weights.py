@@ -600,6 +600,9 @@ class WeightStreamer:
             nonlocal fired
             if not fired and block.handles:  # (not once the block stopped streaming)
                 fired = True
+                self._backward_reaches(
+                    block
+                )  # the blocks after it first let go of theirs: two alive, not three
                 self._upload_ahead(block, backward=True)
 
         inputs = {id(a) for a in tree_flatten((args, kwargs))[0]}  # an input passed through is not its output
