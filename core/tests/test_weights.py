@@ -422,10 +422,10 @@ def test_every_use_of_an_upload_waits_for_its_copy(monkeypatch, x):
 
 
 def test_in_backward_a_blocks_upload_is_issued_before_the_reloads_its_backward_starts(monkeypatch, x):
-    """Every block streams and parks its input (``unsloth``; the step's last two keep theirs). As block k's
-    backward starts, block k-1's weights and its parked input are both due: the weights first (its recompute needs
-    them before anything else), so the upload is issued first, as the first gradient reaches block k's output
-    (where one link copies one way at a time, an upload issued after a reload waits for it)."""
+    """Every block streams and parks its input (``unsloth``; the step's last two keep theirs). Block k-1's upload is
+    issued as the first gradient reaches block k's output: before anything block k's backward issues, the reload of
+    what block k-1 parked among it (an upload's copy starts where compute was when it was issued: the earlier, the
+    more of the backward it hides behind)."""
     from memfit.offload.copy import (
         SyncCopyEngine,
     )  # the CPU engine (apply() here): CUDA's issues in the same order

@@ -21,14 +21,15 @@ block's backward has used them. Any other policy saves references instead ("Save
 Ahead of need.  In forward, when streamed block ``k`` starts, the next ``forward_ahead`` streamed blocks in call
 order are uploaded (the first ones when the forward starts); at the end of a forward with gradients, the last
 ``ahead`` ones (backward needs them first); when block ``k``'s backward starts (the first gradient reaches one of
-its outputs), the ``ahead`` streamed blocks before it. That is before the reloads its regions issue then: the
-block before needs its weights first (for its recompute, or its backward), and where a link copies one way at a
-time, an upload issued after a reload waits for all of it. So at most ``max(ahead, forward_ahead) + 1`` streamed blocks are on the device at once. ``1`` both
-ways by default: in backward a block's recompute and backward hide the next upload; in forward the resident
-blocks between two streamed ones do (the streamed blocks are spread over the call order for that). A block's
-forward is a third of its backward, so where the forward's uploads do not hide one block ahead, ``auto`` may
-lead them further (its plan says how far: :mod:`memfit.auto.streaming`); the link copies one at a time either
-way.
+its outputs), the ``ahead`` streamed blocks before it, once the blocks after it let go of theirs. An upload's copy
+starts only where compute was when it was issued (its buffer is free from there), so issued before any kernel of
+that backward (and before the reloads its regions issue then) it hides behind all of it; issued later, when the
+block recomputes or reads its first weight, it waits (docs/weight-streaming.md, "Ahead of need"). So at
+most ``max(ahead, forward_ahead) + 1`` streamed blocks are on the device at once. ``1`` both ways by default: in
+backward a block's recompute and backward hide the next upload; in forward the resident blocks between two
+streamed ones do (the streamed blocks are spread over the call order for that). A block's forward is a third of
+its backward, so where the forward's uploads do not hide one block ahead, ``auto`` may lead them further (its
+plan says how far: :mod:`memfit.auto.streaming`); the link copies one at a time either way.
 
 Saved weights.  A streamed block whose plan does not recompute it whole (``auto``: keep, FFN recompute, attention
 offload, parked whole) saves its weights for backward like any layer: a linear keeps its weight, or a view of it.
@@ -95,8 +96,8 @@ from memfit.units import format_bytes
 
 _ALIGN = 512  # bytes: where each parameter starts in a block's buffer (the caching allocator's alignment)
 UPLOADS_AHEAD = 1  # streamed blocks uploaded ahead of the one running (see "Ahead of need")
-# backward's uploads issued as the block after starts its backward, before its reloads ("Ahead of need"; off: when
-# it recomputes or reads its first weight, after them; a benchmark's switch, not a user's)
+# backward's uploads issued as the block after starts its backward ("Ahead of need"; off: when it recomputes or
+# reads its first weight; a benchmark's switch, not a user's)
 UPLOADS_AT_BACKWARD_START = True
 
 
@@ -329,7 +330,7 @@ class WeightStreamer:
         block.handles = [
             module.register_forward_pre_hook(attached_hook(self._pre)),
             module.register_forward_hook(attached_hook(self._post), always_call=True),
-            # first among the block's forward hooks: its outputs' gradient hooks go before those of the regions
+            # first among the block's forward hooks: its outputs' gradient hooks run before those of the regions
             # that reload activations as the block's backward starts ("Ahead of need")
             module.register_forward_hook(
                 attached_hook(self._watch_backward_start), with_kwargs=True, prepend=True
@@ -589,7 +590,7 @@ class WeightStreamer:
 
     def _watch_backward_start(self, module: nn.Module, args: tuple, kwargs: dict, output: Any) -> None:
         """In a training forward: the first gradient to reach one of the block's outputs issues the uploads
-        backward reaches next, before any reload the regions issue as the block's backward starts."""
+        backward reaches next, before any kernel of the block's backward or reload its regions issue then."""
         if state.recomputing() or not (self._training and self._prefetch and torch.is_grad_enabled()):
             return
         if not UPLOADS_AT_BACKWARD_START:
