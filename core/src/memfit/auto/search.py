@@ -384,14 +384,12 @@ def _picks(
     for block in reversed(range(len(problem.options))):
         start = trail[block]
         moved = _moved_into(problem, step, block, start, w)
-        k = len(moved)
         # the first (row, choice) pair at the cell's value: the lowest row, then the earliest choice
         row, i = min(
-            (int(rows[0]) * k + i, i)
+            (int(rows[0]), i)
             for i, (m, to) in enumerate(moved)
             if len(rows := ((to == state) & (m == least)).nonzero()) > 0
         )
-        row //= k
         c = problem.options[block][i]
         picks.append(c)
         w -= problem.units(c)
