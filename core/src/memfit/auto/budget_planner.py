@@ -280,9 +280,8 @@ class BudgetPlanner:
         # per profile (by id, held with it): plan_policies' budget-free searches
         self._memos: dict[int, tuple[ModelProfile, dict[Any, Any]]] = {}
         self._installed: dict[Hashable, Plan] = {}  # the plan last handed to the controller per signature
-        self.planning_seconds = (
-            0.0  # spent in the searches (first plans and re-plans; profiling not included)
-        )
+        # spent in the searches (first plans and re-plans; profiling not included)
+        self.planning_seconds = 0.0
         self._warned_unneeded = False
         self._warned_capacity = False
         self._warned_copy_reserve = False
