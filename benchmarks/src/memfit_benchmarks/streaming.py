@@ -144,7 +144,7 @@ AUTO_VARIANTS = {
 
 
 def variant_mode(key: str, budget: str, optimizer: str = "adamw") -> Mode:
-    """The row of ``auto`` at ``budget`` planned as :data:`AUTO_VARIANTS` ``[key]`` says, to pair with
+    """The row of ``auto`` at ``budget`` planned or run as :data:`AUTO_VARIANTS` ``[key]`` says, to pair with
     :func:`auto_mode`'s."""
     auto = auto_mode(budget, optimizer)
     return Mode(auto.name + AUTO_VARIANTS[key].suffix, auto.config)
