@@ -322,10 +322,10 @@ def plan_policies(
         # a plan keeping more than the leanest plan's peak is not the smallest: the search's width stops there
         # (its units round up by less than one per block)
         leanest = peak([min(opts, key=lambda c: c.kept) for opts in options], 0, forward)
+        # the reload flag weighs seconds only: the least peak's search needs no states for it
+        peak_only = dataclasses.replace(problem, reloads=None)
         floor_picks = search.smallest(
-            dataclasses.replace(
-                problem, reloads=None
-            ),  # the reload flag weighs seconds only: no states for it
+            peak_only,
             min(
                 sum(max(problem.units(c) for c in opts) for opts in options),
                 (leanest - profile.workspace_bytes - forward) // unit + len(options),
