@@ -19,12 +19,11 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from memfit.adapters.spec import FamilyAdapter
 from memfit.engine import state
 from memfit.engine.frame import FrameStats
-from memfit.engine.hooks import Attached, queue_at_backward_end
+from memfit.engine.hooks import Attached, on_first_gradient, queue_at_backward_end
 from memfit.install import Installation, install, streamed_modules
 from memfit.offload.session import OffloadSession
 from memfit.offload.weights import WeightStreamer, first_weight_device, stream_api_for
@@ -293,17 +292,6 @@ class Controller:
 
 
 def _when_backward_ends(output: Any, callback: Callable[[], None]) -> None:
-    """Run ``callback`` once, when the first backward that reaches one of ``output``'s tensors ends: a hook on each
-    tensor that requires grad queues it with the autograd engine (nothing where none does; a tensor's hook goes with
-    the tensor)."""
-    fired = False
-
-    def reached(grad: torch.Tensor) -> None:
-        nonlocal fired
-        if not fired:
-            fired = True
-            queue_at_backward_end(callback)
-
-    for tensor in tree_flatten(output)[0]:
-        if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
-            tensor.register_hook(reached)
+    """Run ``callback`` once, when the first backward that reaches one of ``output``'s tensors ends (queued with the
+    autograd engine as the first gradient arrives)."""
+    on_first_gradient(output, lambda: queue_at_backward_end(callback))

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.utils._pytree import tree_flatten
 
 from memfit.errors import MemfitError
 
@@ -119,6 +120,24 @@ def detached_forward(module: nn.Module) -> Callable[[dict], Any]:
 def attached_hook(fn: Callable[..., Any]) -> Attached:
     """A forward (pre-)hook: eager even inside a compiled module, a no-op in a deep copy of the model."""
     return Attached(eager_hook(fn))
+
+
+def on_first_gradient(output: Any, callback: Callable[[], None], *, passed_through: Any = ()) -> None:
+    """Run ``callback`` once, when the first gradient reaches one of ``output``'s tensors that require grad: a hook
+    on each (nothing where none does; a tensor's hook goes with the tensor). A tensor also in ``passed_through``
+    (a call's inputs) is not the call's output."""
+    inputs = {id(t) for t in tree_flatten(passed_through)[0]}
+    fired = False
+
+    def reached(grad: torch.Tensor) -> None:
+        nonlocal fired
+        if not fired:
+            fired = True
+            callback()
+
+    for tensor in tree_flatten(output)[0]:
+        if isinstance(tensor, torch.Tensor) and tensor.requires_grad and id(tensor) not in inputs:
+            tensor.register_hook(reached)
 
 
 def queue_at_backward_end(callback: Callable[[], None]) -> bool:

@@ -10,10 +10,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 from memfit.engine import state
-from memfit.engine.hooks import attached_hook
+from memfit.engine.hooks import attached_hook, on_first_gradient
 from memfit.engine.stash import DeviceStash, without_history
 from memfit.offload.copy import Parked
 from memfit.offload.session import OffloadSession
@@ -129,10 +128,6 @@ class _KeepingRegion(TimelineRegion):
         super().__init__(session)
         self.kept_bytes = kept_bytes
 
-    def backward_reached(self, grad: torch.Tensor) -> None:
-        """Hook on its outputs' gradients: the first one to arrive starts its backward."""
-        self.first_backward_use()
-
 
 def device_stash_after_parking(session: OffloadSession) -> Callable[[], DeviceStash]:
     """Stashes for regions that keep their entries on the device in a plan that also parks (``auto``).
@@ -168,11 +163,8 @@ def mark_keeping_blocks(session: OffloadSession, blocks: list[tuple[nn.Module, i
         pending = calls.get(id(module))
         if not pending:
             return
-        region = pending.pop()
-        inputs = {id(a) for a in tree_flatten((args, kwargs))[0]}  # an input passed through is not its output
-        for out in tree_flatten(output)[0]:
-            if isinstance(out, torch.Tensor) and out.requires_grad and id(out) not in inputs:
-                out.register_hook(region.backward_reached)
+        # the first gradient to reach its outputs starts its backward
+        on_first_gradient(output, pending.pop().first_backward_use, passed_through=(args, kwargs))
 
     kept = {id(block): nbytes for block, nbytes in blocks}
     handles = []

@@ -83,12 +83,11 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.utils._pytree import tree_flatten
 
 import memfit.offload.hostmem as hostmem
 from memfit.distributed import is_fsdp_module
 from memfit.engine import state
-from memfit.engine.hooks import Attached, attached_hook, queue_at_backward_end
+from memfit.engine.hooks import Attached, attached_hook, on_first_gradient, queue_at_backward_end
 from memfit.errors import HostMemoryError, MemfitError, MemfitWarning, NotAvailableError
 from memfit.offload.copy import StreamApi
 from memfit.offload.streamable import STREAM_KEY, streamable_parameters
@@ -595,21 +594,15 @@ class WeightStreamer:
             return
         if not UPLOADS_AT_BACKWARD_START:
             return
-        block, fired = self._by_module[module], False
+        block = self._by_module[module]
 
-        def backward_starts(grad: torch.Tensor) -> None:
-            nonlocal fired
-            if not fired and block.handles:  # (not once the block stopped streaming)
-                fired = True
-                self._backward_reaches(
-                    block
-                )  # the blocks after it first let go of theirs: two alive, not three
+        def backward_starts() -> None:
+            if block.handles:  # (not once the block stopped streaming)
+                # the blocks after it let go of their uploads first: two alive, not three
+                self._backward_reaches(block)
                 self._upload_ahead(block, backward=True)
 
-        inputs = {id(a) for a in tree_flatten((args, kwargs))[0]}  # an input passed through is not its output
-        for out in tree_flatten(output)[0]:
-            if isinstance(out, torch.Tensor) and out.requires_grad and id(out) not in inputs:
-                out.register_hook(backward_starts)
+        on_first_gradient(output, backward_starts, passed_through=(args, kwargs))
 
     def _kept_for_next_use(self, block: _Block) -> bool:
         """Whether the upload ``block`` just used serves its next use too (see "Turnarounds")."""
