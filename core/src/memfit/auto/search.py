@@ -283,15 +283,11 @@ def _run(problem: Problem, capacity: int, step: Step, final: Final) -> list[Choi
     trail: list[_Start] = []
     for block, opts in enumerate(problem.options):
         moves = [space.moves(states, block, c) for c in opts]
-        moved = _moved(problem, step, capacity, block, moves, value)
-        count, grown = len(states) * len(moved), moved[0][0].shape[1]
-        # pair p = (row p // k, choice p % k): the order the ties are broken in
-        pairs = torch.stack([m for m, _ in moved], dim=1).reshape(count, grown)
+        # the states reached, and per (row, choice) pair its target's row among them
         reached_states, inverse = torch.unique(
-            torch.stack([to for _, to in moved], dim=1).reshape(count), return_inverse=True
+            torch.stack([to for to, _, _ in moves], dim=1), return_inverse=True
         )
-        new = torch.full((len(reached_states), grown), _INF, dtype=torch.float64)
-        new = new.scatter_reduce(0, inverse[:, None].expand(count, grown), pairs, "amin")
+        new = _moved(problem, step, capacity, block, moves, value, inverse, len(reached_states))
         live = torch.isfinite(new).any(dim=1)
         if not live.any():  # no plan reaches past this block
             return None
@@ -317,27 +313,29 @@ def _moved(
     block: int,
     moves: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]],
     value: torch.Tensor,
-) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Per choice of ``block``, in order: the values each row of ``value`` moves to by its ``moves``, one column
-    per kept unit reachable after the block (inf where the choice may not follow that prefix), and each row's
-    target state."""
+    inverse: torch.Tensor,
+    reached: int,
+) -> torch.Tensor:
+    """The values after ``block``: one row per reached state (``inverse``: each (row of ``value``, choice) pair's
+    target row among the ``reached``), one column per kept unit reachable after the block, each cell the least over
+    the pairs that move into it (inf where none may)."""
     opts = problem.options[block]
-    reach = value.shape[1]
-    grown = min(capacity + 1, reach + max(problem.units(c) for c in opts))
-    columns = torch.arange(grown)
-    out = []
-    for c, (to, seconds, needs) in zip(opts, moves, strict=True):
+    rows = value.shape[0]
+    grown = min(capacity + 1, value.shape[1] + max(problem.units(c) for c in opts))
+    new = torch.full((reached, grown), _INF, dtype=torch.float64)
+    for i, (c, (_, seconds, needs)) in enumerate(zip(opts, moves, strict=True)):
         w = problem.units(c)
+        if w >= grown:
+            continue
         moved, last = step(value, needs, seconds, w, 0)
-        # shifted right by its own units, inf in the columns no prefix reaches (or past the capacity)
-        kept = moved[:, : max(0, grown - w)]
-        shifted = torch.nn.functional.pad(
-            kept, (min(w, grown), grown - min(w, grown) - kept.shape[1]), value=_INF
-        )
+        # column j moves into column j + w, up to the capacity
+        width = min(moved.shape[1], grown - w)
+        moved = moved[:, :width]
         if last is not None:
-            shifted = shifted.masked_fill(columns[None, :] > last[:, None] + w, _INF)
-        out.append((shifted, to))
-    return out
+            moved = moved.masked_fill(torch.arange(width)[None, :] > last[:, None], _INF)
+        # a cell's least does not depend on the order of the pairs (see "Ties" for which pair set it)
+        new[:, w : w + width].scatter_reduce_(0, inverse[:, i, None].expand(rows, width), moved, "amin")
+    return new
 
 
 def _moved_into(
