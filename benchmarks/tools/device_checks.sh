@@ -58,7 +58,7 @@
 #                unsloth unconstrained and the modes of WAN_FIXED (offload_attention where the card is an H200:
 #                unconstrained it holds 96 GiB), two rounds, paired; where the upload waits fall (forward or
 #                backward) and the link each way beside the other (streaming.{json,md}); no round starts after
-#                WAN_QUEUE_SECONDS (420) from the part's start
+#                WAN_QUEUE_SECONDS (420) from the part's start; WAN_UPLOADS_LATE=0 leaves the late row out
 #   park-cost    the host time of parking one region, piece by piece: stream and event calls, the copy's issue,
 #                the device allocation (alone, and while a freed tensor's copy is in flight), the engine's park and
 #                round trip of one tensor (park-cost.{json,md}), and the engine's Python alone on this host, over
@@ -159,10 +159,12 @@ for part in ${PARTS:-gpu}; do
             if [ -z "${WAN_FIXED+x}" ] && nvidia-smi --query-gpu=name --format=csv,noheader | grep -q H200; then
                 fixed=offload_attention
             fi
+            late=${WAN_UPLOADS_LATE-1}; [ "$late" = 0 ] && late=
             run_part gpu-auto env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest core/tests/test_gpu_auto.py \
                 core/tests/test_gpu_weights.py -m gpu -q -p no:cacheprovider
             run_part streaming-wan-waits python3 -m memfit_benchmarks.streaming --family wan --backend unsloth \
-                --blocks 0 ${fixed:+--fixed "$fixed"} --budgets 24GiB --uploads-late --rounds 2 --warmup 2 --steps 2 \
+                --blocks 0 ${fixed:+--fixed "$fixed"} --budgets 24GiB ${late:+--uploads-late} --rounds 2 --warmup 2 \
+                --steps 2 \
                 --stop-at $(( part_start + ${WAN_QUEUE_SECONDS:-420} )) --out "$OUT" ;;
         park-cost) run_part park-cost python3 -m memfit_benchmarks.park_cost --out "$OUT"
             run_part park-cost-cpu python3 -m memfit_benchmarks.park_cost --device cpu --out "$OUT/cpu" ;;
