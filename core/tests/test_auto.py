@@ -19,6 +19,7 @@ from memfit.auto import BlockPolicy, Plan, plan_policies
 from memfit.auto.policy import allowed_policies
 from memfit.auto.profile import profile_model
 from memfit_conformance.base import cpu_copy_engine
+from memfit_conformance.streams import order_checking_copy_engine
 
 from helpers import auto_config
 
@@ -130,9 +131,27 @@ def test_offload_policies_exact_through_a_copy_engine(model, reference):
         assert torch.equal(g, ref_grads[name]), name
 
 
-def test_profiled_attention_copy_bytes_equal_what_offload_attention_copies():
+# the synchronous engine copies each distinct view on its own; the CUDA engine (here over recording streams, on CPU
+# tensors) copies views that cover their storage as its bytes, once
+COPY_ENGINES = {"sync": cpu_copy_engine, "cuda-engine": order_checking_copy_engine}
+
+
+def _lora_profiles(lora_model, batch, engine):
+    """The profile as the planner makes it for ``engine``, and the one pricing each distinct view on its own."""
+    once = engine.parks_storages_once
+    return [
+        profile_model(
+            lora_model, ADAPTER, (), batch, min_offload_bytes=0, copy_bytes_per_second=1e9, storages_once=s
+        )
+        for s in (once, False)
+    ]
+
+
+@pytest.mark.parametrize("engine_name", COPY_ENGINES)
+def test_profiled_attention_copy_bytes_equal_what_offload_attention_copies(engine_name):
     """With PEFT LoRA every q/k/v projection saves its own view of one input; the planner must price the copy
-    the session really makes (each distinct view once), not each saved tensor, nor only the storages."""
+    the session really makes with the engine that makes it (each distinct view once, or a storage its views
+    cover once), not each saved tensor."""
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
     lora_model = TINY.build(dtype=torch.float32, device="cpu").requires_grad_(False)
@@ -140,12 +159,19 @@ def test_profiled_attention_copy_bytes_equal_what_offload_attention_copies():
         peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v", "add_q_proj", "to_out.0"])
     )
     batch = inputs(lora_model)
-    profile = profile_model(lora_model, ADAPTER, (), batch, min_offload_bytes=0, copy_bytes_per_second=1e9)
+    engine = COPY_ENGINES[engine_name]()
+    profile, per_view = _lora_profiles(lora_model, batch, engine)
     predicted = sum(b.attention_copy_bytes for b in profile.blocks) + profile.attention_shared_copy_bytes
+    if (
+        engine.parks_storages_once
+    ):  # Flux's attention saves views that cover their storage: fewer bytes copied
+        assert sum(b.attention_copy_bytes for b in profile.blocks) < sum(
+            b.attention_copy_bytes for b in per_view.blocks
+        )
     with memfit.apply(
         lora_model,
         {"gradient_checkpointing_offload_attention": True},
-        copy_engine=cpu_copy_engine(),
+        copy_engine=engine,
         min_offload_bytes=0,
     ) as handle:
         ADAPTER.loss(lora_model(**batch)).backward()
@@ -164,9 +190,11 @@ def test_profiled_attention_copy_bytes_equal_what_offload_attention_copies():
     )
 
 
-def test_profiled_park_bytes_are_what_parking_the_blocks_copies(monkeypatch):
-    """BlockPolicy.PARK copies every view a block saves of its own storages (each once); what a parked block
-    copies beyond that is what it alone saw first of the step's shared tensors (copied once for all)."""
+@pytest.mark.parametrize("engine_name", COPY_ENGINES)
+def test_profiled_park_bytes_are_what_parking_the_blocks_copies(monkeypatch, engine_name):
+    """BlockPolicy.PARK copies every view a block saves of its own storages (each once, or a storage its views
+    cover once); what a parked block copies beyond that is what it alone saw first of the step's shared tensors
+    (copied once for all)."""
     peft = pytest.importorskip("peft")
     from helpers import force_auto_plan
 
@@ -174,16 +202,23 @@ def test_profiled_park_bytes_are_what_parking_the_blocks_copies(monkeypatch):
     lora_model = TINY.build(dtype=torch.float32, device="cpu").requires_grad_(False)
     lora_model.add_adapter(peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
     batch = inputs(lora_model)
-    profile = profile_model(lora_model, ADAPTER, (), batch, min_offload_bytes=0, copy_bytes_per_second=1e9)
+    engine = COPY_ENGINES[engine_name]()
+    profile, per_view = _lora_profiles(lora_model, batch, engine)
+    if engine.parks_storages_once:
+        assert sum(b.park_copy_bytes for b in profile.blocks) < sum(
+            b.park_copy_bytes for b in per_view.blocks
+        )
     for b in profile.blocks:
         # (a view narrower than its storage copies less than parking frees)
         assert 0 < b.park_bytes <= b.saved_bytes and b.park_copy_bytes > 0
         assert b.park_hook_calls > b.attention_hook_calls > 0  # every save in the block, its attention's too
     force_auto_plan(monkeypatch, lambda names: [BlockPolicy.PARK] * len(names))
-    with memfit.apply(
-        lora_model, auto_config("1GiB"), copy_engine=cpu_copy_engine(), min_offload_bytes=0
-    ) as handle:
+    with memfit.apply(lora_model, auto_config("1GiB"), copy_engine=engine, min_offload_bytes=0) as handle:
         ADAPTER.loss(lora_model(**batch)).backward()
+        # the planner priced the copies as this engine makes them
+        assert [b.park_copy_bytes for b in handle.profile.blocks] == [
+            b.park_copy_bytes for b in profile.blocks
+        ]
         stats = handle.stats()
     lora_model.zero_grad(set_to_none=True)
     copied = stats["bytes_offloaded"] + stats["bytes_kept_on_device"]  # (the last two blocks keep theirs)

@@ -128,6 +128,7 @@ def apply(
             adapter,
             budget,
             can_offload=session is not None,
+            parks_storages_once=session is not None and session.copy.parks_storages_once,
             min_offload_bytes=min_offload_bytes,
             host_bytes=lambda: host_bytes_for_plans(pinned_by_this_model()),
             can_stream=cfg.stream_blocks != 0,  # 0: every weight stays on the device

@@ -227,6 +227,8 @@ class BudgetPlanner:
         adapter: its family adapter.
         budget_bytes: the memory budget (peak allocated on CUDA; held activation bytes elsewhere).
         can_offload: a copy engine is there (the offload policies are offered only then).
+        parks_storages_once: that engine copies views covering their storage as its bytes, once
+            (:attr:`memfit.offload.copy.CopyEngine.parks_storages_once`): the profile prices copies so.
         min_offload_bytes: smaller tensors are never copied.
         copy_bytes_per_second: pinned copy bandwidth for the cost model (None: measured once on CUDA).
         peak_meter: reads each step's peak for the closed loop (default: CUDA's allocator statistics).
@@ -252,6 +254,7 @@ class BudgetPlanner:
         budget_bytes: int,
         *,
         can_offload: bool,
+        parks_storages_once: bool = False,
         min_offload_bytes: int,
         copy_bytes_per_second: float | None = None,
         peak_meter: PeakMeter | None = None,
@@ -265,6 +268,7 @@ class BudgetPlanner:
         self.adapter = adapter
         self.budget_bytes = budget_bytes
         self.can_offload = can_offload
+        self.parks_storages_once = parks_storages_once
         self.min_offload_bytes = min_offload_bytes
         self.copy_bytes_per_second = copy_bytes_per_second
         self.can_stream = can_stream
@@ -548,6 +552,7 @@ class BudgetPlanner:
                 kwargs,
                 min_offload_bytes=self.min_offload_bytes,
                 copy_bytes_per_second=self._bandwidth(),
+                storages_once=self.parks_storages_once,
             )
         except torch.OutOfMemoryError:
             pass  # raised below, outside the handler: its traceback holds the failed forward's tensors

@@ -47,6 +47,7 @@ from memfit.adapters.spec import FamilyAdapter
 from memfit.auto.blockpeak import BlockRun, ForwardMemory
 from memfit.engine import state
 from memfit.errors import NotAvailableError
+from memfit.offload.copy import covers_storage
 from memfit.offload.streamable import frozen_block_bytes
 
 
@@ -63,7 +64,9 @@ class BlockProfile:
     ffn_input_bytes: int  # the FFN regions' inputs (what an FFN region keeps)
     ffn_input_parkable_bytes: int
     attention_bytes: int  # saved only inside attention regions, in tensors worth a copy
-    attention_copy_bytes: int  # what parking them copies: each distinct view once (may exceed their storages)
+    # what parking them copies: each distinct view once (may exceed their storages), or the storage's bytes once
+    # where its views cover it and the copy engine copies such storages once (``parks_storages_once``)
+    attention_copy_bytes: int
     flops: int
     ffn_flops: int
     has_ffn: bool
@@ -98,7 +101,7 @@ class BlockProfile:
     # its frozen weights that could stream from host memory (memfit.offload.weights): what streaming it frees
     frozen_bytes: int = 0
     # parking the whole block (BlockPolicy.PARK): its own saved storages worth a copy (what parking frees), what
-    # parking them copies (each distinct view once), and every tensor autograd saves inside its call (each goes
+    # parking them copies (as ``attention_copy_bytes``), and every tensor autograd saves inside its call (each goes
     # through the pack hook in forward and the fetch hook in backward)
     park_bytes: int = 0
     park_copy_bytes: int = 0
@@ -201,14 +204,25 @@ class _Storage:
     attention_view_saves: dict[tuple, int] = field(default_factory=dict)  # view -> times saved
     block_views: dict[tuple, int] = field(default_factory=dict)  # saved inside a block call: view -> bytes
 
-    def attention_copy_bytes(self, min_bytes: int) -> int:
-        """Bytes attention offload copies to park this storage's views saved inside attention calls (one copy
-        per distinct view; views smaller than ``min_bytes`` or larger than the storage — broadcasts — stay)."""
-        return sum(n for n in self.attention_views.values() if min_bytes <= n <= self.nbytes)
+    def attention_copy_bytes(self, min_bytes: int, *, storage_once: bool) -> int:
+        """Bytes attention offload copies to park this storage's views saved inside attention calls (views
+        smaller than ``min_bytes`` or larger than the storage — broadcasts — stay): one copy per distinct view, or
+        with ``storage_once`` the storage's bytes once where those views cover it (as the CUDA copy engine
+        copies them, :func:`memfit.offload.copy.covers_storage`)."""
+        return self._copy_bytes(self.attention_views, min_bytes, storage_once)
 
-    def park_copy_bytes(self, min_bytes: int) -> int:
+    def park_copy_bytes(self, min_bytes: int, *, storage_once: bool) -> int:
         """Bytes parking its block whole copies for this storage's views (as :meth:`attention_copy_bytes`)."""
-        return sum(n for n in self.block_views.values() if min_bytes <= n <= self.nbytes)
+        return self._copy_bytes(self.block_views, min_bytes, storage_once)
+
+    def _copy_bytes(self, views: dict[tuple, int], min_bytes: int, storage_once: bool) -> int:
+        copied = {v: n for v, n in views.items() if min_bytes <= n <= self.nbytes}
+        if storage_once and copied:
+            # a view key is (storage offset in elements, shape, strides, dtype)
+            extents = {(v[0] * v[3].itemsize, n) for v, n in copied.items()}
+            if covers_storage(self.nbytes, extents, next(iter(copied))[3].itemsize):
+                return self.nbytes
+        return sum(copied.values())
 
     def attention_saves(self, min_bytes: int) -> int:
         """How many saved tensors attention offload packs for those views (every save, repeated ones too)."""
@@ -394,10 +408,13 @@ def profile_model(
     *,
     min_offload_bytes: int,
     copy_bytes_per_second: float | None,
+    storages_once: bool = False,
 ) -> ModelProfile:
     """Profile ``model(*args, **kwargs)`` (called as ``model.forward``: model hooks do not fire).
 
     Runs two forwards: one with gradients (bytes and FLOPs, nothing held), one without (time).
+    ``storages_once``: the copy engine that will park copies views covering their storage as its bytes, once
+    (:attr:`memfit.offload.copy.CopyEngine.parks_storages_once`); else each distinct view is priced on its own.
     """
     blocks = list(adapter.iter_blocks(model))
     device = next(model.parameters()).device
@@ -444,7 +461,7 @@ def profile_model(
                     s.nbytes for s in own if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes
                 ),
                 attention_copy_bytes=sum(
-                    s.attention_copy_bytes(min_offload_bytes)
+                    s.attention_copy_bytes(min_offload_bytes, storage_once=storages_once)
                     for s in own
                     if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes
                 ),
@@ -467,15 +484,21 @@ def profile_model(
                 saved_after_bytes=rec.saved_after(b),
                 trainable_bytes=_trainable_bytes(block.parameters()),
                 frozen_bytes=_streamable_bytes(block),
-                park_bytes=sum(s.nbytes for s in own if s.park_copy_bytes(min_offload_bytes)),
-                park_copy_bytes=sum(s.park_copy_bytes(min_offload_bytes) for s in own),
+                park_bytes=sum(
+                    s.nbytes for s in own if s.park_copy_bytes(min_offload_bytes, storage_once=storages_once)
+                ),
+                park_copy_bytes=sum(
+                    s.park_copy_bytes(min_offload_bytes, storage_once=storages_once) for s in own
+                ),
                 park_hook_calls=rec.block_hook_calls[b],
             )
         )
     # (an input of several blocks counts too: every checkpointed region among them holds it; what is saved
     # outside the blocks after one of them is that block's ``saved_after_bytes``)
     outside = rec.saved_after(-1) + sum(s.nbytes for i, s in enumerate(rec.storages) if rec.shared(i))
-    attention_copies = sum(s.attention_copy_bytes(min_offload_bytes) for s in rec.storages)
+    attention_copies = sum(
+        s.attention_copy_bytes(min_offload_bytes, storage_once=storages_once) for s in rec.storages
+    )
     attention_saves = sum(s.attention_saves(min_offload_bytes) for s in rec.storages)
     seconds, ffn_seconds = _time_blocks(model, blocks, regions, args, kwargs, cuda=cuda, device=device)
     total_flops = sum(p.flops for p in profiles)

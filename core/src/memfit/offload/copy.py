@@ -47,8 +47,9 @@ Larger batches copy tensor by tensor, so a big region never needs that extra mem
 Shared storages.  Attention saves views of one storage: q, k and v of a fused projection (each strided,
 none dense on its own), the output and the output reshaped for the projection after it. Copied one by one,
 each non-dense view first needs a ``.contiguous()`` copy and every view of the same bytes is copied again. In a
-packed batch, views that together cover their storage (their distinct extents add up to it) go in as the
-storage's bytes, once; each comes back as a view of those bytes with its own offset and strides.
+batch, views that together cover their storage (their distinct extents add up to it: :func:`covers_storage`) go in
+as the storage's bytes, once; each comes back as a view of those bytes with its own offset and strides. The
+planner's profile prices a copy by the same rule (:attr:`CopyEngine.parks_storages_once`).
 
 Stream switches.  ``torch.cuda.stream()`` looks up the device and the current stream again; the
 engine already holds the stream to go back to, so it sets streams directly (:meth:`StreamApi.use`).
@@ -93,6 +94,7 @@ from __future__ import annotations
 import enum
 import weakref
 from collections import deque
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -277,6 +279,9 @@ class CopyEngine:
     """
 
     parks_cpu_tensors = False  # CPU tensors stay where they are: there is no device memory to free
+    parks_storages_once = (
+        True  # views covering their storage are copied as its bytes, once ("Shared storages")
+    )
 
     def __init__(
         self,
@@ -711,6 +716,7 @@ class SyncCopyEngine(CopyEngine):
     """Synchronous parking with the same bookkeeping; works on CPU tensors (tests, CPU-only machines)."""
 
     parks_cpu_tensors = True
+    parks_storages_once = False  # each distinct view on its own
 
     def __init__(self, pool: PinnedBucketPool) -> None:
         self.pool = pool
@@ -782,18 +788,25 @@ def _by_storage(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage,
     return list(groups.values())
 
 
+def covers_storage(storage_bytes: int, extents: Iterable[tuple[int, int]], itemsize: int) -> bool:
+    """Whether views of one storage with these distinct extents (first byte, byte count) are parked as the
+    storage's bytes, copied once: their extents add up to the storage (see "Shared storages")."""
+    return (
+        bool(storage_bytes) and not storage_bytes % itemsize and sum(n for _, n in extents) >= storage_bytes
+    )
+
+
 def _whole_storage_bytes(storage: torch.UntypedStorage, views: list[torch.Tensor]) -> torch.Tensor | None:
-    """The bytes of ``storage``, which ``views`` share, as a flat ``uint8`` view, when copying them once copies no
-    byte that none of them needs: their distinct extents (first byte, byte count) add up to the storage.
-    Else None (each is copied on its own)."""
+    """The bytes of ``storage``, which ``views`` share, as a flat ``uint8`` view, when :func:`covers_storage`
+    says they go as those bytes. Else None (each is copied on its own)."""
     first = views[0]
-    storage_bytes = storage.nbytes()
     itemsize = first.element_size()
     if len(views) == 1:  # most storages hold one saved tensor: its extent alone must cover the storage
-        covered = first.nbytes
+        extents: Iterable[tuple[int, int]] = ((0, first.nbytes),)
     else:
-        covered = sum(n for _, n in {(v.storage_offset() * v.element_size(), v.nbytes) for v in views})
-    if not storage_bytes or covered < storage_bytes or storage_bytes % itemsize:
+        extents = {(v.storage_offset() * v.element_size(), v.nbytes) for v in views}
+    storage_bytes = storage.nbytes()
+    if not covers_storage(storage_bytes, extents, itemsize):
         return None
     return first.as_strided((storage_bytes // itemsize,), (1,), 0).view(torch.uint8)
 
