@@ -279,9 +279,7 @@ class CopyEngine:
     """
 
     parks_cpu_tensors = False  # CPU tensors stay where they are: there is no device memory to free
-    parks_storages_once = (
-        True  # views covering their storage are copied as its bytes, once ("Shared storages")
-    )
+    parks_storages_once = True  # views covering their storage go as its bytes, once ("Shared storages")
 
     def __init__(
         self,
