@@ -204,20 +204,20 @@ class _Storage:
     attention_view_saves: dict[tuple, int] = field(default_factory=dict)  # view -> times saved
     block_views: dict[tuple, int] = field(default_factory=dict)  # saved inside a block call: view -> bytes
 
-    def attention_copy_bytes(self, min_bytes: int, *, storage_once: bool) -> int:
+    def attention_copy_bytes(self, min_bytes: int, *, storages_once: bool) -> int:
         """Bytes attention offload copies to park this storage's views saved inside attention calls (views
         smaller than ``min_bytes`` or larger than the storage — broadcasts — stay): one copy per distinct view, or
-        with ``storage_once`` the storage's bytes once where those views cover it (as the CUDA copy engine
+        with ``storages_once`` the storage's bytes once where those views cover it (as the CUDA copy engine
         copies them, :func:`memfit.offload.copy.covers_storage`)."""
-        return self._copy_bytes(self.attention_views, min_bytes, storage_once)
+        return self._copy_bytes(self.attention_views, min_bytes, storages_once)
 
-    def park_copy_bytes(self, min_bytes: int, *, storage_once: bool) -> int:
+    def park_copy_bytes(self, min_bytes: int, *, storages_once: bool) -> int:
         """Bytes parking its block whole copies for this storage's views (as :meth:`attention_copy_bytes`)."""
-        return self._copy_bytes(self.block_views, min_bytes, storage_once)
+        return self._copy_bytes(self.block_views, min_bytes, storages_once)
 
-    def _copy_bytes(self, views: dict[tuple, int], min_bytes: int, storage_once: bool) -> int:
+    def _copy_bytes(self, views: dict[tuple, int], min_bytes: int, storages_once: bool) -> int:
         copied = {v: n for v, n in views.items() if min_bytes <= n <= self.nbytes}
-        if storage_once and copied:
+        if storages_once and copied:
             # a view key is (storage offset in elements, shape, strides, dtype)
             extents = {(v[0] * v[3].itemsize, n) for v, n in copied.items()}
             if covers_storage(self.nbytes, extents, next(iter(copied))[3].itemsize):
@@ -445,6 +445,8 @@ def profile_model(
     profiles = []
     for b, ((path, index, block), (ffn, attention)) in enumerate(zip(blocks, regions, strict=True)):
         own = [s for i, s in enumerate(rec.storages) if s.block == b and not rec.shared(i)]
+        # each storage's bytes and what parking the block copies of it
+        parked = [(s.nbytes, s.park_copy_bytes(min_offload_bytes, storages_once=storages_once)) for s in own]
         profiles.append(
             BlockProfile(
                 path=path,
@@ -461,7 +463,7 @@ def profile_model(
                     s.nbytes for s in own if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes
                 ),
                 attention_copy_bytes=sum(
-                    s.attention_copy_bytes(min_offload_bytes, storage_once=storages_once)
+                    s.attention_copy_bytes(min_offload_bytes, storages_once=storages_once)
                     for s in own
                     if s.scopes == {"attention"} and s.nbytes >= min_offload_bytes
                 ),
@@ -484,12 +486,8 @@ def profile_model(
                 saved_after_bytes=rec.saved_after(b),
                 trainable_bytes=_trainable_bytes(block.parameters()),
                 frozen_bytes=_streamable_bytes(block),
-                park_bytes=sum(
-                    s.nbytes for s in own if s.park_copy_bytes(min_offload_bytes, storage_once=storages_once)
-                ),
-                park_copy_bytes=sum(
-                    s.park_copy_bytes(min_offload_bytes, storage_once=storages_once) for s in own
-                ),
+                park_bytes=sum(n for n, copied in parked if copied),
+                park_copy_bytes=sum(copied for _, copied in parked),
                 park_hook_calls=rec.block_hook_calls[b],
             )
         )
@@ -497,7 +495,7 @@ def profile_model(
     # outside the blocks after one of them is that block's ``saved_after_bytes``)
     outside = rec.saved_after(-1) + sum(s.nbytes for i, s in enumerate(rec.storages) if rec.shared(i))
     attention_copies = sum(
-        s.attention_copy_bytes(min_offload_bytes, storage_once=storages_once) for s in rec.storages
+        s.attention_copy_bytes(min_offload_bytes, storages_once=storages_once) for s in rec.storages
     )
     attention_saves = sum(s.attention_saves(min_offload_bytes) for s in rec.storages)
     seconds, ffn_seconds = _time_blocks(model, blocks, regions, args, kwargs, cuda=cuda, device=device)
