@@ -8,10 +8,11 @@ import pytest
 import torch
 
 import memfit
+from memfit.auto import BlockPolicy
 from memfit.offload.copy import CopyEngine, ReloadRelease
 from memfit.offload.pool import PinnedBucketPool
 
-from helpers import DelayedCopies, assert_same, step
+from helpers import DelayedCopies, assert_same, auto_config, force_auto_plan, step
 from toy import TOY, build
 
 pytestmark = pytest.mark.gpu
@@ -71,12 +72,18 @@ def test_flux_offload_gradients_equal(config):
             got = run()
             stats = handle.stats()
     assert stats["bytes_offloaded"] > 0
-    # Parking is an exact round trip (values and strides) and the recompute replays the same ops on the
-    # same values. Two sources of bf16 noise remain: flash attention's backward accumulates dQ with
-    # atomics (two unmodified runs already differ), and a reloaded tensor lives at another address, which
-    # can select another vectorised kernel path. So: within 4x the run-to-run noise where there is any,
-    # and within 1% of the tensor's magnitude (a few bf16 ulps) otherwise. A race or a wrong tensor gives
-    # differences of the order of the values themselves (or NaN), far outside both.
+    assert_within_run_to_run_noise(ref, ref_again, got)
+
+
+def assert_within_run_to_run_noise(ref, ref_again, got):
+    """``got`` (output, input gradient, parameter gradients) against two unmodified runs.
+
+    Parking is an exact round trip (values and strides) and the recompute replays the same ops on the
+    same values. Two sources of bf16 noise remain: flash attention's backward accumulates dQ with
+    atomics (two unmodified runs already differ), and a reloaded tensor lives at another address, which
+    can select another vectorised kernel path. So: within 4x the run-to-run noise where there is any,
+    and within 1% of the tensor's magnitude (a few bf16 ulps) otherwise. A race or a wrong tensor gives
+    differences of the order of the values themselves (or NaN), far outside both."""
     pairs = [("output", ref[0], ref_again[0], got[0]), ("input grad", ref[1], ref_again[1], got[1])]
     pairs += [(n, g, ref_again[2][n], got[2][n]) for n, g in ref[2].items()]
     for name, a, a_again, b in pairs:
@@ -87,6 +94,38 @@ def test_flux_offload_gradients_equal(config):
         assert diff <= max(4 * noise, 1e-2 * scale) + 1e-6, (
             f"{name}: memfit differs by {diff:.3e} (run-to-run noise {noise:.3e}, magnitude {scale:.3e})"
         )
+
+
+@pytest.mark.parametrize("park", [False, True], ids=["attention", "blocks-parked"])
+def test_wans_float32_norms_are_parked_narrow_on_cuda(park, monkeypatch):
+    """Wan saves float32 up-casts of bfloat16 activations (its norms): parked as bfloat16, half the bytes, and
+    backward widens them back to the same values."""
+    memfit_wan = pytest.importorskip("memfit_wan")
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    preset = memfit_wan.ADAPTER.presets["tiny"]
+    model = preset.build(dtype=torch.bfloat16, device="cuda")
+    inputs = preset.inputs(model, tokens=4680, generator=torch.Generator().manual_seed(0))
+    x = inputs.pop("hidden_states")
+
+    def run():
+        model.zero_grad(set_to_none=True)
+        hs = x.detach().clone().requires_grad_(True)
+        out = model(hidden_states=hs, **inputs)[0]
+        out.float().pow(2).mean().backward()
+        return out.detach(), hs.grad, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    config = {"gradient_checkpointing_offload_attention": True}
+    if park:
+        force_auto_plan(monkeypatch, lambda names: [BlockPolicy.PARK] * len(names))
+        config = auto_config("1GiB")
+    with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
+        ref, ref_again = run(), run()
+        with memfit.apply(model, config, min_offload_bytes=0) as handle:
+            got = run()
+            stats = handle.stats()
+    assert stats["bytes_offloaded"] > 0 and stats["bytes_narrowed"] > 0
+    assert_within_run_to_run_noise(ref, ref_again, got)
 
 
 def _sleepy(model, cycles: int):

@@ -106,6 +106,7 @@ class MemfitHandle:
             "reloads_skipped": copy.stats.reloads_skipped,
             "bytes_kept_on_device": copy.stats.bytes_kept_on_device,
             "dedup_hits": copy.stats.dedup_hits,
+            "bytes_narrowed": copy.stats.bytes_narrowed,  # saved bytes: up-casts held and parked narrow
             "coalesced_batches": copy.stats.coalesced_batches,  # batches copied through one packed buffer
             "inflight_waits": copy.stats.copies_inflight_waits,
             "stall_ms": copy.stall_ms(),

@@ -48,6 +48,7 @@ from memfit.auto.blockpeak import BlockRun, ForwardMemory
 from memfit.engine import state
 from memfit.errors import NotAvailableError
 from memfit.offload.copy import covers_storage
+from memfit.offload.narrow import exact_narrow_dtype, narrowed_bytes
 from memfit.offload.streamable import frozen_block_bytes
 
 
@@ -203,6 +204,8 @@ class _Storage:
     attention_views: dict[tuple, int] = field(default_factory=dict)  # saved in attention: view -> bytes
     attention_view_saves: dict[tuple, int] = field(default_factory=dict)  # view -> times saved
     block_views: dict[tuple, int] = field(default_factory=dict)  # saved inside a block call: view -> bytes
+    # views whose history proves them an exact up-cast: view -> the dtype they are parked in (memfit.offload.narrow)
+    narrow_views: dict[tuple, torch.dtype] = field(default_factory=dict)
 
     def attention_copy_bytes(self, min_bytes: int, *, storages_once: bool) -> int:
         """Bytes attention offload copies to park this storage's views saved inside attention calls (views
@@ -217,6 +220,14 @@ class _Storage:
 
     def _copy_bytes(self, views: dict[tuple, int], min_bytes: int, storages_once: bool) -> int:
         copied = {v: n for v, n in views.items() if min_bytes <= n <= self.nbytes}
+        # a proven up-cast is parked as its narrow copy, apart from the other views (memfit.offload.narrow)
+        narrow = sum(
+            narrowed_bytes(n, v[3], self.narrow_views[v]) for v, n in copied.items() if v in self.narrow_views
+        )
+        copied = {v: n for v, n in copied.items() if v not in self.narrow_views}
+        return narrow + self._wide_copy_bytes(copied, storages_once)
+
+    def _wide_copy_bytes(self, copied: dict[tuple, int], storages_once: bool) -> int:
         if storages_once and copied:
             # a view key is (storage offset in elements, shape, strides, dtype)
             extents = {(v[0] * v[3].itemsize, n) for v, n in copied.items()}
@@ -299,6 +310,9 @@ class _Recorder:
             nbytes = tensor.numel() * tensor.element_size()
             if self.block is not None:
                 s.block_views[view] = nbytes
+            narrow = exact_narrow_dtype(tensor)
+            if narrow is not None:
+                s.narrow_views[view] = narrow
             if self.scope and self.scope[-1] == "attention":
                 s.attention_views[view] = nbytes
                 s.attention_view_saves[view] = s.attention_view_saves.get(view, 0) + 1

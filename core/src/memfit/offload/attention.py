@@ -20,6 +20,7 @@ from memfit.engine.hooks import HookRuns, attached_hook
 from memfit.engine.stash import without_history
 from memfit.errors import MemfitError
 from memfit.offload.copy import Parked
+from memfit.offload.narrow import Narrowed, exact_narrow_dtype, widened
 from memfit.offload.regions import TimelineRegion
 from memfit.offload.session import OffloadSession
 from memfit.offload.weights import WeightRef, WeightStreamer
@@ -32,6 +33,7 @@ class SavedGroup(TimelineRegion):
 
     def __init__(self, session: OffloadSession) -> None:
         super().__init__(session)
+        self.narrowed = Narrowed()  # its proven up-casts' narrow copies, while the call saves them
         # the session weakly: a finalizer's arguments live as long as the group, and a session whose step still
         # lists this group would otherwise keep it, and so itself, alive for good
         weakref.finalize(self, _release_group, weakref.ref(session), self.parked)
@@ -55,9 +57,11 @@ class SavedGroup(TimelineRegion):
     def park(self, handle: SavedHandle, parked: Parked) -> None:
         handle.parked, handle.device_tensor, handle.source = parked, None, None
         self.add_parked(parked)
+        self.narrowed.clear()  # the call is over: its copies are held by their handles alone
 
     def keep(self, handle: SavedHandle) -> None:
         """The activation stays on the device (a last region's)."""
+        self.narrowed.clear()
         tensor = self.tensor_of(handle)
         handle.source = None
         state.note_held(tensor)
@@ -77,10 +81,11 @@ class SavedHandle:
 
     ``device_tensor`` is the tensor without its autograd history (see "What autograd keeps" in
     docs/architecture.md), until it is parked (``parked``); ``source`` refers weakly to the tensor autograd saved,
-    while it waits to be parked with its ``group`` (None: it stays on the device).
+    while it waits to be parked with its ``group`` (None: it stays on the device, or it was narrowed). ``dtype``:
+    the dtype backward gets it back in, where ``device_tensor`` is its narrow copy (:mod:`memfit.offload.narrow`).
     """
 
-    __slots__ = ("group", "parked", "device_tensor", "source", "version")
+    __slots__ = ("group", "parked", "device_tensor", "source", "version", "dtype")
 
     def __init__(self, group: SavedGroup | None, tensor: torch.Tensor) -> None:
         self.group = group
@@ -88,6 +93,11 @@ class SavedHandle:
         self.device_tensor: torch.Tensor | None = without_history(tensor)
         self.source = weakref.ref(tensor) if group is not None else None
         self.version = tensor._version
+        self.dtype: torch.dtype | None = None
+
+    def narrow_to(self, narrow: torch.Tensor, dtype: torch.dtype) -> None:
+        """Hold ``narrow`` (an exact narrow copy) instead of the saved tensor, given back in ``dtype``."""
+        self.device_tensor, self.source, self.version, self.dtype = narrow, None, narrow._version, dtype
 
 
 class AttentionOffloader:
@@ -186,6 +196,11 @@ class AttentionOffloader:
             state.note_held(tensor)  # stays on its device: the held-bytes meters must still see it
             return SavedHandle(None, tensor)
         handle = SavedHandle(group, tensor)  # parked with its group, two regions later (or kept: last)
+        narrow = exact_narrow_dtype(tensor)
+        if narrow is not None:
+            copy, saved = group.narrowed.of(tensor, narrow)
+            handle.narrow_to(copy, tensor.dtype)
+            self.session.copy.stats.bytes_narrowed += saved
         self.session.defer(group, handle)
         self.tensors_parked += 1
         return handle
@@ -204,5 +219,5 @@ class AttentionOffloader:
             group.first_backward_use()
         if handle.parked is None:  # kept on the device (or backward ran inside the forward call)
             assert handle.device_tensor is not None
-            return handle.device_tensor
-        return self.session.copy.fetch(handle.parked)
+            return widened(handle.device_tensor, handle.dtype)
+        return widened(self.session.copy.fetch(handle.parked), handle.dtype)
