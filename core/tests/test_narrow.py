@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from torch import nn
 
 import memfit
 from memfit.auto import BlockPolicy
@@ -16,7 +17,8 @@ from memfit.offload.narrow import Narrowed, exact_narrow_dtype, widened
 from memfit_conformance.base import cpu_copy_engine
 from memfit_conformance.streams import order_checking_copy_engine
 
-from helpers import auto_config, force_auto_plan
+import toy
+from helpers import auto_config, force_auto_plan, step
 
 COPY_ENGINES = {"sync": cpu_copy_engine, "cuda-engine": order_checking_copy_engine}
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -159,3 +161,39 @@ def test_parked_blocks_copy_what_the_profile_priced_narrowing_included(wan, monk
     own = sum(b.park_copy_bytes for b in profile.blocks[:-2])
     shared = profile.outside_bytes + profile.attention_shared_copy_bytes
     assert own <= stats["bytes_offloaded"] <= own + shared
+
+
+class _SavesAnUpCast(nn.Module):
+    """An attention stand-in whose ``pow`` saves a float32 up-cast of its input (kept in ``up`` to edit it)."""
+
+    def __init__(self, linear: nn.Linear) -> None:
+        super().__init__()
+        self.linear = linear
+        self.up: torch.Tensor | None = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.up = x.float()
+        return self.linear(self.up.pow(2).to(x.dtype))
+
+
+def test_a_narrowed_tensor_edited_in_place_after_the_call_is_an_error():
+    """The narrow copy is made as the tensor is saved: an edit of the saved float32 tensor in place afterwards
+    would not reach backward. Autograd rejects such an edit; memfit says so at parking, as for any saved tensor."""
+    model = toy.build(dtype=BF16)
+    for block in model.blocks:
+        block.attn = _SavesAnUpCast(block.attn)
+    x = torch.randn(2, 8, 16, dtype=BF16)
+    edited = model.blocks[1]
+    config = {"gradient_checkpointing_offload_attention": True}
+    engine = cpu_copy_engine()
+    with memfit.apply(model, config, adapter=toy.TOY, copy_engine=engine, min_offload_bytes=0) as handle:
+        step(model, x)
+        assert handle.stats()["bytes_narrowed"] > 0
+
+        def edit_up_cast(*_) -> None:
+            edited.attn.up.mul_(1.0)
+
+        edit = edited.norm2.register_forward_hook(edit_up_cast)
+        with pytest.raises(memfit.MemfitError, match="modified in place after the call"):
+            step(model, x)
+        edit.remove()

@@ -41,17 +41,21 @@ class SavedGroup(TimelineRegion):
     @staticmethod
     def tensor_of(handle: SavedHandle) -> torch.Tensor:
         """The saved tensor to park: the one autograd saved while something else still holds it (the parked copy
-        then holds it weakly, and backward takes it back instead of copying), else the handle's alias."""
+        then holds it weakly, and backward takes it back instead of copying), else the handle's alias; a narrowed
+        one's narrow copy (the tensor it was cast from is still watched for edits, while it lives)."""
         tensor = handle.device_tensor
         assert tensor is not None
-        if tensor._version != handle.version:
+        source = handle.source() if handle.source is not None else None
+        watched = source if handle.dtype is not None else tensor
+        if watched is not None and watched._version != handle.version:
             # parked two regions after the call (or kept): what backward would get is not what was saved
             raise MemfitError(
                 "a tensor an attention call (or a block parked whole) saved for backward was modified in place "
                 "after the call (autograd rejects that too, at backward); make the edit out of place, or do not "
                 "offload this attention (gradient_checkpointing_offload_attention: false)."
             )
-        source = handle.source() if handle.source is not None else None
+        if handle.dtype is not None:
+            return tensor
         return source if source is not None else tensor
 
     def park(self, handle: SavedHandle, parked: Parked) -> None:
@@ -81,7 +85,7 @@ class SavedHandle:
 
     ``device_tensor`` is the tensor without its autograd history (see "What autograd keeps" in
     docs/architecture.md), until it is parked (``parked``); ``source`` refers weakly to the tensor autograd saved,
-    while it waits to be parked with its ``group`` (None: it stays on the device, or it was narrowed). ``dtype``:
+    while it waits to be parked with its ``group`` (None: it stays on the device). ``dtype``:
     the dtype backward gets it back in, where ``device_tensor`` is its narrow copy (:mod:`memfit.offload.narrow`).
     """
 
@@ -96,8 +100,9 @@ class SavedHandle:
         self.dtype: torch.dtype | None = None
 
     def narrow_to(self, narrow: torch.Tensor, dtype: torch.dtype) -> None:
-        """Hold ``narrow`` (an exact narrow copy) instead of the saved tensor, given back in ``dtype``."""
-        self.device_tensor, self.source, self.version, self.dtype = narrow, None, narrow._version, dtype
+        """Hold ``narrow`` (an exact narrow copy) instead of the saved tensor, given back in ``dtype`` (``source``
+        and ``version`` still watch the saved tensor for an edit in place)."""
+        self.device_tensor, self.dtype = narrow, dtype
 
 
 class AttentionOffloader:
