@@ -53,12 +53,13 @@
 #                credit for the recompute of the block after it), paired by round, unsloth unconstrained and the modes
 #                of WAN_FIXED (e.g. offload_attention: an H200 only); streaming.{json,md}; no round starts after
 #                WAN_QUEUE_SECONDS (420) from the part's start
-#   wan-waits    the GPU tests of auto and of weight streaming, then Wan 2.1 14B at its preset's tokens: auto at
-#                24 GiB against the same with its backward uploads issued after the reloads (--uploads-late),
-#                unsloth unconstrained and the modes of WAN_FIXED (offload_attention where the card is an H200:
-#                unconstrained it holds 96 GiB), two rounds, paired; where the upload waits fall (forward or
-#                backward) and the link each way beside the other (streaming.{json,md}); no round starts after
-#                WAN_QUEUE_SECONDS (420) from the part's start; WAN_UPLOADS_LATE=0 leaves the late row out
+#   wan-waits    the GPU tests of auto, of weight streaming and of narrowed up-casts, then Wan 2.1 14B at its
+#                preset's tokens: auto at 24 GiB against the same with its backward uploads issued after the
+#                reloads (--uploads-late), unsloth unconstrained and the modes of WAN_FIXED (offload_attention where
+#                the card is an H200: unconstrained it holds 96 GiB), two rounds, paired; where the upload waits
+#                fall (forward or backward) and the link each way beside the other (streaming.{json,md}); no round
+#                starts after WAN_QUEUE_SECONDS (420) from the part's start; WAN_UPLOADS_LATE=0 leaves the late row
+#                out
 #   park-cost    the host time of parking one region, piece by piece: stream and event calls, the copy's issue,
 #                the device allocation (alone, and while a freed tensor's copy is in flight), the engine's park and
 #                round trip of one tensor (park-cost.{json,md}), and the engine's Python alone on this host, over
@@ -150,7 +151,9 @@ for part in ${PARTS:-gpu}; do
             tar czf "$OUT/interleaved-runs.tar.gz" -C "$OUT" interleaved-runs && rm -rf "$OUT/interleaved-runs" ;;
         wan-reloads) part_start=$(date +%s)
             run_part gpu-auto env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest core/tests/test_gpu_auto.py \
-                core/tests/test_gpu_weights.py -m gpu -q -p no:cacheprovider
+                core/tests/test_gpu_weights.py \
+                core/tests/test_gpu_offload.py::test_wans_float32_norms_are_parked_narrow_on_cuda \
+                -m gpu -q -p no:cacheprovider
             run_part streaming-wan-reloads python3 -m memfit_benchmarks.streaming --family wan --backend unsloth \
                 --blocks 0 ${WAN_FIXED:+--fixed "$WAN_FIXED"} --budgets 24GiB --reloads-alone --rounds 2 --warmup 2 \
                 --steps 2 --stop-at $(( part_start + ${WAN_QUEUE_SECONDS:-420} )) --out "$OUT" ;;
@@ -161,7 +164,9 @@ for part in ${PARTS:-gpu}; do
             fi
             late=${WAN_UPLOADS_LATE-1}; [ "$late" = 0 ] && late=
             run_part gpu-auto env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest core/tests/test_gpu_auto.py \
-                core/tests/test_gpu_weights.py -m gpu -q -p no:cacheprovider
+                core/tests/test_gpu_weights.py \
+                core/tests/test_gpu_offload.py::test_wans_float32_norms_are_parked_narrow_on_cuda \
+                -m gpu -q -p no:cacheprovider
             run_part streaming-wan-waits python3 -m memfit_benchmarks.streaming --family wan --backend unsloth \
                 --blocks 0 ${fixed:+--fixed "$fixed"} --budgets 24GiB ${late:+--uploads-late} --rounds 2 --warmup 2 \
                 --steps 2 \
