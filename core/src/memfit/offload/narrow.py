@@ -52,7 +52,11 @@ def exact_narrow_dtype(tensor: torch.Tensor) -> torch.dtype | None:
         return None
     try:
         narrow = source._input_metadata[index].dtype
-    except (AttributeError, IndexError):  # a torch without the metadata: nothing is proven
+    except (
+        AttributeError,
+        IndexError,
+        RuntimeError,
+    ):  # a torch (or a node) without the metadata: nothing proven
         return None
     if (narrow, tensor.dtype) not in WIDENS_EXACTLY or not tensor.is_contiguous():
         return None

@@ -244,6 +244,25 @@ class AdapterConformance:
             atol=self.atol,
         )
 
+    def test_bfloat16_attention_offload_gives_the_same_gradients(self) -> None:
+        """In bfloat16, attention offload holds and parks the float32 up-casts it can prove exact (an RMS norm's
+        ``x.to(float32)``) as bfloat16 copies, widened again in backward (:mod:`memfit.offload.narrow`): the
+        same bits as the unmodified bfloat16 model, whether or not this family saves any."""
+        if not self.adapter.has_attention:
+            pytest.skip(f"{self.adapter.name} declares no attention region: attention offload does not apply")
+        model = self.build_model(dtype=torch.bfloat16)
+        inputs = self.make_inputs(model)
+        reference = self._step(model, inputs, "full")
+        result, stats = self._step_with(model, inputs, {"gradient_checkpointing_offload_attention": True})
+        assert stats["bytes_offloaded"] > 0, "attention offload parked nothing"
+        assert_same_step(
+            reference,
+            result,
+            what=f"{self.adapter.name} attention offload in bfloat16 ({stats['bytes_narrowed']} bytes narrowed)",
+            rtol=self.rtol,
+            atol=self.atol,
+        )
+
     def test_every_region_recomputed(
         self, model: nn.Module, inputs: dict[str, Any], combo: Combination
     ) -> None:
