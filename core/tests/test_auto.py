@@ -190,6 +190,39 @@ def test_profiled_attention_copy_bytes_equal_what_offload_attention_copies(engin
 
 
 @pytest.mark.parametrize("engine_name", COPY_ENGINES)
+def test_what_the_last_attention_calls_keep_is_counted_as_parking_would_have_copied_it(engine_name):
+    """Wan's attention saves views that together cover their storage; the step's last two attention calls keep
+    theirs on the device, and ``bytes_kept_on_device`` counts them as the engine would have copied them (a
+    storage once where the CUDA engine copies it once), so that copied plus kept is what the profile priced."""
+    peft = pytest.importorskip("peft")
+    memfit_wan = pytest.importorskip("memfit_wan")
+    wan_tiny = memfit_wan.ADAPTER.presets["tiny"]
+    torch.manual_seed(0)
+    wan = wan_tiny.build(dtype=torch.float32, device="cpu").requires_grad_(False)
+    wan.add_adapter(peft.LoraConfig(r=4, target_modules=["to_q", "to_k", "to_v", "to_out.0"]))
+    batch = wan_tiny.inputs(wan, tokens=720, generator=torch.Generator().manual_seed(1))
+    engine = COPY_ENGINES[engine_name]()
+    profile = profile_model(
+        wan,
+        memfit_wan.ADAPTER,
+        (),
+        batch,
+        min_offload_bytes=0,
+        copy_bytes_per_second=1e9,
+        storages_once=engine.parks_storages_once,
+    )
+    with memfit.apply(
+        wan, {"gradient_checkpointing_offload_attention": True}, copy_engine=engine, min_offload_bytes=0
+    ) as handle:
+        memfit_wan.ADAPTER.loss(wan(**batch)).backward()
+        stats = handle.stats()
+    wan.zero_grad(set_to_none=True)
+    predicted = sum(b.attention_copy_bytes for b in profile.blocks) + profile.attention_shared_copy_bytes
+    assert stats["bytes_kept_on_device"] > 0
+    assert stats["bytes_offloaded"] + stats["bytes_kept_on_device"] == predicted
+
+
+@pytest.mark.parametrize("engine_name", COPY_ENGINES)
 def test_profiled_park_bytes_are_what_parking_the_blocks_copies(monkeypatch, engine_name):
     """BlockPolicy.PARK copies every view a block saves of its own storages (each once, or a storage its views
     cover once); what a parked block copies beyond that is what it alone saw first of the step's shared tensors

@@ -797,6 +797,19 @@ def covers_storage(storage_bytes: int, extents: Iterable[tuple[int, int]], items
     )
 
 
+def copied_bytes(views: list[torch.Tensor], *, storages_once: bool) -> int:
+    """Bytes parking these distinct views copies: each view's own, or with ``storages_once`` (the CUDA engine's
+    rule) a storage's bytes once where its views cover it."""
+    if not storages_once:
+        return sum(v.nbytes for v in views)
+    total = 0
+    for storage, members in _by_storage(views):
+        shared = [views[i] for i in members]
+        whole = _whole_storage_bytes(storage, shared)
+        total += whole.numel() if whole is not None else sum(v.nbytes for v in shared)
+    return total
+
+
 def _whole_storage_bytes(storage: torch.UntypedStorage, views: list[torch.Tensor]) -> torch.Tensor | None:
     """The bytes of ``storage``, which ``views`` share, as a flat ``uint8`` view, when :func:`covers_storage`
     says they go as those bytes. Else None (each is copied on its own)."""

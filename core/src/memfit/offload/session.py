@@ -33,7 +33,7 @@ from torch import nn
 
 from memfit.distributed import is_fsdp_module
 from memfit.offload.ahead import PREFETCH_DEPTH, regions_ahead
-from memfit.offload.copy import CopyEngine, Parked
+from memfit.offload.copy import CopyEngine, Parked, copied_bytes
 
 _LOOKAHEAD_SCAN = 16  # regions looked at per reload-ahead decision, parked or not
 
@@ -166,16 +166,19 @@ class OffloadSession:
         # backward peak both are on the device anyway. A round trip through host memory would free nothing
         # there and cost two copies each (and the first reload of backward would wait for the forward's
         # last device→host copies).
-        seen = set()
+        kept: dict[tuple, torch.Tensor] = {}
         for region, item in self._pending:
             tensor = region.tensor_of(item)
             key = _view_key(tensor)
             parked = self._registry.get(key)
-            # each view once, as parking would have copied it (a view parked earlier this step counts there)
-            if key not in seen and (parked is None or not _still_parked(parked, tensor)):
-                seen.add(key)
-                self.copy.stats.bytes_kept_on_device += tensor.numel() * tensor.element_size()
+            # each view once (a view parked earlier this step counts there)
+            if parked is None or not _still_parked(parked, tensor):
+                kept.setdefault(key, tensor)
             region.keep(item)
+        # as parking would have copied them
+        self.copy.stats.bytes_kept_on_device += copied_bytes(
+            list(kept.values()), storages_once=self.copy.parks_storages_once
+        )
         self._pending = []
         self._registry = {}  # a later forward must not share this step's parked tensors
 
