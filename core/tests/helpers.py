@@ -41,6 +41,17 @@ def step(model, x, *, residuals=None, retain=False, backwards=1):
     return loss.detach(), x.grad.clone(), grads
 
 
+def family_step(model, batch, adapter):
+    """One step of a family's model on its preset's ``batch``: the adapter's loss and every gradient, cleared
+    after (so the next step starts from none)."""
+    model.zero_grad(set_to_none=True)
+    loss = adapter.loss(model(**batch))
+    loss.backward()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    model.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
 def assert_same(a, b):
     assert torch.equal(a[0], b[0])
     assert torch.equal(a[1], b[1])

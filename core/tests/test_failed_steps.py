@@ -28,7 +28,7 @@ from memfit.engine import state
 from memfit_conformance.base import cpu_copy_engine
 from memfit_conformance.streams import order_checking_copy_engine
 
-from helpers import FAILED_STEP_CONFIGS, ON, auto_mix, force_auto_plan
+from helpers import FAILED_STEP_CONFIGS, ON, auto_mix, family_step, force_auto_plan
 
 memfit_flux = pytest.importorskip("memfit_flux")
 ADAPTER = memfit_flux.ADAPTER
@@ -61,12 +61,7 @@ def auto_mix_plan(monkeypatch):
 
 
 def step(model, batch):
-    model.zero_grad(set_to_none=True)
-    loss = ADAPTER.loss(model(**batch))
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
+    return family_step(model, batch, ADAPTER)
 
 
 _applied: list[memfit.MemfitHandle] = []

@@ -49,14 +49,13 @@ IDS = [
 ]
 
 
-@pytest.mark.parametrize("config", OFFLOAD_CONFIGS, ids=IDS)
-def test_flux_offload_gradients_equal(config):
-    memfit_flux = pytest.importorskip("memfit_flux")
-    from torch.nn.attention import SDPBackend, sdpa_kernel
-
-    preset = memfit_flux.ADAPTER.presets["tiny"]
+def tiny_bf16_runner(package: str, *, tokens: int):
+    """A family's tiny preset in bfloat16 on CUDA, and a step on it (skipped where the adapter ``package`` is not
+    installed): the step returns the output, the input's gradient and every parameter's gradient."""
+    adapter = pytest.importorskip(package).ADAPTER
+    preset = adapter.presets["tiny"]
     model = preset.build(dtype=torch.bfloat16, device="cuda")
-    inputs = preset.inputs(model, tokens=1024, generator=torch.Generator().manual_seed(0))
+    inputs = preset.inputs(model, tokens=tokens, generator=torch.Generator().manual_seed(0))
     x = inputs.pop("hidden_states")
 
     def run():
@@ -65,6 +64,15 @@ def test_flux_offload_gradients_equal(config):
         out = model(hidden_states=hs, **inputs)[0]
         out.float().pow(2).mean().backward()
         return out.detach(), hs.grad, {n: p.grad.clone() for n, p in model.named_parameters()}
+
+    return model, run
+
+
+@pytest.mark.parametrize("config", OFFLOAD_CONFIGS, ids=IDS)
+def test_flux_offload_gradients_equal(config):
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    model, run = tiny_bf16_runner("memfit_flux", tokens=1024)
 
     with sdpa_kernel([SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]):
         ref, ref_again = run(), run()
@@ -100,20 +108,9 @@ def assert_within_run_to_run_noise(ref, ref_again, got):
 def test_wans_float32_norms_are_parked_narrow_on_cuda(park, monkeypatch):
     """Wan saves float32 up-casts of bfloat16 activations (its norms): parked as bfloat16, half the bytes, and
     backward widens them back to the same values."""
-    memfit_wan = pytest.importorskip("memfit_wan")
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    preset = memfit_wan.ADAPTER.presets["tiny"]
-    model = preset.build(dtype=torch.bfloat16, device="cuda")
-    inputs = preset.inputs(model, tokens=4680, generator=torch.Generator().manual_seed(0))
-    x = inputs.pop("hidden_states")
-
-    def run():
-        model.zero_grad(set_to_none=True)
-        hs = x.detach().clone().requires_grad_(True)
-        out = model(hidden_states=hs, **inputs)[0]
-        out.float().pow(2).mean().backward()
-        return out.detach(), hs.grad, {n: p.grad.clone() for n, p in model.named_parameters()}
+    model, run = tiny_bf16_runner("memfit_wan", tokens=4680)
 
     config = {"gradient_checkpointing_offload_attention": True}
     if park:

@@ -18,7 +18,7 @@ from memfit_conformance.base import cpu_copy_engine
 from memfit_conformance.streams import order_checking_copy_engine
 
 import toy
-from helpers import auto_config, force_auto_plan, step
+from helpers import auto_config, family_step, force_auto_plan, step
 
 COPY_ENGINES = {"sync": cpu_copy_engine, "cuda-engine": order_checking_copy_engine}
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -92,15 +92,6 @@ def wan():
     return model, batch, memfit_wan.ADAPTER
 
 
-def _step(model, batch, adapter):
-    model.zero_grad(set_to_none=True)
-    loss = adapter.loss(model(**batch))
-    loss.backward()
-    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-    model.zero_grad(set_to_none=True)
-    return loss.detach(), grads
-
-
 def _same(a, b):
     assert torch.equal(a[0], b[0])
     assert a[1].keys() == b[1].keys() and a[1]
@@ -111,13 +102,13 @@ def _same(a, b):
 @pytest.mark.parametrize("engine_name", COPY_ENGINES)
 def test_offloaded_attention_parks_wans_float32_norms_narrow_with_the_same_gradients(wan, engine_name):
     model, batch, adapter = wan
-    reference = _step(model, batch, adapter)
+    reference = family_step(model, batch, adapter)
     profile = profile_model(model, adapter, (), batch, min_offload_bytes=0, copy_bytes_per_second=1e9)
     engine = COPY_ENGINES[engine_name]()
     with memfit.apply(
         model, {"gradient_checkpointing_offload_attention": True}, copy_engine=engine, min_offload_bytes=0
     ) as handle:
-        got = _step(model, batch, adapter)
+        got = family_step(model, batch, adapter)
         stats = handle.stats()
     _same(reference, got)
     # the q and k norms' float32 inputs went at half their bytes (the last two calls keep theirs: not counted)
@@ -136,7 +127,7 @@ def test_offloaded_attention_parks_wans_float32_norms_narrow_with_the_same_gradi
 @pytest.mark.parametrize("engine_name", COPY_ENGINES)
 def test_parked_blocks_copy_what_the_profile_priced_narrowing_included(wan, monkeypatch, engine_name):
     model, batch, adapter = wan
-    reference = _step(model, batch, adapter)
+    reference = family_step(model, batch, adapter)
     engine = COPY_ENGINES[engine_name]()
     profile = profile_model(
         model,
@@ -149,7 +140,7 @@ def test_parked_blocks_copy_what_the_profile_priced_narrowing_included(wan, monk
     )
     force_auto_plan(monkeypatch, lambda names: [BlockPolicy.PARK] * len(names))
     with memfit.apply(model, auto_config("1GiB"), copy_engine=engine, min_offload_bytes=0) as handle:
-        got = _step(model, batch, adapter)
+        got = family_step(model, batch, adapter)
         stats = handle.stats()
     _same(reference, got)
     assert stats["bytes_narrowed"] > 0
