@@ -213,9 +213,8 @@ class CopyStats:
     reloads_skipped: int = 0  # source still alive on the device: no copy back needed
     bytes_kept_on_device: int = 0  # worth parking, but in the step's last two regions: never copied
     dedup_hits: int = 0
-    bytes_narrowed: int = (
-        0  # bytes saved holding and parking proven up-casts as narrow copies (memfit.offload.narrow)
-    )
+    # bytes saved holding and parking proven up-casts as narrow copies (memfit.offload.narrow)
+    bytes_narrowed: int = 0
     coalesced_batches: int = 0  # batches parked through one packed buffer
     copies_inflight_waits: int = 0
     stall_events: list[tuple[Any, Any]] = field(default_factory=list)

@@ -36,9 +36,8 @@ WIDENS_EXACTLY = frozenset(
         (torch.float32, torch.float64),
     }
 )
-_TO_COPY = (
-    "ToCopyBackward0"  # the autograd node a dtype cast leaves (by name: its class is generated per build)
-)
+# the autograd node a dtype cast leaves (by name: its class is generated per build)
+_TO_COPY = "ToCopyBackward0"
 
 
 def exact_narrow_dtype(tensor: torch.Tensor) -> torch.dtype | None:
@@ -52,12 +51,8 @@ def exact_narrow_dtype(tensor: torch.Tensor) -> torch.dtype | None:
         return None
     try:
         narrow = source._input_metadata[index].dtype
-    except (
-        AttributeError,
-        IndexError,
-        RuntimeError,
-    ):  # a torch (or a node) without the metadata: nothing proven
-        return None
+    except (AttributeError, IndexError, RuntimeError):
+        return None  # a torch (or a node) without the metadata: nothing proven
     if (narrow, tensor.dtype) not in WIDENS_EXACTLY or not tensor.is_contiguous():
         return None
     return narrow
