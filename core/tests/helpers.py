@@ -52,6 +52,14 @@ def family_step(model, batch, adapter):
     return loss.detach(), grads
 
 
+def assert_same_family_step(got, ref):
+    """Two :func:`family_step` results are bitwise equal: the loss, and the same (non-empty) set of gradients."""
+    assert torch.equal(got[0], ref[0])
+    assert got[1].keys() == ref[1].keys() and ref[1]
+    for name in ref[1]:
+        assert torch.equal(got[1][name], ref[1][name]), name
+
+
 def assert_same(a, b):
     assert torch.equal(a[0], b[0])
     assert torch.equal(a[1], b[1])

@@ -18,7 +18,7 @@ from memfit_conformance.base import cpu_copy_engine
 from memfit_conformance.streams import order_checking_copy_engine
 
 import toy
-from helpers import auto_config, family_step, force_auto_plan, step
+from helpers import assert_same_family_step, auto_config, family_step, force_auto_plan, step
 
 COPY_ENGINES = {"sync": cpu_copy_engine, "cuda-engine": order_checking_copy_engine}
 BF16, FP16, FP32, FP64 = torch.bfloat16, torch.float16, torch.float32, torch.float64
@@ -92,13 +92,6 @@ def wan():
     return model, batch, memfit_wan.ADAPTER
 
 
-def _same(a, b):
-    assert torch.equal(a[0], b[0])
-    assert a[1].keys() == b[1].keys() and a[1]
-    for name in a[1]:
-        assert torch.equal(a[1][name], b[1][name]), name
-
-
 @pytest.mark.parametrize("engine_name", COPY_ENGINES)
 def test_offloaded_attention_parks_wans_float32_norms_narrow_with_the_same_gradients(wan, engine_name):
     model, batch, adapter = wan
@@ -110,7 +103,7 @@ def test_offloaded_attention_parks_wans_float32_norms_narrow_with_the_same_gradi
     ) as handle:
         got = family_step(model, batch, adapter)
         stats = handle.stats()
-    _same(reference, got)
+    assert_same_family_step(got, reference)
     # the q and k norms' float32 inputs went at half their bytes (the last two calls keep theirs: not counted)
     assert stats["bytes_narrowed"] > 0
     assert stats["bytes_offloaded"] + stats["bytes_kept_on_device"] < (
@@ -142,7 +135,7 @@ def test_parked_blocks_copy_what_the_profile_priced_narrowing_included(wan, monk
     with memfit.apply(model, auto_config("1GiB"), copy_engine=engine, min_offload_bytes=0) as handle:
         got = family_step(model, batch, adapter)
         stats = handle.stats()
-    _same(reference, got)
+    assert_same_family_step(got, reference)
     assert stats["bytes_narrowed"] > 0
     # every block saves float32 up-casts of its norms' inputs: parking prices them narrow, below their own bytes
     for b in profile.blocks[1:]:
