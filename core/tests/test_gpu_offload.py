@@ -106,8 +106,10 @@ def assert_within_run_to_run_noise(ref, ref_again, got):
 
 @pytest.mark.parametrize("park", [False, True], ids=["attention", "blocks-parked"])
 def test_wans_float32_norms_are_parked_narrow_on_cuda(park, monkeypatch):
-    """Wan saves float32 up-casts of bfloat16 activations (its norms): parked as bfloat16, half the bytes, and
-    backward widens them back to the same values."""
+    """Wan's blocks save float32 up-casts of bfloat16 activations (their ``FP32LayerNorm``s): a block parked whole
+    parks them as bfloat16, half the bytes, and backward widens them back to the same values. Its attention calls
+    save none on CUDA (torch's ``RMSNorm`` on q and k is one fused kernel there, saving its bfloat16 input; off
+    CUDA it casts up, ``test_narrow.py``): offloaded alone they park as they are, with the same gradients."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     model, run = tiny_bf16_runner("memfit_wan", tokens=4680)
@@ -121,7 +123,9 @@ def test_wans_float32_norms_are_parked_narrow_on_cuda(park, monkeypatch):
         with memfit.apply(model, config, min_offload_bytes=0) as handle:
             got = run()
             stats = handle.stats()
-    assert stats["bytes_offloaded"] > 0 and stats["bytes_narrowed"] > 0
+    assert stats["bytes_offloaded"] > 0
+    if park:
+        assert stats["bytes_narrowed"] > 0
     assert_within_run_to_run_noise(ref, ref_again, got)
 
 
