@@ -58,9 +58,10 @@
 #                reloads (--uploads-late), unsloth unconstrained and the modes of WAN_FIXED (offload_attention where
 #                the card is an H200: unconstrained it holds 96 GiB), two rounds, paired; where the upload waits
 #                fall (forward or backward) and the link each way beside the other (streaming.{json,md}); no round
-#                starts after WAN_QUEUE_SECONDS (420) from the part's start; WAN_UPLOADS_LATE=0 leaves the late row
-#                out; WAN_TESTS=narrow runs the narrowing test alone (~2 min less), WAN_ROUNDS sets the rounds (2);
-#                runs of one commit merge (streaming --merge)
+#                starts after WAN_QUEUE_SECONDS (420) from the part's start; also the same budget with the reloads
+#                ahead by the bytes rule alone (--reloads-one-ahead); WAN_UPLOADS_LATE=0 leaves the late row out,
+#                WAN_ONE_AHEAD=0 the one-ahead row; WAN_TESTS=narrow runs the narrowing test alone (~2 min less),
+#                WAN_ROUNDS sets the rounds (2); runs of one commit merge (streaming --merge)
 #   park-cost    the host time of parking one region, piece by piece: stream and event calls, the copy's issue,
 #                the device allocation (alone, and while a freed tensor's copy is in flight), the engine's park and
 #                round trip of one tensor (park-cost.{json,md}), and the engine's Python alone on this host, over
@@ -164,12 +165,14 @@ for part in ${PARTS:-gpu}; do
                 fixed=offload_attention
             fi
             late=${WAN_UPLOADS_LATE-1}; [ "$late" = 0 ] && late=
+            one=${WAN_ONE_AHEAD-1}; [ "$one" = 0 ] && one=
             narrow_test=core/tests/test_gpu_offload.py::test_wans_float32_norms_are_parked_narrow_on_cuda
             if [ "${WAN_TESTS:-all}" = narrow ]; then tests=("$narrow_test")
             else tests=(core/tests/test_gpu_auto.py core/tests/test_gpu_weights.py "$narrow_test"); fi
             run_part gpu-auto env MEMFIT_REQUIRE_CUDA=1 python3 -m pytest "${tests[@]}" -m gpu -q -p no:cacheprovider
             run_part streaming-wan-waits python3 -m memfit_benchmarks.streaming --family wan --backend unsloth \
                 --blocks 0 ${fixed:+--fixed "$fixed"} --budgets 24GiB ${late:+--uploads-late} \
+                ${one:+--reloads-one-ahead} \
                 --rounds "${WAN_ROUNDS:-2}" --warmup 2 \
                 --steps 2 \
                 --stop-at $(( part_start + ${WAN_QUEUE_SECONDS:-420} )) --out "$OUT" ;;

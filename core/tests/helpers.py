@@ -101,11 +101,13 @@ def force_auto_plan(
     choose: Callable[[list[str]], Sequence[BlockPolicy]],
     stream: Callable[[list[str]], Sequence[str]] = lambda names: (),
     copies_in_flight: int = 0,
+    reload_equal_ahead: bool = False,
 ) -> None:
     """``auto`` plans the policies ``choose`` gives for its blocks' names, whatever the budget (it still profiles
     the model and runs its closed loop): a plan the planner would not pick at a test's size, copies on CPU. The
     blocks ``stream`` names stream their weights (a GPU's plan: on CPU ``auto`` never streams); ``copies_in_flight``
-    is the plan's copy queue (:attr:`memfit.auto.planner.Plan.copies_in_flight_bytes`)."""
+    is the plan's copy queue (:attr:`memfit.auto.planner.Plan.copies_in_flight_bytes`), ``reload_equal_ahead`` its
+    reloads ahead (:attr:`memfit.auto.planner.Plan.reload_equal_ahead`: on CPU ``auto`` never reloads ahead)."""
     from memfit.auto import budget_planner
     from memfit.auto.planner import Plan
 
@@ -122,6 +124,7 @@ def force_auto_plan(
             metric="held activations",
             streamed=tuple(stream(names)),
             copies_in_flight_bytes=copies_in_flight,
+            reload_equal_ahead=reload_equal_ahead,
         )
 
     monkeypatch.setattr(budget_planner, "plan_policies", forced)

@@ -18,9 +18,10 @@ from hypothesis import strategies as st
 import memfit
 import memfit.controller
 from memfit import BudgetError, ConfigError, MemfitWarning
-from memfit.auto import BlockPolicy, BlockProfile, ModelProfile, budget_planner, plan_policies
+from memfit.auto import BlockPolicy, BlockProfile, ModelProfile, budget_planner, plan_policies, planner
 from memfit.auto.allocator import ALLOC_CONF_VARIABLES
-from memfit.auto.cost import HOOKED_TENSOR_SECONDS, OFFLOAD_REGION_SECONDS, block_choices
+from memfit.auto.backward_link import backward_waits, choose_reload_ahead
+from memfit.auto.cost import HOOKED_TENSOR_SECONDS, OFFLOAD_REGION_SECONDS, Choice, block_choices
 from memfit.auto.planner import block_options, priced_options
 from memfit.auto.policy import allowed_policies
 from memfit.auto.streaming import StreamedSet, choose_streaming, streamable_counts, streamed_set
@@ -541,6 +542,102 @@ def test_the_predicted_extra_seconds_include_the_reloads_on_the_uploads_link():
     )
     assert exposed > 0
     assert plan.predicted_extra_seconds == pytest.approx(priced(prof, dict(plan.blocks), blind) + exposed)
+
+
+# -- the backward's link, run as the engine issues its copies (memfit.auto.backward_link) ------------------------
+
+# every block of profile(): 1e12 FLOPs at 1e14 per second, backward twice the forward
+FORWARD_S, BACKWARD_S = 0.01, 0.02
+
+
+def copying(*spec: tuple[str, float], bandwidth: float) -> list[Choice]:
+    """One choice per block (forward order): its policy and the seconds its copy takes on the link."""
+    return [Choice(BlockPolicy(policy), 0, 0.0, int(seconds * bandwidth)) for policy, seconds in spec]
+
+
+def test_a_reload_longer_than_the_backward_it_is_issued_at_waits_the_difference():
+    """Block 1's backward (20 ms) is all a 30 ms reload of block 0 hides behind; an upload of block 0 issued at
+    the same time shares the link with it, and compute waits until both are through."""
+    bw = 50e9
+    prof = profile(2, bandwidth=bw)
+    picks = copying(("park", 0.030), ("keep", 0.0), bandwidth=bw)
+    for equal in (False, True):
+        assert backward_waits(prof, picks, None, equal_ahead=equal) == pytest.approx(0.010)
+    streams = profile(2, bandwidth=bw, frozen=int(0.010 * bw))
+    both = StreamedSet.of(streams, [0, 1])  # block 1 recomputes on its forward's upload: only block 0's
+    picks = copying(("park", 0.015), ("keep", 0.0), bandwidth=bw)
+    assert backward_waits(streams, picks, both, equal_ahead=False) == pytest.approx(0.025 - BACKWARD_S)
+    upload_only = copying(("keep", 0.0), ("keep", 0.0), bandwidth=bw)
+    assert backward_waits(streams, upload_only, both, equal_ahead=False) == 0.0  # 10 ms behind 20 ms
+
+
+def test_equal_regions_two_ahead_hide_what_one_ahead_leaves_in_the_open():
+    """Parked pairs between recomputing blocks, each reload 1.2x a backward: one ahead, the second of each pair
+    reloads behind the first's backward alone and waits 4 ms; two ahead, both reload behind the recomputing block
+    after them (30 ms) and the first's backward, and nothing waits."""
+    bw = 50e9
+    prof = profile(6, bandwidth=bw)
+    picks = copying(
+        *[("park", 1.2 * BACKWARD_S), ("park", 1.2 * BACKWARD_S), ("block", 0.0)] * 2, bandwidth=bw
+    )
+    assert backward_waits(prof, picks, None, equal_ahead=False) == pytest.approx(2 * 0.2 * BACKWARD_S)
+    assert backward_waits(prof, picks, None, equal_ahead=True) == pytest.approx(0.0, abs=1e-9)
+    # chosen where it waits less and fits; the bytes rule where it does not fit, or nothing waits
+    assert choose_reload_ahead(prof, picks, None, fits=lambda: True) == (True, pytest.approx(0.0, abs=1e-9))
+    assert choose_reload_ahead(prof, picks, None, fits=lambda: False) == (False, pytest.approx(0.008))
+    hidden = copying(*[("park", 0.5 * BACKWARD_S), ("block", 0.0)] * 3, bandwidth=bw)
+
+    def never_asked() -> bool:
+        raise AssertionError("the peak is checked only where two ahead would wait less")
+
+    assert choose_reload_ahead(prof, hidden, None, fits=never_asked) == (False, 0.0)
+
+
+def test_the_planner_reloads_equal_regions_two_ahead_only_where_it_waits_less_and_fits(monkeypatch):
+    """Parked blocks beside recomputing ones, each reload 1.2x a backward, at the smallest budget any plan meets
+    and 64 MiB above it: the same picks both times; at the smallest, two ahead would wait less but its second
+    reload in flight does not fit, so one ahead; above it, two ahead, and its backward waits less than the same
+    picks' one ahead (the planner's switch off), its peak counting the second reload."""
+    bw = 36 * MiB / BACKWARD_S
+    base = profile(6, bandwidth=bw)
+    prof = dataclasses.replace(
+        base,
+        blocks=tuple(
+            dataclasses.replace(
+                b,
+                saved_bytes=4 << 30,
+                park_bytes=40 * MiB,
+                park_copy_bytes=int(1.2 * 36 * MiB),
+                park_hook_calls=4,
+            )
+            for b in base.blocks
+        ),
+    )
+
+    def forced(b: BlockProfile) -> tuple[BlockPolicy, ...]:
+        return (BlockPolicy.KEEP, BlockPolicy.BLOCK if b.index % 3 == 2 else BlockPolicy.PARK)
+
+    def planned(budget: int, *, switch: bool):
+        monkeypatch.setattr(planner, "RELOAD_EQUAL_AHEAD", switch)
+        return plan_policies(prof, budget, allowed=forced)
+
+    with pytest.raises(BudgetError) as info:
+        planned(1 << 30, switch=True)
+    smallest = info.value.smallest_peak_bytes
+    tight, tight_off = planned(smallest, switch=True), planned(smallest, switch=False)
+    room, room_off = planned(smallest + 64 * MiB, switch=True), planned(smallest + 64 * MiB, switch=False)
+    parks = [name for name, policy in room.blocks if policy is BlockPolicy.PARK]
+    assert tight.blocks == tight_off.blocks == room.blocks == room_off.blocks and len(parks) >= 3
+    assert tight_off.backward_link_waits > 0.002  # one ahead leaves reloads in the open...
+    assert not tight.reload_equal_ahead and tight == tight_off  # ...but two ahead does not fit
+    assert room.reload_equal_ahead and not room_off.reload_equal_ahead
+    assert room.backward_link_waits < room_off.backward_link_waits - 0.002
+    assert room_off.predicted_peak_bytes < room.predicted_peak_bytes <= smallest + 64 * MiB
+    # the region plan carries it to the offload session
+    region_plan = budget_planner.RegionPlan.from_policies(
+        room.blocks, reload_equal_ahead=room.reload_equal_ahead
+    )
+    assert region_plan.reload_equal_ahead
 
 
 def test_host_memory_caps_how_many_blocks_stream():

@@ -405,6 +405,32 @@ def test_on_equal_regions_one_region_is_reloaded_ahead(monkeypatch):
             )
 
 
+def test_a_plan_asking_for_it_reloads_equal_regions_two_ahead(monkeypatch):
+    """``auto``'s plan may reload equal regions two ahead (where its backward then waits less and the peak fits):
+    installed, each parked block is reloaded as the backward of the block two after it starts, and the gradients
+    do not change."""
+    from memfit.auto import BlockPolicy
+
+    from toy import build, inputs
+
+    force_auto_plan(monkeypatch, lambda names: [BlockPolicy.PARK] * len(names), reload_equal_ahead=True)
+    model = build(blocks=6, dim=16)
+    batch = inputs(model, tokens=8, generator=torch.Generator().manual_seed(1))
+    model(**batch).square().mean().backward()
+    reference = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad(set_to_none=True)
+    config = {**ON, "gradient_checkpointing_backend": "auto", "gradient_checkpointing_memory_budget": "1GiB"}
+    sizes, started, first = _log_backward_reloads(
+        monkeypatch, model, TOY, batch, lambda out: out.square().mean(), None, config=config
+    )
+    assert len(set(s for s in sizes if s)) == 1
+    checked = [r for r in first if r + 2 in started]
+    assert len(checked) >= 3
+    for r in checked:
+        assert started[r + 2] < first[r] < started[r + 1], f"region {r} was not reloaded two regions ahead"
+    assert all(torch.equal(p.grad, reference[n]) for n, p in model.named_parameters())
+
+
 def test_attention_offload_reloads_every_parked_call_before_its_backward(monkeypatch):
     """The step's last two attention calls keep theirs on the device; their backward still reloads the calls
     before them ahead of need, so no attention call of the step waits for its own reload (it did for the

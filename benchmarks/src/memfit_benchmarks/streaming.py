@@ -118,7 +118,8 @@ class AutoVariant:
     module: Any = planner
 
 
-# by the option that adds them (--per-block, --reloads-alone, --uploads-late) and the ratio's key (x_per_block …)
+# by the option that adds them (--per-block, --reloads-alone, --uploads-late, --reloads-one-ahead) and the ratio's
+# key (x_per_block …)
 AUTO_VARIANTS = {
     "per_block": AutoVariant(
         " [copies per block]",
@@ -139,6 +140,12 @@ AUTO_VARIANTS = {
         "run with each backward upload issued when the block after it recomputes or reads its first weight (after "
         "the reloads its backward starts)",
         weights,
+    ),
+    "reloads_one_ahead": AutoVariant(
+        " [reloads one ahead]",
+        "RELOAD_EQUAL_AHEAD",
+        False,
+        "planned with its reloads ahead by the bytes rule alone (never two equal regions ahead)",
     ),
 }
 
@@ -598,6 +605,12 @@ def main(argv: list[str] | None = None) -> Path | None:
         action="store_true",
         help="for each of --budgets also a row of auto whose backward uploads are issued when the block after "
         "recomputes or reads its first weight (after the reloads its backward starts), paired with the auto row",
+    )
+    parser.add_argument(
+        "--reloads-one-ahead",
+        action="store_true",
+        help="for each of --budgets also a row of auto whose backward reloads one of two equal regions ahead (the "
+        "bytes rule alone, never two equal regions), paired with the auto row",
     )
     parser.add_argument(
         "--card-budgets",

@@ -127,6 +127,7 @@ def install(
         raise MemfitError("internal error: a plan that copies to host memory was installed without a session")
     if session is not None:
         session.copy.allow_in_flight(plan.copies_in_flight)
+        session.reload_equal_ahead = plan.reload_equal_ahead
     offload: Callable[[], Stash] | None = (lambda: OffloadStash(session)) if session is not None else None
     keep: Callable[[], Stash] = device_stash_after_parking(session) if copies and session else DeviceStash
 

@@ -150,6 +150,9 @@ class RegionPlan:
             between steps); ``None``: the turnaround rule, :attr:`uploads_kept_first`.
         copies_in_flight: device-to-host bytes the forward may have in flight before compute waits for the link
             (``auto``'s copy queue, :mod:`memfit.auto.planner`, "Queue"); 0: the copy engine's own bound.
+        reload_equal_ahead: backward reloads a further region ahead also where it equals the bytes taken
+            (``auto``'s choice where the backward's link waits less and the peak fits,
+            :mod:`memfit.offload.ahead`, "Equal regions two ahead").
     """
 
     blocks: tuple[PlannedBlock, ...]
@@ -158,6 +161,7 @@ class RegionPlan:
     forward_uploads_ahead: int = 1
     kept_uploads: int | None = None
     copies_in_flight: int = 0
+    reload_equal_ahead: bool = False
 
     @property
     def uploads_kept_first(self) -> int:
@@ -229,12 +233,13 @@ class RegionPlan:
         forward_uploads_ahead: int = 1,
         kept_uploads: int | None = None,
         copies_in_flight: int = 0,
+        reload_equal_ahead: bool = False,
         entry: BlockEntry = BlockEntry.AUTO,
     ) -> RegionPlan:
         """One policy per block name (``"transformer_blocks.3"``), each block its own region; the blocks named in
         ``streamed`` stream their frozen weights (any policy: see "Saved weights"), the forward
         uploading them ``forward_uploads_ahead`` ahead, the first ``kept_uploads`` of them on the uploads of their
-        last recompute; ``copies_in_flight`` as the class says."""
+        last recompute; ``copies_in_flight`` and ``reload_equal_ahead`` as the class says."""
         blocks = []
         for name, policy in policies:
             path, _, index = name.rpartition(".")
@@ -245,6 +250,7 @@ class RegionPlan:
             forward_uploads_ahead=forward_uploads_ahead,
             kept_uploads=kept_uploads,
             copies_in_flight=copies_in_flight,
+            reload_equal_ahead=reload_equal_ahead,
         )
 
     @property

@@ -313,6 +313,7 @@ class BudgetPlanner:
             forward_uploads_ahead=shape.plan.streamed_forward_ahead,
             kept_uploads=shape.plan.streamed_kept_first,
             copies_in_flight=shape.plan.copies_in_flight_bytes,
+            reload_equal_ahead=shape.plan.reload_equal_ahead,
         )
 
     def needs_bare_model(self, signature: Hashable) -> bool:

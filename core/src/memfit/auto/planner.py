@@ -62,6 +62,13 @@ that block's recompute first: where that block recomputes (whole or its FFN, its
 recompute hides more of the reload, up to what the uploads in that window leave (:class:`memfit.auto.search.
 Reloads`, a pair of neighbours' term in the search).
 
+Equal regions two ahead.  Those per-block charges miss a reload that cannot start early enough: a block parked
+whole reloads nearly all it saves, about as long as its backward (longer beside a weight upload), and the bytes
+rule reloads one of two equal blocks ahead. So the plan picked is run once more through the backward's link
+(:mod:`memfit.auto.backward_link`) under the bytes rule and with equal regions two ahead; the second is taken
+where it waits less and the peak with two reloads in flight still fits (:attr:`Plan.reload_equal_ahead`). The
+picks stay; their predicted seconds, which took those reloads as hidden, too.
+
 Search.  :mod:`memfit.auto.search`: a dynamic programme over the blocks in forward order whose state is
 the kept bytes so far (in units of 1/1024 of the total, rounded up: never optimistic) and the two nearest
 copies before the block (what is reloaded ahead of it), exact under this model up to the units. It answers
@@ -79,6 +86,7 @@ from typing import Any
 
 import memfit.auto.search as search
 from memfit.auto.allocator import expandable_segments
+from memfit.auto.backward_link import backward_waits, choose_reload_ahead
 from memfit.auto.cost import (
     HOOKED_TENSOR_SECONDS,
     Choice,
@@ -113,6 +121,9 @@ QUEUE_LEVELS = 64
 # a block's reload also hides behind the recompute of the block after it (False: behind a backward alone, as the
 # benchmarks compare); see "Reloads"
 RELOAD_CREDIT = True
+# reload equal regions two ahead where the backward's link then waits less and the peak still fits (False: the
+# bytes rule alone, as the benchmarks compare); see "Equal regions two ahead"
+RELOAD_EQUAL_AHEAD = True
 
 
 def reserve_per_copied_byte() -> float:
@@ -157,6 +168,10 @@ class Plan:
     streamed_kept_bytes: int = 0
     # the most device-to-host bytes its forward has in flight (the copy queue, see "Queue"); 0: none planned
     copies_in_flight_bytes: int = 0
+    # backward reloads equal regions two ahead (see "Equal regions two ahead"), and what its backward waits for the
+    # host-to-device link as memfit.auto.backward_link runs it (reported: the search's charges are per block)
+    reload_equal_ahead: bool = False
+    backward_link_waits: float = 0.0
 
     @property
     def needed(self) -> bool:
@@ -174,12 +189,14 @@ class Plan:
             self.streamed_forward_ahead,
             self.streamed_kept_first,
             self.copies_in_flight_bytes,
+            self.reload_equal_ahead,
         ) == (
             other.blocks,
             other.streamed,
             other.streamed_forward_ahead,
             other.streamed_kept_first,
             other.copies_in_flight_bytes,
+            other.reload_equal_ahead,
         )
 
     def counts(self) -> dict[str, int]:
@@ -203,6 +220,8 @@ class Plan:
             "streamed_kept_first": self.streamed_kept_first,
             "streamed_kept_bytes": self.streamed_kept_bytes,
             "copies_in_flight_bytes": self.copies_in_flight_bytes,
+            "reload_equal_ahead": self.reload_equal_ahead,
+            "backward_link_waits_seconds": self.backward_link_waits,
         }
 
     def describe(self) -> str:
@@ -213,6 +232,8 @@ class Plan:
             f"), +{self.predicted_extra_seconds * 1e3:.1f} ms/step, {format_bytes(self.copied_bytes)} "
             f"copied/step"
         ]
+        if self.reload_equal_ahead:
+            lines.append("  backward reloads equal regions two ahead")
         if self.streamed:
             lines.append(
                 f"  weights streamed from host memory: {len(self.streamed)} block(s), "
@@ -270,14 +291,13 @@ def plan_policies(
 
     queue: search.Queue | None = None
 
-    def peak(picks: list[Choice], base: int, forward: int = 0) -> int:
+    def peak(picks: list[Choice], base: int, forward: int = 0, *, equal_ahead: bool = False) -> int:
         starts, end = (queue.run(picks)[:2]) if queue is not None else ([0] * len(picks), 0)
         prefix = worst = 0
         for b, c in enumerate(picks):
             if profile.counts_transient:
-                worst = max(
-                    worst, prefix + c.need(bytes_ahead([p.copied for p in reversed(picks[:b])], depth))
-                )
+                ahead = bytes_ahead([p.copied for p in reversed(picks[:b])], depth, equal_too=equal_ahead)
+                worst = max(worst, prefix + c.need(ahead))
                 if starts[b]:
                     assert queue is not None
                     worst = max(worst, prefix + queue.forward_need[b] + starts[b])
@@ -346,10 +366,22 @@ def plan_policies(
             seconds += waited - sum(c.forward_exposed for c in held)
         if reloads is not None:
             seconds -= reloads.total(held)
+        equal_ahead, waits = False, 0.0
+        if depth and any(c.copied for c in held):
+            if RELOAD_EQUAL_AHEAD:
+                equal_ahead, waits = choose_reload_ahead(
+                    profile,
+                    held,
+                    streamed,
+                    fits=lambda: peak(picks, base, forward, equal_ahead=True) <= budget_bytes,
+                    depth=depth,
+                )
+            else:
+                waits = backward_waits(profile, held, streamed, equal_ahead=False, depth=depth)
         return Plan(
             blocks=tuple((b.name, c.policy) for b, c in zip(profile.blocks, picks, strict=True)),
             budget_bytes=budget_bytes,
-            predicted_peak_bytes=peak(held, base, forward),
+            predicted_peak_bytes=peak(held, base, forward, equal_ahead=equal_ahead),
             predicted_extra_seconds=seconds + (streamed.seconds if streamed else 0.0),
             no_checkpoint_peak_bytes=no_checkpoint,
             smallest_peak_bytes=smallest,
@@ -361,6 +393,8 @@ def plan_policies(
             streamed_kept_first=streamed.kept_first if streamed is not None else 0,
             streamed_kept_bytes=streamed.kept_bytes if streamed is not None else 0,
             copies_in_flight_bytes=in_flight,
+            reload_equal_ahead=equal_ahead,
+            backward_link_waits=waits,
         )
 
     if streamed is None and no_checkpoint <= budget_bytes:

@@ -64,6 +64,10 @@ class OffloadSession:
         min_offload_bytes: smaller tensors stay on the device.
         prefetch_depth: at most how many regions ahead (in backward order) to reload
             (:data:`memfit.offload.ahead.PREFETCH_DEPTH`).
+
+    Attributes:
+        reload_equal_ahead: reload a further region ahead also where it equals the bytes taken (the plan's
+            choice, :mod:`memfit.offload.ahead`, "Equal regions two ahead"); set at each installation.
     """
 
     def __init__(
@@ -78,6 +82,7 @@ class OffloadSession:
         self.model = model
         self.min_offload_bytes = min_offload_bytes
         self.prefetch_depth = prefetch_depth
+        self.reload_equal_ahead = False
         self._registry: dict[tuple, Parked] = {}  # _view_key -> parked copy, this step
         self._pending: list[tuple[ParkingRegion, Any]] = []  # (region, item) not parked yet, in region order
         self._regions_started = 0  # regions of this step so far (parking or not)
@@ -316,7 +321,7 @@ class OffloadSession:
                 nearest.append(region)
                 yield 0 if region is None else region.parked_bytes + region.kept_bytes
 
-        for position in regions_ahead(sizes(), self.prefetch_depth):
+        for position in regions_ahead(sizes(), self.prefetch_depth, equal_too=self.reload_equal_ahead):
             region = nearest[position]
             if region is not None and region.parked:
                 region.prefetch()
