@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
-from memfit.auto.cost import Choice, forward_with_grad_seconds
+from memfit.auto.cost import Choice, forward_with_grad_seconds, recompute_seconds
 from memfit.auto.profile import ModelProfile
 from memfit.auto.streaming import WAIT_RESOLUTION_S, StreamedSet
 from memfit.offload.ahead import PREFETCH_DEPTH, regions_ahead
@@ -106,13 +106,8 @@ def backward_waits(
     waited = 0.0
     for i in reversed(range(len(picks))):
         b, c = blocks[i], picks[i]
-        forward = forward_with_grad_seconds(b, profile)
-        recompute = 0.0
-        if c.policy.recompute == "block":
-            recompute = b.flops / profile.flops_per_second
-        elif c.policy.recompute == "ffn":
-            recompute = b.ffn_flops / (profile.ffn_flops_per_second or profile.flops_per_second)
-        backward = forward * profile.backward_to_forward
+        recompute = recompute_seconds(c.policy, b, profile)
+        backward = forward_with_grad_seconds(b, profile) * profile.backward_to_forward
         # an offloaded attention is reached after the FFN's recompute and backward
         late = (
             recompute + backward * b.ffn_flops / b.flops if c.policy.offloads_attention and b.flops else 0.0

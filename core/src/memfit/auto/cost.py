@@ -75,7 +75,7 @@ def block_choices(
         # offloaded attention call is its first region of the timeline (reached after its FFN's backward)
         window = 0.0
         if policy.recompute and not policy.offloads_attention:
-            window = flops / rate + recomputed_ffn / ffn_rate
+            window = recompute_seconds(policy, block, profile)
         if policy.recompute:
             flops += RECOMPUTE_REGION_SECONDS * nominal
         if copied:
@@ -111,6 +111,15 @@ def own_reload_cover(block: BlockProfile, profile: ModelProfile) -> float:
     """Seconds of backward compute a reload of ``block``'s copies hides behind where no weight upload shares the
     link: its own backward's, standing for the backward of the block before it in backward order."""
     return profile.backward_to_forward * forward_with_grad_seconds(block, profile)
+
+
+def recompute_seconds(policy: BlockPolicy, block: BlockProfile, profile: ModelProfile) -> float:
+    """How long ``policy``'s recompute of ``block`` runs in backward: the whole forward at the blocks' rate, or
+    its FFN regions at theirs (0: nothing recomputed)."""
+    flops = _effect(policy, block)[3]
+    if policy.recompute == "ffn":
+        return flops / (profile.ffn_flops_per_second or profile.flops_per_second)
+    return flops / profile.flops_per_second
 
 
 def forward_with_grad_seconds(block: BlockProfile, profile: ModelProfile) -> float:
