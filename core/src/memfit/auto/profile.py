@@ -231,7 +231,7 @@ class _Storage:
         if storages_once and copied:
             # a view key is (storage offset in elements, shape, strides, dtype)
             extents = {(v[0] * v[3].itemsize, n) for v, n in copied.items()}
-            if covers_storage(self.nbytes, extents, next(iter(copied))[3].itemsize):
+            if covers_storage(self.nbytes, sum(n for _, n in extents), next(iter(copied))[3].itemsize):
                 return self.nbytes
         return sum(copied.values())
 

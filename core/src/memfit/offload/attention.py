@@ -33,7 +33,8 @@ class SavedGroup(TimelineRegion):
 
     def __init__(self, session: OffloadSession) -> None:
         super().__init__(session)
-        self.narrowed = Narrowed()  # its proven up-casts' narrow copies, while the call saves them
+        # its proven up-casts' narrow copies while the call saves them (made at the first: most calls have none)
+        self.narrowed: Narrowed | None = None
         # the session weakly: a finalizer's arguments live as long as the group, and a session whose step still
         # lists this group would otherwise keep it, and so itself, alive for good
         weakref.finalize(self, _release_group, weakref.ref(session), self.parked)
@@ -61,11 +62,11 @@ class SavedGroup(TimelineRegion):
     def park(self, handle: SavedHandle, parked: Parked) -> None:
         handle.parked, handle.device_tensor, handle.source = parked, None, None
         self.add_parked(parked)
-        self.narrowed.clear()  # the call is over: its copies are held by their handles alone
+        self.narrowed = None  # the call is over: its copies are held by their handles alone
 
     def keep(self, handle: SavedHandle) -> None:
         """The activation stays on the device (a last region's)."""
-        self.narrowed.clear()
+        self.narrowed = None
         tensor = self.tensor_of(handle)
         handle.source = None
         state.note_held(tensor)
@@ -203,6 +204,8 @@ class AttentionOffloader:
         handle = SavedHandle(group, tensor)  # parked with its group, two regions later (or kept: last)
         narrow = exact_narrow_dtype(tensor)
         if narrow is not None:
+            if group.narrowed is None:
+                group.narrowed = Narrowed()
             copy, saved = group.narrowed.of(tensor, narrow)
             handle.narrow_to(copy, tensor.dtype)
             self.session.copy.stats.bytes_narrowed += saved
@@ -223,6 +226,9 @@ class AttentionOffloader:
         if group is not None and not group.started and (handle.parked is not None or group.kept_bytes):
             group.first_backward_use()
         if handle.parked is None:  # kept on the device (or backward ran inside the forward call)
-            assert handle.device_tensor is not None
-            return widened(handle.device_tensor, handle.dtype)
-        return widened(self.session.copy.fetch(handle.parked), handle.dtype)
+            tensor = handle.device_tensor
+            assert tensor is not None
+        else:
+            tensor = self.session.copy.fetch(handle.parked)
+        # (most were never narrowed: no call for them)
+        return tensor if handle.dtype is None else widened(tensor, handle.dtype)

@@ -94,7 +94,6 @@ from __future__ import annotations
 import enum
 import weakref
 from collections import deque
-from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -788,12 +787,10 @@ def _by_storage(tensors: list[torch.Tensor]) -> list[tuple[torch.UntypedStorage,
     return list(groups.values())
 
 
-def covers_storage(storage_bytes: int, extents: Iterable[tuple[int, int]], itemsize: int) -> bool:
-    """Whether views of one storage with these distinct extents (first byte, byte count) are parked as the
-    storage's bytes, copied once: their extents add up to the storage (see "Shared storages")."""
-    return (
-        bool(storage_bytes) and not storage_bytes % itemsize and sum(n for _, n in extents) >= storage_bytes
-    )
+def covers_storage(storage_bytes: int, covered_bytes: int, itemsize: int) -> bool:
+    """Whether views of one storage whose distinct extents (first byte, byte count) add up to ``covered_bytes`` are
+    parked as the storage's bytes, copied once: they cover the storage (see "Shared storages")."""
+    return bool(storage_bytes) and not storage_bytes % itemsize and covered_bytes >= storage_bytes
 
 
 def copied_bytes(views: list[torch.Tensor], *, storages_once: bool) -> int:
@@ -815,11 +812,11 @@ def _whole_storage_bytes(storage: torch.UntypedStorage, views: list[torch.Tensor
     first = views[0]
     itemsize = first.element_size()
     if len(views) == 1:  # most storages hold one saved tensor: its extent alone must cover the storage
-        extents: Iterable[tuple[int, int]] = ((0, first.nbytes),)
+        covered = first.nbytes
     else:
-        extents = {(v.storage_offset() * v.element_size(), v.nbytes) for v in views}
+        covered = sum(n for _, n in {(v.storage_offset() * v.element_size(), v.nbytes) for v in views})
     storage_bytes = storage.nbytes()
-    if not covers_storage(storage_bytes, extents, itemsize):
+    if not covers_storage(storage_bytes, covered, itemsize):
         return None
     return first.as_strided((storage_bytes // itemsize,), (1,), 0).view(torch.uint8)
 

@@ -37,6 +37,9 @@ WIDENS_EXACTLY = frozenset(
         (torch.float32, torch.float64),
     }
 )
+# the wide dtypes of WIDENS_EXACTLY: any other tensor is refused before its history is read (reading ``grad_fn``
+# makes a Python object of the node, for every saved tensor a parking call sees)
+_WIDE = frozenset(wide for _, wide in WIDENS_EXACTLY)
 # the autograd node a dtype cast leaves (by name: its class is generated per build)
 _TO_COPY = "ToCopyBackward0"
 
@@ -44,6 +47,8 @@ _TO_COPY = "ToCopyBackward0"
 def exact_narrow_dtype(tensor: torch.Tensor) -> torch.dtype | None:
     """The dtype ``tensor`` was cast up from, where its history proves every value fits it exactly (see
     "Which"); None otherwise."""
+    if tensor.dtype not in _WIDE:
+        return None
     node = tensor.grad_fn
     if node is None or type(node).__name__ != _TO_COPY:
         return None
